@@ -1,0 +1,8 @@
+//! One criterion binary; one module per area. Results are meant to be read as ratios against
+//! the `bandwidth` group measured in the same run.
+
+use criterion::criterion_main;
+
+mod bandwidth;
+
+criterion_main!(bandwidth::benches);

@@ -1,0 +1,47 @@
+"""colibri: run frontier Mixture-of-Experts language models on one machine.
+
+Dense weights stay in RAM, routed experts stream from disk, and the model's own MTP head
+drafts tokens that one batched forward verifies.
+"""
+
+from __future__ import annotations
+
+from colibri import _core
+from colibri.errors import (
+    ColibriError,
+    ColibriFileNotFoundError,
+    ColibriIOError,
+    ColibriPermissionError,
+    ConfigError,
+    ContainerError,
+    InternalError,
+    InvalidArgumentError,
+    MissingTensorError,
+    ModelNotFoundError,
+    NonFiniteWeightError,
+    UnsupportedModelError,
+)
+
+__version__: str = _core.__version__
+
+__all__ = [
+    "ColibriError",
+    "ColibriFileNotFoundError",
+    "ColibriIOError",
+    "ColibriPermissionError",
+    "ConfigError",
+    "ContainerError",
+    "InternalError",
+    "InvalidArgumentError",
+    "MissingTensorError",
+    "ModelNotFoundError",
+    "NonFiniteWeightError",
+    "UnsupportedModelError",
+    "__version__",
+    "build_info",
+]
+
+
+def build_info() -> dict[str, object]:
+    """Facts about this build and machine: version, CPU architecture and features."""
+    return dict(_core.build_info())

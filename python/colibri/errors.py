@@ -1,0 +1,82 @@
+"""The colibri exception hierarchy.
+
+Every error the engine raises is a :class:`ColibriError`. Subclasses also derive from the
+builtin a Python user would expect (``ValueError`` for bad arguments, ``OSError`` for I/O),
+so ``except ValueError`` keeps working.
+
+Example:
+    >>> import colibri
+    >>> try:
+    ...     colibri.Model("/no/such/model")
+    ... except colibri.ColibriError as e:
+    ...     print(type(e).__name__)
+    ColibriFileNotFoundError
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ColibriError",
+    "ColibriFileNotFoundError",
+    "ColibriIOError",
+    "ColibriPermissionError",
+    "ConfigError",
+    "ContainerError",
+    "InternalError",
+    "InvalidArgumentError",
+    "MissingTensorError",
+    "ModelNotFoundError",
+    "NonFiniteWeightError",
+    "UnsupportedModelError",
+]
+
+
+class ColibriError(Exception):
+    """Base class of every error colibri raises."""
+
+
+class InvalidArgumentError(ColibriError, ValueError):
+    """A parameter is out of range (e.g. ``temperature=-1``); the message names it."""
+
+
+class ConfigError(ColibriError, ValueError):
+    """``config.json`` is missing a field or holds a bad value."""
+
+
+class UnsupportedModelError(ConfigError):
+    """The model family (``model_type``) or a feature of it is not supported."""
+
+
+class ContainerError(ColibriError, ValueError):
+    """A weight file is corrupt, truncated, or disagrees with the config."""
+
+
+class MissingTensorError(ContainerError, KeyError):
+    """A tensor the model needs is absent from every shard."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class NonFiniteWeightError(ContainerError):
+    """Source weights given to the converter contain NaN or Inf."""
+
+
+class ColibriIOError(ColibriError, OSError):
+    """An operating-system I/O failure while reading model files."""
+
+
+class ColibriFileNotFoundError(ColibriIOError, FileNotFoundError):
+    """A file or directory does not exist."""
+
+
+class ColibriPermissionError(ColibriIOError, PermissionError):
+    """A file or directory cannot be read (or, for our sidecar files, written)."""
+
+
+class ModelNotFoundError(ColibriError, FileNotFoundError):
+    """A model name is neither a local directory nor a reachable Hugging Face repo."""
+
+
+class InternalError(ColibriError, RuntimeError):
+    """A bug in colibri (a caught panic included). Please report it with the message."""

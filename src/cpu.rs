@@ -1,0 +1,75 @@
+//! CPU features the kernels dispatch on, detected once at run time (never at build time:
+//! a wheel built with `target-cpu=native` would crash on older machines).
+
+use std::sync::OnceLock;
+
+/// What this CPU can run, as far as colibri's kernels care.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CpuFeatures {
+    pub avx2: bool,
+    pub fma: bool,
+    pub f16c: bool,
+    pub avx512f: bool,
+    pub avx512bw: bool,
+    pub avx512vl: bool,
+    pub avx512vnni: bool,
+    pub avx512bf16: bool,
+    pub neon: bool,
+}
+
+impl CpuFeatures {
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            CpuFeatures {
+                avx2: std::arch::is_x86_feature_detected!("avx2"),
+                fma: std::arch::is_x86_feature_detected!("fma"),
+                f16c: std::arch::is_x86_feature_detected!("f16c"),
+                avx512f: std::arch::is_x86_feature_detected!("avx512f"),
+                avx512bw: std::arch::is_x86_feature_detected!("avx512bw"),
+                avx512vl: std::arch::is_x86_feature_detected!("avx512vl"),
+                avx512vnni: std::arch::is_x86_feature_detected!("avx512vnni"),
+                avx512bf16: std::arch::is_x86_feature_detected!("avx512bf16"),
+                neon: false,
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            CpuFeatures {
+                neon: std::arch::is_aarch64_feature_detected!("neon"),
+                ..Default::default()
+            }
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+        {
+            CpuFeatures::default()
+        }
+    }
+
+    /// Named features that are present, in a stable order (for logs and `build_info`).
+    pub fn names(&self) -> Vec<&'static str> {
+        let all = [
+            ("avx2", self.avx2),
+            ("fma", self.fma),
+            ("f16c", self.f16c),
+            ("avx512f", self.avx512f),
+            ("avx512bw", self.avx512bw),
+            ("avx512vl", self.avx512vl),
+            ("avx512vnni", self.avx512vnni),
+            ("avx512bf16", self.avx512bf16),
+            ("neon", self.neon),
+        ];
+        all.iter().filter(|(_, on)| *on).map(|(n, _)| *n).collect()
+    }
+}
+
+/// The features of the running CPU (detected on first call, then cached).
+pub fn features() -> CpuFeatures {
+    static FEATURES: OnceLock<CpuFeatures> = OnceLock::new();
+    *FEATURES.get_or_init(CpuFeatures::detect)
+}
+
+/// The target architecture this library was compiled for.
+pub fn arch() -> &'static str {
+    std::env::consts::ARCH
+}

@@ -1,0 +1,16 @@
+//! colibri: run DeepSeek-V3-family Mixture-of-Experts models on one machine.
+//!
+//! Data flows one way: `container` (files) → `experts` (store, cache, prefetch) → `model`
+//! (forward pass) → `decode` (sampling, speculative decoding) → `python` (bindings). Only
+//! `python` knows about Python.
+
+pub mod cpu;
+pub mod error;
+pub mod quant;
+
+mod python;
+
+pub use error::{Error, Result};
+
+/// The crate version; the Python package reports the same string as `colibri.__version__`.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

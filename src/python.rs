@@ -1,0 +1,115 @@
+//! PyO3 bindings, and the only module that knows about Python. Each binding extracts plain
+//! Rust values, runs the engine with the GIL released through [`run`], and converts the
+//! result. Errors map to the `colibri.errors` hierarchy; a panic becomes `InternalError`.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::error::Error;
+
+/// Build the Python exception for an engine error, as a `colibri.errors` class.
+pub(crate) fn to_py_err(err: Error) -> PyErr {
+    let class = match &err {
+        Error::Io { source, .. } => match source.kind() {
+            std::io::ErrorKind::NotFound => "ColibriFileNotFoundError",
+            std::io::ErrorKind::PermissionDenied => "ColibriPermissionError",
+            _ => "ColibriIOError",
+        },
+        Error::Config { .. } => "ConfigError",
+        Error::Unsupported(_) => "UnsupportedModelError",
+        Error::Container { .. } => "ContainerError",
+        Error::MissingTensor { .. } => "MissingTensorError",
+        Error::InvalidArgument { .. } => "InvalidArgumentError",
+        Error::NonFinite { .. } => "NonFiniteWeightError",
+        Error::Cancelled => "Cancelled",
+        Error::Internal(_) => "InternalError",
+    };
+    let message = err.to_string();
+    Python::attach(|py| {
+        if class == "Cancelled" {
+            return pyo3::exceptions::PyKeyboardInterrupt::new_err(message);
+        }
+        match py
+            .import("colibri.errors")
+            .and_then(|m| m.getattr(class))
+            .and_then(|cls| cls.call1((message.clone(),)))
+        {
+            Ok(exc) => PyErr::from_value(exc),
+            Err(_) => PyRuntimeError::new_err(message),
+        }
+    })
+}
+
+/// Run engine work with the GIL released; a panic is caught here and reported as an
+/// `InternalError` rather than crossing into Python.
+pub(crate) fn run<T: Send>(
+    py: Python<'_>,
+    work: impl FnOnce() -> crate::Result<T> + Send,
+) -> PyResult<T> {
+    let outcome = py.detach(|| catch_unwind(AssertUnwindSafe(work)));
+    match outcome {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(to_py_err(e)),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(to_py_err(Error::Internal(what)))
+        }
+    }
+}
+
+/// CPU features the kernels can dispatch on, e.g. `["avx2", "fma", "avx512f"]`.
+#[pyfunction]
+fn cpu_features() -> Vec<&'static str> {
+    crate::cpu::features().names()
+}
+
+/// Facts about this build and machine: version, architecture, CPU features.
+#[pyfunction]
+fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", crate::VERSION)?;
+    d.set_item("arch", crate::cpu::arch())?;
+    d.set_item("cpu_features", crate::cpu::features().names())?;
+    d.set_item("debug_assertions", cfg!(debug_assertions))?;
+    Ok(d)
+}
+
+/// Raise the engine error for a deliberately bad argument; lets tests check the mapping of
+/// every error kind to its Python class without needing a broken model on disk.
+#[pyfunction]
+fn _raise_for_test(py: Python<'_>, kind: &str) -> PyResult<()> {
+    let kind = kind.to_owned();
+    run(py, move || {
+        Err(match kind.as_str() {
+            "io" => Error::io(
+                "/nonexistent",
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+            ),
+            "config" => Error::Config {
+                path: "config.json".into(),
+                msg: "bad".into(),
+            },
+            "container" => Error::container("a.safetensors", Some("w"), "truncated"),
+            "invalid" => Error::invalid("temperature", "must be >= 0"),
+            "cancelled" => Error::Cancelled,
+            "panic" => panic!("deliberate test panic"),
+            other => Error::invalid("kind", format!("unknown kind {other}")),
+        })
+    })
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", crate::VERSION)?;
+    m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
+    m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(_raise_for_test, m)?)?;
+    Ok(())
+}

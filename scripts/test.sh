@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole test suite, exactly as CI runs it. Expects the package installed in the active
+# Python environment (`pip install ".[test]"`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== cargo fmt --check"
+cargo fmt --check
+echo "== cargo clippy"
+cargo clippy --all-targets -- -D warnings
+echo "== cargo test"
+cargo test
+echo "== ruff"
+ruff check python tests tools
+ruff format --check python tests tools
+echo "== pytest"
+set +e
+python -m pytest "$@"
+code=$?
+set -e
+# Exit code 5 means "no tests collected": not a failure of the code under test.
+if [ "$code" -eq 5 ]; then
+  echo "pytest collected no tests"
+  code=0
+fi
+exit "$code"

@@ -4,6 +4,8 @@
 //! (forward pass) → `decode` (sampling, speculative decoding) → `python` (bindings). Only
 //! `python` knows about Python.
 
+pub mod config;
+pub mod container;
 pub mod cpu;
 pub mod error;
 pub mod quant;

@@ -1,0 +1,553 @@
+//! A model directory: `config.json` plus `*.safetensors` shards (DESIGN §3). Opening it
+//! parses every shard header (headers only: the data stays on disk, mapped read-only),
+//! indexes the tensors, and resolves each quantised weight's format from its byte counts
+//! against the config's logical shape, cross-checked with the `__metadata__` our writer
+//! records. Views of weights borrow the mapping (zero-copy).
+//!
+//! Layout of a quantised weight `NAME`: a 1-D `U8` tensor of packed bytes and `NAME.qs`, a
+//! 1-D `F32` tensor of scales. Float weights (F32/BF16/F16, any 2-D shape) are accepted too.
+
+pub mod mmap;
+pub mod names;
+pub mod safetensors;
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::quant::format::{QMatrix, QuantFormat};
+
+pub use mmap::MappedFile;
+pub use names::{classify, expected_len, expected_shape, Proj, Role, TensorRole};
+pub use safetensors::Dtype;
+
+/// Suffix of the scales tensor of a quantised weight.
+pub const SCALES_SUFFIX: &str = ".qs";
+/// `__metadata__` key with the container format version our writer records.
+pub const FORMAT_VERSION_KEY: &str = "colibri_format_version";
+/// The container format version this build writes and reads.
+pub const FORMAT_VERSION: &str = "1";
+
+/// One tensor of the container.
+#[derive(Debug, Clone)]
+pub struct TensorInfo {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    /// Index into the container's shard list.
+    pub shard: usize,
+    /// The shard file.
+    pub file: PathBuf,
+    /// Absolute byte range in the file.
+    pub range: Range<usize>,
+    /// The resolved weight format, for quantised weights (U8 + `.qs`) and 2-D float weights.
+    pub format: Option<QuantFormat>,
+    /// Logical [O, I] for weights whose `format` is set.
+    pub logical: Option<(usize, usize)>,
+}
+
+impl TensorInfo {
+    pub fn nbytes(&self) -> usize {
+        self.range.len()
+    }
+}
+
+/// Packed bytes of a weight: a view into a mapped shard, or owned.
+#[derive(Clone)]
+enum Bytes {
+    Mapped(Arc<MappedFile>, Range<usize>),
+    Owned(Arc<Vec<u8>>),
+}
+
+impl Bytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            // The range was validated against the map when the weight was built.
+            Bytes::Mapped(m, r) => m.bytes().get(r.clone()).unwrap_or(&[]),
+            Bytes::Owned(v) => v,
+        }
+    }
+}
+
+/// f32 scales: zero-copy when the mapped bytes are 4-aligned and the host is little-endian,
+/// else decoded into an owned vector.
+#[derive(Clone)]
+enum Scales {
+    None,
+    Mapped(Arc<MappedFile>, Range<usize>),
+    Owned(Arc<Vec<f32>>),
+}
+
+impl Scales {
+    fn as_slice(&self) -> &[f32] {
+        match self {
+            Scales::None => &[],
+            Scales::Mapped(m, r) => m
+                .bytes()
+                .get(r.clone())
+                .and_then(|b| bytemuck::try_cast_slice(b).ok())
+                .unwrap_or(&[]),
+            Scales::Owned(v) => v,
+        }
+    }
+}
+
+/// A 2-D weight in any format, cheap to clone (its storage is shared), `Send + Sync`.
+#[derive(Clone)]
+pub struct Weight {
+    format: QuantFormat,
+    rows: usize,
+    cols: usize,
+    data: Bytes,
+    scales: Scales,
+}
+
+impl std::fmt::Debug for Weight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Weight")
+            .field("format", &self.format)
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .finish()
+    }
+}
+
+impl Weight {
+    /// An owned weight (e.g. freshly quantised), validated like a mapped one.
+    pub fn from_owned(
+        format: QuantFormat,
+        rows: usize,
+        cols: usize,
+        data: Vec<u8>,
+        scales: Vec<f32>,
+    ) -> Result<Self> {
+        QMatrix::new(format, rows, cols, &data, &scales)?;
+        Ok(Weight {
+            format,
+            rows,
+            cols,
+            data: Bytes::Owned(Arc::new(data)),
+            scales: if scales.is_empty() {
+                Scales::None
+            } else {
+                Scales::Owned(Arc::new(scales))
+            },
+        })
+    }
+
+    /// The borrowed matrix the kernels take.
+    pub fn view(&self) -> QMatrix<'_> {
+        QMatrix::new(
+            self.format,
+            self.rows,
+            self.cols,
+            self.data.as_slice(),
+            self.scales.as_slice(),
+        )
+        .expect("Weight lengths are validated when it is built")
+    }
+
+    pub fn format(&self) -> QuantFormat {
+        self.format
+    }
+    /// O: output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// I: input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// Whether the packed bytes are a view of a mapped shard (not a copy).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.data, Bytes::Mapped(..))
+    }
+    /// Bytes of data plus scales.
+    pub fn nbytes(&self) -> usize {
+        self.data.as_slice().len() + 4 * self.scales.as_slice().len()
+    }
+    /// Dequantise to row-major f32 [rows, cols] (reference path).
+    pub fn to_f32(&self) -> Vec<f32> {
+        crate::quant::pack::dequantize(&self.view())
+    }
+}
+
+/// An opened model directory. `Send + Sync`; share it behind an `Arc`.
+#[derive(Debug)]
+pub struct Container {
+    dir: PathBuf,
+    config: ModelConfig,
+    shards: Vec<Arc<MappedFile>>,
+    tensors: HashMap<String, TensorInfo>,
+    /// Names in (shard, offset) order.
+    order: Vec<String>,
+    /// Shard `__metadata__` maps.
+    metadata: Vec<BTreeMap<String, String>>,
+}
+
+/// The `*.safetensors` files of `dir`, sorted by name.
+pub fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>> {
+    let rd = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+    let mut out = Vec::new();
+    for entry in rd {
+        let entry = entry.map_err(|e| Error::io(dir, e))?;
+        let p = entry.path();
+        if p.extension().is_some_and(|e| e == "safetensors") && p.is_file() {
+            out.push(p);
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+impl Container {
+    /// Open a model directory: read `config.json`, parse and validate every shard header,
+    /// map the shards read-only and resolve every weight's format.
+    pub fn open(dir: &Path) -> Result<Container> {
+        let config = ModelConfig::from_file(dir.join("config.json"))?;
+        Self::open_with_config(dir, config)
+    }
+
+    /// Like [`Container::open`] with an already parsed config.
+    pub fn open_with_config(dir: &Path, config: ModelConfig) -> Result<Container> {
+        let paths = shard_paths(dir)?;
+        if paths.is_empty() {
+            return Err(Error::container(
+                dir,
+                None,
+                "no *.safetensors shards in the model directory",
+            ));
+        }
+        let mut c = Container {
+            dir: dir.to_path_buf(),
+            config,
+            shards: Vec::new(),
+            tensors: HashMap::new(),
+            order: Vec::new(),
+            metadata: Vec::new(),
+        };
+        for path in paths {
+            let file = MappedFile::open(&path)?;
+            let bytes = file.bytes();
+            let header = safetensors::parse_header(&path, bytes, bytes.len() as u64)?;
+            if let Some(v) = header.metadata.get(FORMAT_VERSION_KEY) {
+                if v != FORMAT_VERSION {
+                    return Err(Error::container(
+                        &path,
+                        None,
+                        format!(
+                            "{FORMAT_VERSION_KEY} is '{v}' but this colibri reads version \
+                             {FORMAT_VERSION}; upgrade colibri or re-convert the model"
+                        ),
+                    ));
+                }
+            }
+            let shard = c.shards.len();
+            for t in header.tensors {
+                if let Some(prev) = c.tensors.get(&t.name) {
+                    return Err(Error::container(
+                        &path,
+                        Some(&t.name),
+                        format!("tensor also present in {}", prev.file.display()),
+                    ));
+                }
+                c.order.push(t.name.clone());
+                c.tensors.insert(
+                    t.name.clone(),
+                    TensorInfo {
+                        name: t.name,
+                        dtype: t.dtype,
+                        shape: t.shape,
+                        shard,
+                        file: path.clone(),
+                        range: t.start..t.end,
+                        format: None,
+                        logical: None,
+                    },
+                );
+            }
+            c.shards.push(file);
+            c.metadata.push(header.metadata);
+        }
+        c.resolve_formats()?;
+        Ok(c)
+    }
+
+    /// Decide the format of every weight: quantised (U8 + `.qs`) from byte counts against
+    /// the logical shape, float 2-D from dtype and shape; check 1-D tensors the config
+    /// knows against their length.
+    fn resolve_formats(&mut self) -> Result<()> {
+        let mut resolved = Vec::new();
+        for name in &self.order {
+            let t = &self.tensors[name];
+            if let Some(base) = name.strip_suffix(SCALES_SUFFIX) {
+                if !self.tensors.contains_key(base) {
+                    return Err(Error::container(
+                        &t.file,
+                        Some(name),
+                        format!("scales tensor without its weight '{base}'"),
+                    ));
+                }
+                continue;
+            }
+            if let Some((f, shape)) = self.resolve_one(t)? {
+                resolved.push((name.clone(), f, shape));
+            }
+        }
+        for (name, f, shape) in resolved {
+            if let Some(t) = self.tensors.get_mut(&name) {
+                t.format = Some(f);
+                t.logical = Some(shape);
+            }
+        }
+        Ok(())
+    }
+
+    fn resolve_one(&self, t: &TensorInfo) -> Result<Option<(QuantFormat, (usize, usize))>> {
+        let name = t.name.as_str();
+        let err = |msg: String| Error::container(&t.file, Some(name), msg);
+        let expected = expected_shape(&self.config, name);
+        let meta = self.metadata[t.shard].get(name);
+        let meta_fmt = meta
+            .map(|m| QuantFormat::parse(m))
+            .transpose()
+            .map_err(|_| {
+                err(format!(
+                    "__metadata__ names format '{}', which colibri does not know",
+                    meta.map(String::as_str).unwrap_or("")
+                ))
+            })?;
+        let scales_name = format!("{name}{SCALES_SUFFIX}");
+        if let Some(qs) = self.tensors.get(&scales_name) {
+            if t.dtype != Dtype::U8 {
+                return Err(err(format!(
+                    "has scales '{scales_name}' so it must be U8 packed bytes, but is {}",
+                    t.dtype
+                )));
+            }
+            if qs.dtype != Dtype::F32 {
+                return Err(Error::container(
+                    &qs.file,
+                    Some(&scales_name),
+                    format!("scales must be F32, found {}", qs.dtype),
+                ));
+            }
+            let (rows, cols) = expected.ok_or_else(|| {
+                err(
+                    "a quantised tensor whose logical shape the config does not define; \
+                     colibri cannot tell its [O, I]"
+                        .into(),
+                )
+            })?;
+            let nbytes = t.nbytes();
+            let nscales = qs.shape.iter().product::<usize>();
+            let inferred = QuantFormat::infer(rows, cols, nbytes, nscales);
+            let format = match (meta_fmt, inferred) {
+                (Some(m), _)
+                    if m.is_quantized()
+                        && m.data_bytes(rows, cols) == Some(nbytes)
+                        && m.scale_count(rows, cols) == Some(nscales) =>
+                {
+                    m
+                }
+                (Some(m), _) => {
+                    return Err(err(format!(
+                        "__metadata__ says {m}, but {nbytes} bytes and {nscales} scales do not \
+                         fit {m} for the logical shape [{rows}, {cols}] from config.json"
+                    )))
+                }
+                (None, Some(f)) => f,
+                (None, None) => {
+                    return Err(err(format!(
+                        "{nbytes} bytes and {nscales} scales match no format (int8, int4, \
+                         int4_g{{16..256}}) for the logical shape [{rows}, {cols}] from \
+                         config.json; wrong scale count, or a checkpoint for another config"
+                    )))
+                }
+            };
+            return Ok(Some((format, (rows, cols))));
+        }
+        if t.dtype == Dtype::U8 && expected.is_some() {
+            return Err(err(format!(
+                "U8 weight without its scales tensor '{scales_name}'"
+            )));
+        }
+        let float = match t.dtype {
+            Dtype::F32 => Some(QuantFormat::F32),
+            Dtype::Bf16 => Some(QuantFormat::Bf16),
+            Dtype::F16 => Some(QuantFormat::F16),
+            _ => None,
+        };
+        if t.shape.len() == 2 {
+            if let Some(f) = float {
+                let shape = (t.shape[0], t.shape[1]);
+                if let Some(e) = expected {
+                    if e != shape {
+                        return Err(err(format!(
+                            "shape [{}, {}] disagrees with [{}, {}] from config.json",
+                            shape.0, shape.1, e.0, e.1
+                        )));
+                    }
+                }
+                if let Some(m) = meta_fmt {
+                    if m != f {
+                        return Err(err(format!("__metadata__ says {m} but the tensor is {f}")));
+                    }
+                }
+                return Ok(Some((f, shape)));
+            }
+        }
+        if expected.is_some() {
+            return Err(err(format!(
+                "a weight of shape {:?} and dtype {}; expected a 2-D F32/BF16/F16 tensor or U8 \
+                 bytes with F32 '.qs' scales",
+                t.shape, t.dtype
+            )));
+        }
+        if let Some(n) = expected_len(&self.config, name) {
+            if t.shape.iter().product::<usize>() != n || t.shape.len() != 1 {
+                return Err(err(format!(
+                    "shape {:?} disagrees with [{n}] from config.json",
+                    t.shape
+                )));
+            }
+        }
+        Ok(None)
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+    /// Every tensor name (scales included), in shard and offset order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.order.iter().map(String::as_str)
+    }
+    /// Shard files, in the order `TensorInfo::shard` indexes.
+    pub fn shards(&self) -> &[Arc<MappedFile>] {
+        &self.shards
+    }
+    /// The `__metadata__` of shard `i`.
+    pub fn shard_metadata(&self, i: usize) -> Option<&BTreeMap<String, String>> {
+        self.metadata.get(i)
+    }
+
+    fn missing(&self, name: &str) -> Error {
+        Error::MissingTensor {
+            tensor: name.to_owned(),
+            dir: self.dir.clone(),
+            family: self.config.family.to_string(),
+        }
+    }
+
+    pub fn info(&self, name: &str) -> Result<&TensorInfo> {
+        self.tensors.get(name).ok_or_else(|| self.missing(name))
+    }
+
+    /// Raw mapped bytes of a tensor.
+    pub fn bytes(&self, name: &str) -> Result<&[u8]> {
+        let t = self.info(name)?;
+        self.shards[t.shard].slice(t.range.start, t.range.end, name)
+    }
+
+    /// The mapped shard holding `name` and the tensor's absolute byte range in it.
+    pub fn location(&self, name: &str) -> Result<(&Arc<MappedFile>, Range<usize>)> {
+        let t = self.info(name)?;
+        Ok((&self.shards[t.shard], t.range.clone()))
+    }
+
+    /// A 2-D weight in any format, as a zero-copy view of the shard where possible.
+    pub fn weight(&self, name: &str) -> Result<Weight> {
+        let t = self.info(name)?;
+        let (Some(format), Some((rows, cols))) = (t.format, t.logical) else {
+            return Err(Error::container(
+                &t.file,
+                Some(name),
+                format!(
+                    "not a 2-D weight (dtype {}, shape {:?}); use vector() for 1-D tensors",
+                    t.dtype, t.shape
+                ),
+            ));
+        };
+        let file = &self.shards[t.shard];
+        file.slice(t.range.start, t.range.end, name)?;
+        let data = Bytes::Mapped(file.clone(), t.range.clone());
+        let scales = if format.is_quantized() {
+            let qs_name = format!("{name}{SCALES_SUFFIX}");
+            let qs = self.info(&qs_name)?;
+            let qfile = &self.shards[qs.shard];
+            let raw = qfile.slice(qs.range.start, qs.range.end, &qs_name)?;
+            if cfg!(target_endian = "little") && bytemuck::try_cast_slice::<u8, f32>(raw).is_ok() {
+                Scales::Mapped(qfile.clone(), qs.range.clone())
+            } else {
+                Scales::Owned(Arc::new(
+                    raw.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect(),
+                ))
+            }
+        } else {
+            Scales::None
+        };
+        let w = Weight {
+            format,
+            rows,
+            cols,
+            data,
+            scales,
+        };
+        QMatrix::new(format, rows, cols, w.data.as_slice(), w.scales.as_slice())
+            .map_err(|e| Error::container(&t.file, Some(name), e.to_string()))?;
+        Ok(w)
+    }
+
+    /// A 1-D F32/BF16/F16 tensor as f32 (norm weights, `e_score_correction_bias`).
+    pub fn vector(&self, name: &str) -> Result<Vec<f32>> {
+        let t = self.info(name)?;
+        let raw = self.bytes(name)?;
+        if t.shape.len() != 1 {
+            return Err(Error::container(
+                &t.file,
+                Some(name),
+                format!("expected a 1-D tensor, found shape {:?}", t.shape),
+            ));
+        }
+        decode_floats(raw, t.dtype).ok_or_else(|| {
+            Error::container(
+                &t.file,
+                Some(name),
+                format!("expected F32/BF16/F16, found {}", t.dtype),
+            )
+        })
+    }
+}
+
+/// Little-endian F32/BF16/F16 bytes → f32; `None` for other dtypes.
+pub fn decode_floats(raw: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
+    Some(match dtype {
+        Dtype::F32 => raw
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::Bf16 => raw
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => raw
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests;

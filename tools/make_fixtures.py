@@ -1,0 +1,969 @@
+#!/usr/bin/env python3
+"""Build tiny random DeepSeek-V3 / GLM-MoE-DSA checkpoints and their golden outputs.
+
+Developer tool only: it needs torch and transformers (run it with /opt/devvenv/bin/python).
+Tests and CI never import it; they read the committed files under ``tests/fixtures/``.
+
+For every fixture it writes ``<out>/<name>/config.json``, ``model.safetensors`` (F32, the
+official per-expert tensor names, MTP layer at index ``num_hidden_layers``) and
+``golden.safetensors`` (prompt, prefill logits, greedy continuation, MTP drafts). Every
+number is computed by transformers' own modules; docs/fixtures.md documents each tensor.
+
+Usage::
+
+    /opt/devvenv/bin/python tools/make_fixtures.py --out tests/fixtures
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    GlmMoeDsaConfig,
+    GlmMoeDsaForCausalLM,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import MtpLayer, MtpModel
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
+    GlmMoeDsaDecoderLayer,
+    GlmMoeDsaRMSNorm,
+)
+from transformers.utils import logging as transformers_logging
+
+PROMPT_LEN = 12
+NEW_TOKENS = 32
+CHAIN_DEPTH = 3
+SEED = 20260529
+# Tolerances of the self-consistency checks (float32 throughout); TOL_DECODE is relative
+# to the largest |logit|.
+TOL_DECODE = 1e-5
+TOL_RELOAD = 1e-6
+# Quality bar for a random model (a seed that misses it is skipped, deterministically).
+MIN_DISTINCT_GREEDY = 12
+MIN_EXPERT_SHARE = 0.75
+MAX_ATTEMPTS = 20
+
+
+@dataclass(frozen=True)
+class FixtureSpec:
+    """One tiny checkpoint: its family, config overrides and the branches it exercises."""
+
+    name: str
+    family: str  # "deepseek_v3" | "glm_moe_dsa"
+    config: dict[str, Any]
+    covers: list[str] = field(default_factory=list)
+
+
+COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "max_position_embeddings": 256,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "num_nextn_predict_layers": 1,
+}
+
+SPECS: list[FixtureSpec] = [
+    FixtureSpec(
+        name="dsv3_a",
+        family="deepseek_v3",
+        config={
+            **COMMON,
+            "vocab_size": 256,
+            "moe_intermediate_size": 16,
+            "q_lora_rank": 48,
+            "n_routed_experts": 16,
+            "num_experts_per_tok": 4,
+            "n_group": 4,
+            "topk_group": 2,
+            "n_shared_experts": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 1,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "rope_interleave": True,
+            "rope_theta": 10000.0,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 4.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        },
+        covers=[
+            "q_lora_rank set (q_a_proj/q_a_layernorm/q_b_proj)",
+            "first_k_dense_replace=1 (layer 0 dense, layers 1-2 MoE)",
+            "noaux_tc with non-zero e_score_correction_bias",
+            "group-limited routing: 16 experts, n_group=4, topk_group=2, top-4",
+            "norm_topk_prob=true, routed_scaling_factor=2.5, 1 shared expert",
+            "YaRN rope (factor 4, mscale=mscale_all_dim=1.0, as DeepSeek-V3 ships)",
+            "rope_interleave=true, untied lm_head, rms_norm_eps=1e-6",
+            "MTP layer (oracle: transformers' MtpModel)",
+        ],
+    ),
+    FixtureSpec(
+        name="dsv3_b",
+        family="deepseek_v3",
+        config={
+            **COMMON,
+            "vocab_size": 320,
+            "moe_intermediate_size": 24,
+            "q_lora_rank": None,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "n_shared_experts": 2,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 1.5,
+            "first_k_dense_replace": 2,
+            "num_hidden_layers": 4,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": True,
+            "rope_interleave": False,
+            "rope_theta": 5000.0,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 8.0,
+                "mscale": 0.8,
+                "mscale_all_dim": 0.6,
+                "original_max_position_embeddings": 32,
+                "beta_fast": 16,
+                "beta_slow": 2,
+            },
+        },
+        covers=[
+            "q_lora_rank=null (plain q_proj)",
+            "first_k_dense_replace=2 of 4 layers",
+            "n_group=1 (no group limit), 8 experts top-2",
+            "norm_topk_prob=false, routed_scaling_factor=1.5, n_shared_experts=2",
+            "YaRN with mscale != mscale_all_dim (cos/sin attention_factor != 1,"
+            " softmax scale x mscale(mscale_all_dim)^2)",
+            "rope_interleave=false (half-split rope), tied embeddings (no lm_head tensor)",
+            "rms_norm_eps=1e-5 while q_a/kv_a layernorms keep eps 1e-6",
+            "MTP layer (oracle: transformers' MtpModel)",
+        ],
+    ),
+    FixtureSpec(
+        name="glm_a",
+        family="glm_moe_dsa",
+        config={
+            **COMMON,
+            "vocab_size": 256,
+            "moe_intermediate_size": 16,
+            "q_lora_rank": 48,
+            "n_routed_experts": 16,
+            "num_experts_per_tok": 4,
+            "n_group": 1,
+            "topk_group": 1,
+            "n_shared_experts": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 1,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+            "rope_theta": 10000.0,
+            "index_topk": 64,
+            "index_head_dim": 16,
+            "index_n_heads": 2,
+        },
+        covers=[
+            "glm_moe_dsa: q_lora_rank set (mandatory), interleaved rope (always)",
+            "plain rope (no rope_scaling)",
+            "first_k_dense_replace=1, 16 experts top-4, n_group=1",
+            "norm_topk_prob=true, routed_scaling_factor=2.5, 1 shared expert",
+            "DSA indexer tensors present; index_topk=64 > every context used (exact dense)",
+            "rms_norm_eps=1e-5 while q_a/kv_a layernorms keep eps 1e-6",
+            "MTP layer (oracle: transformers' MtpLayer + GLM decoder layer, see docs)",
+        ],
+    ),
+    FixtureSpec(
+        name="glm_b",
+        family="glm_moe_dsa",
+        config={
+            **COMMON,
+            "vocab_size": 256,
+            "moe_intermediate_size": 16,
+            "q_lora_rank": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 3,
+            "n_group": 2,
+            "topk_group": 1,
+            "n_shared_experts": 1,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 2.0,
+            "first_k_dense_replace": 1,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": True,
+            "rope_theta": 10000.0,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 4.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+            "index_topk": 64,
+            "index_head_dim": 16,
+            "index_n_heads": 2,
+        },
+        covers=[
+            "glm_moe_dsa with group-limited routing (n_group=2, topk_group=1), top-3 of 8",
+            "norm_topk_prob=false, routed_scaling_factor=2.0, tied embeddings",
+            "YaRN rope on the interleaved GLM layout (mscale != mscale_all_dim)",
+            "MTP layer (oracle: transformers' MtpLayer + GLM decoder layer, see docs)",
+        ],
+    ),
+]
+
+
+# --------------------------------------------------------------------------------------
+# model construction
+
+
+def build_config(spec: FixtureSpec) -> PreTrainedConfig:
+    """Instantiate the transformers config of a fixture."""
+    kwargs = copy.deepcopy(spec.config)
+    if spec.family == "deepseek_v3":
+        cfg: PreTrainedConfig = DeepseekV3Config(**kwargs)
+        cfg.architectures = ["DeepseekV3ForCausalLM"]
+    else:
+        cfg = GlmMoeDsaConfig(**kwargs)
+        cfg.architectures = ["GlmMoeDsaForCausalLM"]
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def model_class(spec: FixtureSpec) -> type[PreTrainedModel]:
+    """The transformers causal-LM class of a fixture's family."""
+    return DeepseekV3ForCausalLM if spec.family == "deepseek_v3" else GlmMoeDsaForCausalLM
+
+
+def randomize_(module: nn.Module, gen: torch.Generator, tied: bool) -> None:
+    """Overwrite every weight with seeded values that give non-degenerate activations.
+
+    Matrices get N(0, 1/fan_in) (unit gain), router weights N(0, 4/fan_in) (spread sigmoid
+    scores), norms 1 + 0.1 N(0, 1), LayerNorm biases 0.1 N(0, 1), the router correction bias
+    0.05 N(0, 1), the embedding N(0, 0.4^2) and an untied lm_head N(0, 9/H), so logits
+    spread over a few units.
+    """
+
+    def normal(shape: torch.Size, std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+    with torch.no_grad():
+        for name, tensor in sorted(module.state_dict(keep_vars=True).items()):
+            shape = tensor.shape
+            if name.endswith("embed_tokens.weight"):
+                value = normal(shape, 0.4)
+            elif name == "lm_head.weight":
+                if tied:
+                    continue
+                value = normal(shape, 3.0 / math.sqrt(shape[1]))
+            elif name.endswith("e_score_correction_bias"):
+                value = normal(shape, 0.05)
+            elif name.endswith("mlp.gate.weight"):  # router: spread sigmoid scores
+                value = normal(shape, 2.0 / math.sqrt(shape[1]))
+            elif "norm" in name and name.endswith(".bias"):
+                value = normal(shape, 0.1)
+            elif "norm" in name and tensor.dim() == 1:
+                value = 1.0 + normal(shape, 0.1)
+            elif tensor.dim() == 3:  # fused experts [E, out, in]
+                value = normal(shape, 1.0 / math.sqrt(shape[2]))
+            elif tensor.dim() == 2:
+                value = normal(shape, 1.0 / math.sqrt(shape[1]))
+            else:
+                raise ValueError(f"unexpected tensor {name} {tuple(shape)}")
+            tensor.copy_(value)
+
+
+def build_model(spec: FixtureSpec, gen: torch.Generator) -> PreTrainedModel:
+    """Create the random float32 model of a fixture in eval mode."""
+    cfg = build_config(spec)
+    model = model_class(spec)(cfg)
+    model.to(torch.float32)
+    randomize_(model, gen, bool(cfg.tie_word_embeddings))
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+# --------------------------------------------------------------------------------------
+# MTP layer
+
+
+def mtp_config(cfg: PreTrainedConfig) -> PreTrainedConfig:
+    """Config for the one MTP decoder layer (layer index 0 of a 1-layer MoE stack)."""
+    mcfg = copy.deepcopy(cfg)
+    mcfg.num_hidden_layers = 1
+    mcfg.first_k_dense_replace = 0
+    if hasattr(mcfg, "mlp_layer_types"):
+        mcfg.mlp_layer_types = ["sparse"]
+        mcfg.layer_types = ["indexed_attention"]
+        mcfg.indexer_types = ["full"]
+    return mcfg
+
+
+class GlmMtpBlock(GlmMoeDsaDecoderLayer):
+    """GLM decoder layer returning only the hidden states, as ``MtpLayer`` expects.
+
+    transformers' ``MtpLayer`` calls ``mtp_block(...)`` and uses the result as a tensor;
+    ``GlmMoeDsaDecoderLayer`` returns ``(hidden, topk_indices)``. Nothing else differs.
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        """Run the GLM layer and drop the DSA top-k indices."""
+        return super().forward(*args, **kwargs)[0]
+
+
+def build_mtp_layer(spec: FixtureSpec, cfg: PreTrainedConfig, gen: torch.Generator) -> MtpLayer:
+    """A random MTP layer built from transformers' ``MtpLayer`` and the family's block."""
+    mcfg = mtp_config(cfg)
+    mcfg._attn_implementation = "eager"
+    if spec.family == "deepseek_v3":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+        layer = MtpLayer(mcfg, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0)
+    else:
+        layer = MtpLayer(mcfg, GlmMtpBlock, GlmMoeDsaRMSNorm, 0)
+    layer.to(torch.float32)
+    randomize_(layer, gen, tied=False)
+    layer.eval()
+    return layer
+
+
+def mtp_official_tensors(
+    layer: MtpLayer, main: PreTrainedModel, index: int
+) -> dict[str, torch.Tensor]:
+    """MTP tensors under the official checkpoint names ``model.layers.{index}.*``.
+
+    ``post_norm`` is shipped as ``shared_head.norm``; ``embed_tokens`` and
+    ``shared_head.head`` are copies of the main model's embedding and lm_head (as in the
+    released DeepSeek-V3 / GLM-5 checkpoints; transformers uses the main model's anyway).
+    """
+    prefix = f"model.layers.{index}."
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in split_experts(dict(layer.state_dict())).items():
+        if name.startswith("mtp_block."):
+            key = name[len("mtp_block.") :]
+        elif name.startswith("post_norm."):
+            key = "shared_head.norm." + name[len("post_norm.") :]
+        else:
+            key = name  # enorm / hnorm / eh_proj
+        out[prefix + key] = tensor
+    out[prefix + "embed_tokens.weight"] = main.model.embed_tokens.weight
+    out[prefix + "shared_head.head.weight"] = main.lm_head.weight
+    return out
+
+
+def mtp_forward(
+    layer: MtpLayer,
+    cfg: PreTrainedConfig,
+    embeds: torch.Tensor,
+    prev_hidden: torch.Tensor,
+    positions: torch.Tensor,
+    rotary: nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the MTP layer causally over all rows at once (no cache).
+
+    ``embeds`` [1, S, H] are embed(token) rows, ``prev_hidden`` [1, S, H] the carried hidden
+    (already final-normed, as transformers passes it), ``positions`` [1, S] the rope
+    positions. Returns ``(z_raw, z_normed)``: the MTP block output before and after
+    ``shared_head.norm`` (``MtpLayer.post_norm``). The steps mirror ``MtpLayer.forward``;
+    ``check_mtp_forward`` asserts equality with it.
+    """
+    mcfg = layer.config
+    mask = create_causal_mask(
+        config=mcfg,
+        inputs_embeds=embeds,
+        attention_mask=None,
+        cache=None,
+        position_ids=positions,
+        allow_is_causal_skip=False,
+    )
+    pos_emb = rotary(embeds, position_ids=positions)
+    x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(prev_hidden)], dim=-1))
+    z_raw = layer.mtp_block(
+        x, attention_mask=mask, position_embeddings=pos_emb, position_ids=positions, cache=None
+    )
+    assert layer.post_norm is not None
+    return z_raw, layer.post_norm(z_raw)
+
+
+def check_mtp_forward(
+    layer: MtpLayer,
+    embeds: torch.Tensor,
+    prev_hidden: torch.Tensor,
+    positions: torch.Tensor,
+    rotary: nn.Module,
+    z_normed: torch.Tensor,
+) -> None:
+    """Assert that ``mtp_forward`` equals transformers' own ``MtpLayer.forward``."""
+    mask = create_causal_mask(
+        config=layer.config,
+        inputs_embeds=embeds,
+        attention_mask=None,
+        cache=None,
+        position_ids=positions,
+        allow_is_causal_skip=False,
+    )
+    pos_emb = rotary(embeds, position_ids=positions)
+    ref = layer(embeds, prev_hidden, pos_emb, mask, positions, None)
+    diff = (ref - z_normed).abs().max().item()
+    assert diff == 0.0, f"mtp_forward differs from MtpLayer.forward by {diff}"
+
+
+# --------------------------------------------------------------------------------------
+# checkpoint I/O
+
+
+def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Replace transformers' fused expert tensors by the official per-expert names.
+
+    ``experts.gate_up_proj`` [E, 2I, H] holds gate rows then up rows per expert (the
+    forward does ``chunk(2)``); ``experts.down_proj`` is [E, H, I].
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            inter = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = tensor[e, :inter]
+                out[f"{base}{e}.up_proj.weight"] = tensor[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(tensor.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = tensor[e]
+        else:
+            out[name] = tensor
+    return out
+
+
+def official_state_dict(model: PreTrainedModel, tied: bool) -> dict[str, torch.Tensor]:
+    """Main-model tensors under official names (per-expert; no lm_head when tied)."""
+    state = dict(model.state_dict())
+    if tied:
+        state.pop("lm_head.weight", None)
+    return split_experts(state)
+
+
+def write_config(cfg: PreTrainedConfig, spec: FixtureSpec, path: Path) -> None:
+    """Write config.json: transformers' own dict plus the legacy keys released configs use."""
+    data = cfg.to_dict()
+    for noisy in (
+        "id2label",
+        "label2id",
+        "_name_or_path",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "problem_type",
+        "dtype",
+        "_attn_implementation",
+    ):
+        data.pop(noisy, None)
+    # Derived by transformers' __post_init__ (qk_head_dim = nope + rope; head_dim is set to
+    # qk_rope_head_dim). Released DeepSeek-V3 configs have neither; GLM-5's has head_dim.
+    data.pop("qk_head_dim", None)
+    if spec.family == "deepseek_v3":
+        data.pop("head_dim", None)
+    data["architectures"] = list(cfg.architectures or [])
+    data["model_type"] = spec.family
+    data["num_nextn_predict_layers"] = 1
+    data["torch_dtype"] = "float32"
+    # Released DeepSeek-V3 / GLM-5 configs carry rope_theta (+ rope_scaling) at top level.
+    data["rope_theta"] = spec.config["rope_theta"]
+    if "rope_scaling" in spec.config:
+        data["rope_scaling"] = dict(spec.config["rope_scaling"])
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Save contiguous CPU copies of ``tensors`` as safetensors, byte-for-byte reproducibly.
+
+    Only one metadata key is written: safetensors serialises the metadata map in hash
+    order, so several keys would make the header bytes differ between runs.
+    """
+    ordered = {k: tensors[k].detach().to("cpu").contiguous().clone() for k in sorted(tensors)}
+    save_file(ordered, str(path), metadata={"format": "pt"})
+
+
+# --------------------------------------------------------------------------------------
+# goldens
+
+
+@torch.no_grad()
+def prefill(model: PreTrainedModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [S, V] and final pre-norm hidden states [S, H] of one full forward."""
+    captured: list[torch.Tensor] = []
+
+    def hook(_m: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        captured.append(args[0].detach().clone())
+
+    handle = model.model.norm.register_forward_pre_hook(hook)
+    try:
+        out = model(input_ids=ids[None], use_cache=False)
+    finally:
+        handle.remove()
+    return out.logits[0].float(), captured[0][0]
+
+
+@torch.no_grad()
+def greedy(model: PreTrainedModel, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' greedy continuation (use_cache=True) and its per-step decode logits."""
+    out = model.generate(
+        prompt[None],
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        use_cache=True,
+        output_logits=True,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    new_ids = out.sequences[0, prompt.shape[0] :]
+    step_logits = torch.stack([lg[0] for lg in out.logits]).float()
+    return new_ids, step_logits
+
+
+@dataclass
+class MtpGolden:
+    """MTP oracle outputs of one fixture."""
+
+    logits: torch.Tensor  # [T-1, V]
+    chain_ids: torch.Tensor  # [D]
+    chain_logits: torch.Tensor  # [D, V]
+    raw_chain_ids: torch.Tensor  # [D]
+    raw_chain_logits: torch.Tensor  # [D, V]
+
+
+@torch.no_grad()
+def mtp_goldens(
+    layer: MtpLayer,
+    cfg: PreTrainedConfig,
+    main: PreTrainedModel,
+    ids: torch.Tensor,
+    hidden_normed: torch.Tensor,
+    first_token: int,
+) -> MtpGolden:
+    """Per-position depth-1 MTP logits over the prompt and depth-1..D chains after it.
+
+    Slot p combines embed(ids[p+1]) with the main model's final-normed hidden at p and
+    uses rope position p+1 (transformers' convention). The chain starts at the last prompt
+    position with the main model's greedy token and feeds back each draft: ``chain``
+    carries ``shared_head.norm(z)`` (transformers' multi-layer convention), ``raw_chain``
+    carries the un-normed ``z`` (vLLM's convention). Both re-run the MTP layer over all
+    rows, which equals a KV-cached run since attention is causal.
+    """
+    rotary = main.model.rotary_emb
+    embed = main.model.embed_tokens
+    head = main.lm_head
+    t = ids.shape[0]
+    tokens = torch.cat([ids, torch.tensor([first_token])])
+    embeds = embed(tokens[1 : t + 1])[None]  # slots 0..T-1
+    prev = hidden_normed[:t][None]
+    positions = torch.arange(1, t + 1)[None]
+
+    z_raw, z_norm = mtp_forward(layer, cfg, embeds, prev, positions, rotary)
+    check_mtp_forward(layer, embeds, prev, positions, rotary, z_norm)
+    per_pos = head(z_norm[0, : t - 1])
+
+    def chain(carry_raw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        e, h, pos = embeds, prev, positions
+        zr, zn = z_raw, z_norm
+        out_ids: list[int] = []
+        out_logits: list[torch.Tensor] = []
+        for depth in range(CHAIN_DEPTH):
+            if depth > 0:
+                zr, zn = mtp_forward(layer, cfg, e, h, pos, rotary)
+            lg = head(zn[0, -1])
+            d = int(torch.argmax(lg).item())
+            out_ids.append(d)
+            out_logits.append(lg)
+            carry = zr[:, -1:] if carry_raw else zn[:, -1:]
+            e = torch.cat([e, embed(torch.tensor([[d]]))], dim=1)
+            h = torch.cat([h, carry], dim=1)
+            pos = torch.cat([pos, pos[:, -1:] + 1], dim=1)
+        return torch.tensor(out_ids, dtype=torch.int64), torch.stack(out_logits)
+
+    c_ids, c_logits = chain(carry_raw=False)
+    r_ids, r_logits = chain(carry_raw=True)
+    return MtpGolden(per_pos, c_ids, c_logits, r_ids, r_logits)
+
+
+@torch.no_grad()
+def check_with_transformers_mtp(
+    fixture_dir: Path, ids: torch.Tensor, gold: MtpGolden, hidden_normed: torch.Tensor
+) -> str:
+    """Load the written checkpoint's MTP layer with transformers' ``MtpModel`` and compare.
+
+    Also runs ``generate(use_mtp=True)``, captures the first draft's logits and checks
+    them against ``mtp_chain_logits[0]``, and checks that MTP greedy decoding emits the
+    same tokens as plain greedy decoding. Only DeepSeek-V3 is supported by transformers.
+    """
+    main = DeepseekV3ForCausalLM.from_pretrained(
+        fixture_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    main.eval()
+    n = main.config.num_hidden_layers
+    # The class pattern names layer 61 (the real model); point it at this checkpoint's MTP layer.
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n}\."]
+    mtp = MtpModel.from_pretrained(main, device_map={"": "cpu"})
+    mtp.eval()
+    t = ids.shape[0]
+    z = mtp.forward_layer(
+        0,
+        hidden_normed[None, : t - 1],
+        torch.arange(1, t)[None],
+        None,
+        input_ids=ids[None, 1:t],
+    )
+    per_pos = mtp._project_to_logits(z)[0]
+    d1 = (per_pos - gold.logits).abs().max().item()
+    assert d1 < 1e-5, f"MtpModel per-position logits differ by {d1}"
+
+    captured: list[torch.Tensor] = []
+    real_forward = MtpModel.forward
+
+    def spy(self: MtpModel, *args: Any, **kwargs: Any) -> Any:
+        res = real_forward(self, *args, **kwargs)
+        captured.append(res[1].detach().clone())
+        return res
+
+    MtpModel.forward = spy  # type: ignore[method-assign]
+    try:
+        out = main.generate(
+            ids[None],
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            use_mtp=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    finally:
+        MtpModel.forward = real_forward  # type: ignore[method-assign]
+    plain = main.generate(
+        ids[None], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert torch.equal(out, plain), "generate(use_mtp=True) differs from plain greedy"
+    first = captured[0][0, 0]
+    d2 = (first - gold.chain_logits[0]).abs().max().item()
+    assert d2 < 1e-5, f"generate(use_mtp=True) first draft logits differ by {d2}"
+    return f"MtpModel per-pos max|d|={d1:.2e}, generate(use_mtp) first draft max|d|={d2:.2e}"
+
+
+@torch.no_grad()
+def reload_glm_mtp(
+    spec: FixtureSpec,
+    fixture_dir: Path,
+    cfg: PreTrainedConfig,
+    reloaded: PreTrainedModel,
+    cand: Candidate,
+) -> str:
+    """Rebuild the GLM MTP layer from the written official names and recompute its goldens.
+
+    transformers has no GLM MTP loader, so this inverts ``mtp_official_tensors`` with the
+    same renaming transformers' ``MtpModel`` applies to DeepSeek-V3 checkpoints
+    (``layers.N.X`` -> ``mtp_block.X``; ``shared_head.norm`` -> ``post_norm``; ``enorm``,
+    ``hnorm``, ``eh_proj`` unchanged) and loads it strictly.
+    """
+    n = int(cfg.num_hidden_layers)
+    prefix = f"model.layers.{n}."
+    written = load_file(str(fixture_dir / "model.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in written.items():
+        if not key.startswith(prefix):
+            continue
+        rest = key[len(prefix) :]
+        if rest in ("embed_tokens.weight", "shared_head.head.weight"):
+            shared = (
+                reloaded.get_input_embeddings() if rest.startswith("embed") else reloaded.lm_head
+            )
+            assert torch.equal(tensor, shared.weight), f"{key} is not a copy of the main tensor"
+            continue
+        if rest.startswith(("enorm.", "hnorm.", "eh_proj.")):
+            state[rest] = tensor
+        elif rest.startswith("shared_head.norm."):
+            state["post_norm." + rest[len("shared_head.norm.") :]] = tensor
+        else:
+            state["mtp_block." + rest] = tensor
+    layer = build_mtp_layer(spec, cfg, torch.Generator().manual_seed(0))
+    fused = {}
+    for key in list(state):
+        if ".mlp.experts." in key:
+            continue
+        fused[key] = state[key]
+    experts = int(cfg.n_routed_experts)
+    base = "mtp_block.mlp.experts."
+    fused[base + "gate_up_proj"] = torch.stack(
+        [
+            torch.cat([state[f"{base}{e}.gate_proj.weight"], state[f"{base}{e}.up_proj.weight"]])
+            for e in range(experts)
+        ]
+    )
+    fused[base + "down_proj"] = torch.stack(
+        [state[f"{base}{e}.down_proj.weight"] for e in range(experts)]
+    )
+    layer.load_state_dict(fused, strict=True)
+    _, hidden = prefill(reloaded, cand.prompt)
+    gold = mtp_goldens(
+        layer,
+        cfg,
+        reloaded,
+        cand.prompt,
+        reloaded.model.norm(hidden),
+        int(cand.golden["greedy_ids"][0]),
+    )
+    diff = max(
+        (gold.logits - cand.mtp.logits).abs().max().item(),
+        (gold.chain_logits - cand.mtp.chain_logits).abs().max().item(),
+        (gold.raw_chain_logits - cand.mtp.raw_chain_logits).abs().max().item(),
+    )
+    scale = cand.mtp.logits.abs().max().item()
+    assert diff / scale < TOL_DECODE, f"GLM MTP from the written checkpoint differs by {diff}"
+    return f"GLM MTP (MtpLayer + GLM block) rebuilt from the checkpoint: max|d|={diff:.2e}"
+
+
+# --------------------------------------------------------------------------------------
+# driver
+
+
+def routing_summary(model: PreTrainedModel, ids: torch.Tensor) -> tuple[dict[int, int], int, int]:
+    """How the routers behave over ``ids``: distinct experts per layer, branch sensitivity.
+
+    Returns the distinct experts chosen per layer index and the number of (token, layer)
+    rows whose chosen set changes when the correction bias is dropped, and when the group
+    limit is dropped. Non-zero counts
+    mean the goldens catch an engine that ignores the bias or the group limit.
+    """
+    chosen: dict[str, set[int]] = {}
+    bias_rows = 0
+    group_rows = 0
+    handles = []
+
+    def topk_set(scores: torch.Tensor, k: int) -> list[set[int]]:
+        return [set(r) for r in torch.topk(scores, k, dim=-1)[1].tolist()]
+
+    def hook(mod: nn.Module, args: tuple[torch.Tensor, ...], out: Any, key: str) -> None:
+        nonlocal bias_rows, group_rows
+        chosen.setdefault(key, set()).update(out[2].flatten().tolist())
+        got = [set(r) for r in out[2].tolist()]
+        h = args[0].reshape(-1, args[0].shape[-1]).float()
+        scores = torch.sigmoid(h @ mod.weight.float().T)
+        k = int(mod.top_k)
+        # Without the group limit: plain top-k of (scores + bias).
+        free = topk_set(scores + mod.e_score_correction_bias, k)
+        group_rows += sum(a != b for a, b in zip(got, free, strict=True))
+        # Without the bias: same group-limited procedure on the raw scores.
+        ng, tg = int(mod.num_group), int(mod.topk_group)
+        g = scores.view(-1, ng, scores.shape[-1] // ng).topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(g).scatter_(1, torch.topk(g, tg, dim=-1)[1], 1.0)
+        mask = keep.repeat_interleave(scores.shape[-1] // ng, dim=1).bool()
+        nob = topk_set(scores.masked_fill(~mask, float("-inf")), k)
+        bias_rows += sum(a != b for a, b in zip(got, nob, strict=True))
+
+    for name, mod in model.named_modules():
+        if name.endswith("mlp.gate"):
+            handles.append(
+                mod.register_forward_hook(
+                    lambda m, a, o, key=name: hook(m, a, o, key)  # type: ignore[misc]
+                )
+            )
+    with torch.no_grad():
+        model(input_ids=ids[None], use_cache=False)
+    for handle in handles:
+        handle.remove()
+    used = {int(k.split(".")[2]): len(v) for k, v in chosen.items()}
+    return used, bias_rows, group_rows
+
+
+@dataclass
+class Candidate:
+    """A random model with its goldens, before it is accepted and written."""
+
+    seed: int
+    model: PreTrainedModel
+    mtp_layer: MtpLayer
+    prompt: torch.Tensor
+    golden: dict[str, torch.Tensor]
+    mtp: MtpGolden
+    hidden_normed: torch.Tensor
+    notes: list[str]
+    problems: list[str]
+
+
+def build_candidate(spec: FixtureSpec, seed: int) -> Candidate:
+    """Build one random model from ``seed``, compute its goldens and judge its quality."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = build_model(spec, gen)
+    cfg = model.config
+    mtp_layer = build_mtp_layer(spec, cfg, gen)
+    prompt = torch.randint(2, cfg.vocab_size, (PROMPT_LEN,), generator=gen, dtype=torch.int64)
+
+    logits, hidden = prefill(model, prompt)
+    greedy_ids, step_logits = greedy(model, prompt)
+    full = torch.cat([prompt, greedy_ids])
+    full_logits, _ = prefill(model, full)
+    greedy_logits = full_logits[PROMPT_LEN - 1 : PROMPT_LEN - 1 + NEW_TOKENS]
+    assert torch.equal(greedy_logits.argmax(-1), greedy_ids), "greedy_logits argmax != greedy_ids"
+    scale = greedy_logits.abs().max().item()
+    d_decode = (greedy_logits - step_logits).abs().max().item()
+    assert d_decode / scale < TOL_DECODE, f"prefill vs incremental decode differ by {d_decode}"
+    d_prefix = (full_logits[:PROMPT_LEN] - logits).abs().max().item()
+    assert d_prefix / scale < TOL_DECODE, f"prompt logits depend on later tokens ({d_prefix})"
+    hidden_normed = model.model.norm(hidden)
+    mtp = mtp_goldens(mtp_layer, cfg, model, prompt, hidden_normed, int(greedy_ids[0]))
+
+    used, bias_rows, group_rows = routing_summary(model, full)
+    problems: list[str] = []
+    distinct = len(set(greedy_ids.tolist()))
+    if distinct < MIN_DISTINCT_GREEDY:
+        problems.append(f"greedy continuation has only {distinct} distinct tokens")
+    n_exp = int(cfg.n_routed_experts)
+    for layer, count in used.items():
+        if count < MIN_EXPERT_SHARE * n_exp:
+            problems.append(f"layer {layer} routes to only {count}/{n_exp} experts")
+    if bias_rows == 0:
+        problems.append("the correction bias never changes the routing")
+    if int(cfg.n_group) > 1 and group_rows == 0:
+        problems.append("the group limit never changes the routing")
+    notes = [
+        f"decode-vs-prefill max|d|={d_decode:.2e} (rel {d_decode / scale:.1e},"
+        f" max|logit| {scale:.1f})",
+        "experts used over prompt+continuation: "
+        + ", ".join(f"L{k}:{v}/{n_exp}" for k, v in sorted(used.items()))
+        + f"; rows changed by bias: {bias_rows}, by group limit: {group_rows}",
+        f"greedy_ids={greedy_ids.tolist()}",
+        f"mtp chain={mtp.chain_ids.tolist()} raw chain={mtp.raw_chain_ids.tolist()}",
+    ]
+    golden = {
+        "prompt_ids": prompt,
+        "logits": logits,
+        "hidden": hidden,
+        "greedy_ids": greedy_ids,
+        "greedy_logits": greedy_logits,
+        "mtp_logits": mtp.logits,
+        "mtp_chain_ids": mtp.chain_ids,
+        "mtp_chain_logits": mtp.chain_logits,
+        "mtp_chain_raw_ids": mtp.raw_chain_ids,
+        "mtp_chain_raw_logits": mtp.raw_chain_logits,
+    }
+    return Candidate(seed, model, mtp_layer, prompt, golden, mtp, hidden_normed, notes, problems)
+
+
+def make_fixture(spec: FixtureSpec, out_root: Path, index: int) -> None:
+    """Build, write and verify one fixture directory.
+
+    Seeds ``SEED + 1000 * index + attempt`` are tried in order; the first model whose
+    greedy text and routing are non-degenerate is kept, so the result is deterministic.
+    """
+    cand: Candidate | None = None
+    for attempt in range(MAX_ATTEMPTS):
+        cand = build_candidate(spec, SEED + 1000 * index + attempt)
+        if not cand.problems:
+            break
+        print(f"{spec.name}: seed {cand.seed} rejected: {'; '.join(cand.problems)}")
+    assert cand is not None
+    if cand.problems:
+        raise RuntimeError(f"{spec.name}: no acceptable seed in {MAX_ATTEMPTS} attempts")
+    model, cfg = cand.model, cand.model.config
+    tied = bool(cfg.tie_word_embeddings)
+
+    fixture_dir = out_root / spec.name
+    fixture_dir.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, spec, fixture_dir / "config.json")
+    tensors = official_state_dict(model, tied)
+    tensors.update(mtp_official_tensors(cand.mtp_layer, model, cfg.num_hidden_layers))
+    save_tensors(tensors, fixture_dir / "model.safetensors")
+    save_tensors(cand.golden, fixture_dir / "golden.safetensors")
+
+    # Reload the written checkpoint with transformers: proves the names are what it expects.
+    reloaded = model_class(spec).from_pretrained(
+        fixture_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    reloaded.eval()
+    written = load_file(str(fixture_dir / "model.safetensors"))
+    main_keys = {k for k in written if not k.startswith(f"model.layers.{cfg.num_hidden_layers}.")}
+    assert main_keys == set(official_state_dict(reloaded, tied)), "main tensor names differ"
+    re_logits, re_hidden = prefill(reloaded, cand.prompt)
+    d_reload = max(
+        (re_logits - cand.golden["logits"]).abs().max().item(),
+        (re_hidden - cand.golden["hidden"]).abs().max().item(),
+    )
+    assert d_reload < TOL_RELOAD, f"reloaded checkpoint differs by {d_reload}"
+    full = torch.cat([cand.prompt, cand.golden["greedy_ids"]])
+    re_full, _ = prefill(reloaded, full)
+    assert torch.equal(re_full[PROMPT_LEN - 1 : -1].argmax(-1), cand.golden["greedy_ids"])
+    if spec.family == "deepseek_v3":
+        mtp_note = check_with_transformers_mtp(
+            fixture_dir, cand.prompt, cand.mtp, cand.hidden_normed
+        )
+    else:
+        mtp_note = reload_glm_mtp(spec, fixture_dir, cfg, reloaded, cand)
+
+    sizes = {p.name: p.stat().st_size for p in sorted(fixture_dir.iterdir())}
+    total = sum(sizes.values())
+    print(f"wrote {fixture_dir} (seed {cand.seed}): {total / 1e6:.2f} MB {sizes}")
+    print(f"  reload max|d|={d_reload:.2e}; {mtp_note}")
+    for note in cand.notes:
+        print(f"  {note}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Regenerate every fixture under ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("tests/fixtures"))
+    parser.add_argument("--only", nargs="*", default=None, help="fixture names to build")
+    args = parser.parse_args(argv)
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    for index, spec in enumerate(SPECS):
+        if args.only and spec.name not in args.only:
+            continue
+        make_fixture(spec, args.out, index)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

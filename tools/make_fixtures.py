@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from safetensors.numpy import load_file as np_load_file
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import (
@@ -53,6 +55,8 @@ SEED = 20260529
 # to the largest |logit|.
 TOL_DECODE = 1e-5
 TOL_RELOAD = 1e-6
+# The float64 numpy reference against the float32 goldens (absolute, logits up to ~15).
+TOL_NUMPY = 1e-4
 # Quality bar for a random model (a seed that misses it is skipped, deterministically).
 MIN_DISTINCT_GREEDY = 12
 MIN_EXPERT_SHARE = 0.75
@@ -269,13 +273,15 @@ def model_class(spec: FixtureSpec) -> type[PreTrainedModel]:
     return DeepseekV3ForCausalLM if spec.family == "deepseek_v3" else GlmMoeDsaForCausalLM
 
 
-def randomize_(module: nn.Module, gen: torch.Generator, tied: bool) -> None:
+def randomize_(module: nn.Module, gen: torch.Generator, tied: bool, kv_lora: int) -> None:
     """Overwrite every weight with seeded values that give non-degenerate activations.
 
     Matrices get N(0, 1/fan_in) (unit gain), router weights N(0, 4/fan_in) (spread sigmoid
     scores), norms 1 + 0.1 N(0, 1), LayerNorm biases 0.1 N(0, 1), the router correction bias
     0.05 N(0, 1), the embedding N(0, 0.4^2) and an untied lm_head N(0, 9/H), so logits
-    spread over a few units.
+    spread over a few units. ``q_a_proj`` and the latent rows of ``kv_a_proj_with_mqa`` are
+    10x smaller: their outputs feed RMSNorms with eps 1e-6, and small inputs make an engine
+    that uses ``rms_norm_eps`` there visibly wrong.
     """
 
     def normal(shape: torch.Size, std: float) -> torch.Tensor:
@@ -298,6 +304,11 @@ def randomize_(module: nn.Module, gen: torch.Generator, tied: bool) -> None:
                 value = normal(shape, 0.1)
             elif "norm" in name and tensor.dim() == 1:
                 value = 1.0 + normal(shape, 0.1)
+            elif name.endswith("q_a_proj.weight"):
+                value = normal(shape, 0.1 / math.sqrt(shape[1]))
+            elif name.endswith("kv_a_proj_with_mqa.weight"):
+                value = normal(shape, 1.0 / math.sqrt(shape[1]))
+                value[:kv_lora] *= 0.1
             elif tensor.dim() == 3:  # fused experts [E, out, in]
                 value = normal(shape, 1.0 / math.sqrt(shape[2]))
             elif tensor.dim() == 2:
@@ -312,7 +323,7 @@ def build_model(spec: FixtureSpec, gen: torch.Generator) -> PreTrainedModel:
     cfg = build_config(spec)
     model = model_class(spec)(cfg)
     model.to(torch.float32)
-    randomize_(model, gen, bool(cfg.tie_word_embeddings))
+    randomize_(model, gen, bool(cfg.tie_word_embeddings), int(cfg.kv_lora_rank))
     if cfg.tie_word_embeddings:
         model.tie_weights()
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -361,7 +372,7 @@ def build_mtp_layer(spec: FixtureSpec, cfg: PreTrainedConfig, gen: torch.Generat
     else:
         layer = MtpLayer(mcfg, GlmMtpBlock, GlmMoeDsaRMSNorm, 0)
     layer.to(torch.float32)
-    randomize_(layer, gen, tied=False)
+    randomize_(layer, gen, tied=False, kv_lora=int(cfg.kv_lora_rank))
     layer.eval()
     return layer
 
@@ -392,7 +403,6 @@ def mtp_official_tensors(
 
 def mtp_forward(
     layer: MtpLayer,
-    cfg: PreTrainedConfig,
     embeds: torch.Tensor,
     prev_hidden: torch.Tensor,
     positions: torch.Tensor,
@@ -578,7 +588,6 @@ class MtpGolden:
 @torch.no_grad()
 def mtp_goldens(
     layer: MtpLayer,
-    cfg: PreTrainedConfig,
     main: PreTrainedModel,
     ids: torch.Tensor,
     hidden_normed: torch.Tensor,
@@ -602,7 +611,7 @@ def mtp_goldens(
     prev = hidden_normed[:t][None]
     positions = torch.arange(1, t + 1)[None]
 
-    z_raw, z_norm = mtp_forward(layer, cfg, embeds, prev, positions, rotary)
+    z_raw, z_norm = mtp_forward(layer, embeds, prev, positions, rotary)
     check_mtp_forward(layer, embeds, prev, positions, rotary, z_norm)
     per_pos = head(z_norm[0, : t - 1])
 
@@ -613,7 +622,7 @@ def mtp_goldens(
         out_logits: list[torch.Tensor] = []
         for depth in range(CHAIN_DEPTH):
             if depth > 0:
-                zr, zn = mtp_forward(layer, cfg, e, h, pos, rotary)
+                zr, zn = mtp_forward(layer, e, h, pos, rotary)
             lg = head(zn[0, -1])
             d = int(torch.argmax(lg).item())
             out_ids.append(d)
@@ -746,7 +755,6 @@ def reload_glm_mtp(
     _, hidden = prefill(reloaded, cand.prompt)
     gold = mtp_goldens(
         layer,
-        cfg,
         reloaded,
         cand.prompt,
         reloaded.model.norm(hidden),
@@ -760,6 +768,202 @@ def reload_glm_mtp(
     scale = cand.mtp.logits.abs().max().item()
     assert diff / scale < TOL_DECODE, f"GLM MTP from the written checkpoint differs by {diff}"
     return f"GLM MTP (MtpLayer + GLM block) rebuilt from the checkpoint: max|d|={diff:.2e}"
+
+
+# --------------------------------------------------------------------------------------
+# independent numpy reference (the spec in docs/fixtures.md, written without transformers)
+
+
+class NumpyReference:
+    """Float64 numpy forward of a fixture directory, following docs/fixtures.md literally.
+
+    It reads only ``config.json`` and ``model.safetensors`` and shares no code with
+    transformers, so agreement with the goldens shows the written spec is complete.
+    """
+
+    def __init__(self, fixture_dir: Path) -> None:
+        """Load the config and all tensors (as float64)."""
+        self.cfg: dict[str, Any] = json.loads((fixture_dir / "config.json").read_text())
+        raw = np_load_file(str(fixture_dir / "model.safetensors"))
+        self.w: dict[str, np.ndarray] = {k: v.astype(np.float64) for k, v in raw.items()}
+        c = self.cfg
+        self.n_layers = int(c["num_hidden_layers"])
+        self.glm = c["model_type"] == "glm_moe_dsa"
+        self.interleave = True if self.glm else bool(c.get("rope_interleave", True))
+        self.eps = float(c["rms_norm_eps"])
+        self.heads = int(c["num_attention_heads"])
+        self.nope = int(c["qk_nope_head_dim"])
+        self.rope = int(c["qk_rope_head_dim"])
+        self.v_dim = int(c["v_head_dim"])
+        self.kv_lora = int(c["kv_lora_rank"])
+        rp = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        theta = float(rp.get("rope_theta", c.get("rope_theta", 10000.0)))
+        kind = rp.get("rope_type", rp.get("type", "default"))
+        d = self.rope
+        base = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+        self.attn_factor = 1.0
+        self.scaling = (self.nope + self.rope) ** -0.5
+        if kind == "yarn":
+            f = float(rp["factor"])
+            l0 = float(rp["original_max_position_embeddings"])
+
+            def m(scale: float, ms: float) -> float:
+                return 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0
+
+            def corr(rot: float) -> float:
+                return d * math.log(l0 / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+            low = max(math.floor(corr(float(rp.get("beta_fast") or 32))), 0)
+            high = min(math.ceil(corr(float(rp.get("beta_slow") or 1))), d - 1)
+            if low == high:
+                high += 0.001
+            ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+            base = base / f * ramp + base * (1 - ramp)
+            ms, ms_all = rp.get("mscale"), rp.get("mscale_all_dim")
+            self.attn_factor = m(f, ms) / m(f, ms_all) if ms and ms_all else m(f, 1.0)
+            if ms_all:
+                self.scaling *= m(f, float(ms_all)) ** 2
+        self.inv_freq = base
+        self.embed = self.w["model.embed_tokens.weight"]
+        self.head = self.w.get("lm_head.weight", self.embed)
+
+    @staticmethod
+    def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """w * x / sqrt(mean(x^2) + eps) over the last axis."""
+        return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+    def rotate(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """RoPE on [S, heads, d] at positions [S] (output in the de-interleaved layout)."""
+        ang = pos[:, None].astype(np.float64) * self.inv_freq[None, :]
+        cos = (np.cos(ang) * self.attn_factor)[:, None, :]
+        sin = (np.sin(ang) * self.attn_factor)[:, None, :]
+        if self.interleave:
+            a, b = x[..., 0::2], x[..., 1::2]
+        else:
+            a, b = x[..., : self.rope // 2], x[..., self.rope // 2 :]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+    def attention(self, p: str, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Causal MLA over all S rows (keys expanded through kv_b)."""
+        w, s = self.w, x.shape[0]
+        if p + "self_attn.q_a_proj.weight" in w:
+            qa = x @ w[p + "self_attn.q_a_proj.weight"].T
+            qa = self.rmsnorm(qa, w[p + "self_attn.q_a_layernorm.weight"], 1e-6)
+            q = qa @ w[p + "self_attn.q_b_proj.weight"].T
+        else:
+            q = x @ w[p + "self_attn.q_proj.weight"].T
+        q = q.reshape(s, self.heads, self.nope + self.rope)
+        q_nope, q_rot = q[..., : self.nope], self.rotate(q[..., self.nope :], pos)
+        c = x @ w[p + "self_attn.kv_a_proj_with_mqa.weight"].T
+        latent = self.rmsnorm(c[:, : self.kv_lora], w[p + "self_attn.kv_a_layernorm.weight"], 1e-6)
+        k_rot = self.rotate(c[:, None, self.kv_lora :], pos)  # [S, 1, rope]
+        kv = (latent @ w[p + "self_attn.kv_b_proj.weight"].T).reshape(
+            s, self.heads, self.nope + self.v_dim
+        )
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+        scores = np.einsum("shd,thd->hst", q_nope, k_nope)
+        scores += np.einsum("shd,td->hst", q_rot, k_rot[:, 0])
+        scores *= self.scaling
+        scores = np.where(np.tril(np.ones((s, s), dtype=bool))[None], scores, -np.inf)
+        scores = np.exp(scores - scores.max(-1, keepdims=True))
+        probs = scores / scores.sum(-1, keepdims=True)
+        out = np.einsum("hst,thd->shd", probs, v).reshape(s, self.heads * self.v_dim)
+        return out @ w[p + "self_attn.o_proj.weight"].T
+
+    def mlp(self, p: str, x: np.ndarray) -> np.ndarray:
+        """down(silu(gate x) * up x)."""
+        g = x @ self.w[p + "gate_proj.weight"].T
+        u = x @ self.w[p + "up_proj.weight"].T
+        return (g / (1 + np.exp(-g)) * u) @ self.w[p + "down_proj.weight"].T
+
+    def moe(self, p: str, h: np.ndarray) -> np.ndarray:
+        """noaux_tc routing, routed experts and shared experts."""
+        c = self.cfg
+        n_exp, k = int(c["n_routed_experts"]), int(c["num_experts_per_tok"])
+        ng, tg = int(c.get("n_group") or 1), int(c.get("topk_group") or 1)
+        scores = 1 / (1 + np.exp(-(h @ self.w[p + "mlp.gate.weight"].T)))
+        choice = scores + self.w[p + "mlp.gate.e_score_correction_bias"]
+        out = self.mlp(p + "mlp.shared_experts.", h)
+        for row in range(h.shape[0]):
+            cr = choice[row].copy()
+            groups = cr.reshape(ng, n_exp // ng)
+            gscore = np.sort(groups, axis=-1)[:, -2:].sum(-1)
+            keep = np.argsort(-gscore, kind="stable")[:tg]
+            mask = np.zeros(ng, dtype=bool)
+            mask[keep] = True
+            cr[~np.repeat(mask, n_exp // ng)] = -np.inf
+            ids = np.argsort(-cr, kind="stable")[:k]
+            wts = scores[row, ids]
+            if c.get("norm_topk_prob"):
+                wts = wts / (wts.sum() + 1e-20)
+            wts = wts * float(c["routed_scaling_factor"])
+            for e, wt in zip(ids, wts, strict=True):
+                out[row] += wt * self.mlp(f"{p}mlp.experts.{e}.", h[row : row + 1])[0]
+        return out
+
+    def layer(self, p: str, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """One decoder layer (dense or MoE, decided by the tensors present)."""
+        x = x + self.attention(
+            p, self.rmsnorm(x, self.w[p + "input_layernorm.weight"], self.eps), pos
+        )
+        h = self.rmsnorm(x, self.w[p + "post_attention_layernorm.weight"], self.eps)
+        return x + (self.moe(p, h) if p + "mlp.gate.weight" in self.w else self.mlp(p + "mlp.", h))
+
+    def forward(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Main model: (logits [S, V], pre-norm hidden [S, H])."""
+        pos = np.arange(len(ids))
+        x = self.embed[ids]
+        for layer_idx in range(self.n_layers):
+            x = self.layer(f"model.layers.{layer_idx}.", x, pos)
+        normed = self.rmsnorm(x, self.w["model.norm.weight"], self.eps)
+        return normed @ self.head.T, x
+
+    def mtp(
+        self, tokens: np.ndarray, carried: np.ndarray, pos: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """MTP layer over rows: (raw block output z, shared_head.norm(z))."""
+        p = f"model.layers.{self.n_layers}."
+        e = self.rmsnorm(self.embed[tokens], self.w[p + "enorm.weight"], self.eps)
+        h = self.rmsnorm(carried, self.w[p + "hnorm.weight"], self.eps)
+        z = self.layer(p, np.concatenate([e, h], axis=-1) @ self.w[p + "eh_proj.weight"].T, pos)
+        return z, self.rmsnorm(z, self.w[p + "shared_head.norm.weight"], self.eps)
+
+    def compare(self, golden: dict[str, np.ndarray]) -> dict[str, float]:
+        """Max |reference - golden| for every golden float tensor (ids must match)."""
+        prompt, greedy_ids = golden["prompt_ids"], golden["greedy_ids"]
+        t = len(prompt)
+        logits, hidden = self.forward(prompt)
+        full_logits, _ = self.forward(np.concatenate([prompt, greedy_ids]))
+        gl = full_logits[t - 1 : t - 1 + len(greedy_ids)]
+        assert np.array_equal(gl.argmax(-1), greedy_ids), "numpy greedy ids differ"
+        hn = self.rmsnorm(hidden, self.w["model.norm.weight"], self.eps)
+        diffs = {
+            "logits": float(np.abs(logits - golden["logits"]).max()),
+            "hidden": float(np.abs(hidden - golden["hidden"]).max()),
+            "greedy_logits": float(np.abs(gl - golden["greedy_logits"]).max()),
+        }
+        tokens = np.concatenate([prompt[1:], greedy_ids[:1]])
+        pos = np.arange(1, t + 1)
+        z, zn = self.mtp(tokens, hn, pos)
+        mtp_logits = zn[: t - 1] @ self.head.T
+        diffs["mtp_logits"] = float(np.abs(mtp_logits - golden["mtp_logits"]).max())
+        for raw, key in ((False, "mtp_chain"), (True, "mtp_chain_raw")):
+            toks, carry, ps, zz, zzn = tokens, hn, pos, z, zn
+            chain_logits = []
+            for depth in range(len(golden[key + "_ids"])):
+                if depth > 0:
+                    zz, zzn = self.mtp(toks, carry, ps)
+                lg = zzn[-1] @ self.head.T
+                d = int(lg.argmax())
+                assert d == int(golden[key + "_ids"][depth]), f"numpy {key} id differs"
+                chain_logits.append(lg)
+                toks = np.append(toks, d)
+                carry = np.concatenate([carry, (zz if raw else zzn)[-1:]])
+                ps = np.append(ps, ps[-1] + 1)
+            diffs[key + "_logits"] = float(
+                np.abs(np.stack(chain_logits) - golden[key + "_logits"]).max()
+            )
+        return diffs
 
 
 # --------------------------------------------------------------------------------------
@@ -851,7 +1055,7 @@ def build_candidate(spec: FixtureSpec, seed: int) -> Candidate:
     d_prefix = (full_logits[:PROMPT_LEN] - logits).abs().max().item()
     assert d_prefix / scale < TOL_DECODE, f"prompt logits depend on later tokens ({d_prefix})"
     hidden_normed = model.model.norm(hidden)
-    mtp = mtp_goldens(mtp_layer, cfg, model, prompt, hidden_normed, int(greedy_ids[0]))
+    mtp = mtp_goldens(mtp_layer, model, prompt, hidden_normed, int(greedy_ids[0]))
 
     used, bias_rows, group_rows = routing_summary(model, full)
     problems: list[str] = []
@@ -940,10 +1144,15 @@ def make_fixture(spec: FixtureSpec, out_root: Path, index: int) -> None:
     else:
         mtp_note = reload_glm_mtp(spec, fixture_dir, cfg, reloaded, cand)
 
+    ref = NumpyReference(fixture_dir).compare(np_load_file(str(fixture_dir / "golden.safetensors")))
+    worst = max(ref.values())
+    assert worst < TOL_NUMPY, f"numpy reference (docs/fixtures.md) differs: {ref}"
+
     sizes = {p.name: p.stat().st_size for p in sorted(fixture_dir.iterdir())}
     total = sum(sizes.values())
     print(f"wrote {fixture_dir} (seed {cand.seed}): {total / 1e6:.2f} MB {sizes}")
     print(f"  reload max|d|={d_reload:.2e}; {mtp_note}")
+    print(f"  numpy float64 reference (docs/fixtures.md) max|d| over all goldens: {worst:.2e}")
     for note in cand.notes:
         print(f"  {note}")
 

@@ -322,7 +322,7 @@ def build_model(spec: FixtureSpec, gen: torch.Generator) -> PreTrainedModel:
     """Create the random float32 model of a fixture in eval mode."""
     cfg = build_config(spec)
     model = model_class(spec)(cfg)
-    model.to(torch.float32)
+    model.to(torch.float32)  # type: ignore[arg-type]
     randomize_(model, gen, bool(cfg.tie_word_embeddings), int(cfg.kv_lora_rank))
     if cfg.tie_word_embeddings:
         model.tie_weights()
@@ -558,7 +558,7 @@ def prefill(model: PreTrainedModel, ids: torch.Tensor) -> tuple[torch.Tensor, to
 @torch.no_grad()
 def greedy(model: PreTrainedModel, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' greedy continuation (use_cache=True) and its per-step decode logits."""
-    out = model.generate(
+    out = model.generate(  # type: ignore[operator]
         prompt[None],
         max_new_tokens=NEW_TOKENS,
         min_new_tokens=NEW_TOKENS,
@@ -726,6 +726,7 @@ def reload_glm_mtp(
             shared = (
                 reloaded.get_input_embeddings() if rest.startswith("embed") else reloaded.lm_head
             )
+            assert isinstance(shared.weight, torch.Tensor)
             assert torch.equal(tensor, shared.weight), f"{key} is not a copy of the main tensor"
             continue
         if rest.startswith(("enorm.", "hnorm.", "eh_proj.")):
@@ -813,10 +814,10 @@ class NumpyReference:
             def corr(rot: float) -> float:
                 return d * math.log(l0 / (rot * 2 * math.pi)) / (2 * math.log(theta))
 
-            low = max(math.floor(corr(float(rp.get("beta_fast") or 32))), 0)
-            high = min(math.ceil(corr(float(rp.get("beta_slow") or 1))), d - 1)
+            low: float = max(math.floor(corr(float(rp.get("beta_fast") or 32))), 0)
+            high: float = min(math.ceil(corr(float(rp.get("beta_slow") or 1))), d - 1)
             if low == high:
-                high += 0.001
+                high = high + 0.001
             ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0, 1)
             base = base / f * ramp + base * (1 - ramp)
             ms, ms_all = rp.get("mscale"), rp.get("mscale_all_dim")
@@ -975,8 +976,8 @@ def routing_summary(model: PreTrainedModel, ids: torch.Tensor) -> tuple[dict[int
 
     Returns the distinct experts chosen per layer index and the number of (token, layer)
     rows whose chosen set changes when the correction bias is dropped, and when the group
-    limit is dropped. Non-zero counts
-    mean the goldens catch an engine that ignores the bias or the group limit.
+    limit is dropped. Non-zero counts mean the goldens catch an engine that ignores the
+    bias or the group limit.
     """
     chosen: dict[str, set[int]] = {}
     bias_rows = 0
@@ -986,7 +987,7 @@ def routing_summary(model: PreTrainedModel, ids: torch.Tensor) -> tuple[dict[int
     def topk_set(scores: torch.Tensor, k: int) -> list[set[int]]:
         return [set(r) for r in torch.topk(scores, k, dim=-1)[1].tolist()]
 
-    def hook(mod: nn.Module, args: tuple[torch.Tensor, ...], out: Any, key: str) -> None:
+    def hook(mod: Any, args: tuple[torch.Tensor, ...], out: Any, key: str) -> None:
         nonlocal bias_rows, group_rows
         chosen.setdefault(key, set()).update(out[2].flatten().tolist())
         got = [set(r) for r in out[2].tolist()]

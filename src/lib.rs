@@ -6,8 +6,12 @@
 
 pub mod config;
 pub mod container;
+pub mod convert;
 pub mod cpu;
+pub mod decode;
 pub mod error;
+pub mod experts;
+pub mod model;
 pub mod quant;
 
 mod python;

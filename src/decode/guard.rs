@@ -1,0 +1,482 @@
+//! When drafting pays: (a) the pause guard, which switches drafting off for a while after a
+//! run of failed proposals, and (b) the automatic depth controller, which picks the draft
+//! depth G maximising expected tokens per second from measured acceptance and measured
+//! verify cost (docs/speculative.md, "Guard and automatic depth").
+
+use std::collections::VecDeque;
+
+use super::stats::MAX_DEPTH;
+use crate::{Error, Result};
+
+/// Settings of the pause guard.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GuardConfig {
+    pub enabled: bool,
+    /// The guard looks at the outcomes of the last `window` proposals.
+    pub window: usize,
+    /// ... and only judges once it holds at least `min_proposals` of them.
+    pub min_proposals: usize,
+    /// Pause when the window's acceptance is below this.
+    pub min_acceptance: f64,
+    /// Emitted tokens to decode without drafting before re-arming.
+    pub pause_tokens: usize,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        GuardConfig {
+            enabled: true,
+            window: 48,
+            min_proposals: 24,
+            min_acceptance: 0.10,
+            pause_tokens: 256,
+        }
+    }
+}
+
+impl GuardConfig {
+    pub fn validate(&self) -> Result<()> {
+        if self.min_proposals == 0 || self.window < self.min_proposals {
+            return Err(Error::invalid(
+                "guard.window",
+                format!(
+                    "window {} must be ≥ min_proposals {} ≥ 1",
+                    self.window, self.min_proposals
+                ),
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.min_acceptance) {
+            return Err(Error::invalid(
+                "guard.min_acceptance",
+                format!("got {}; it must lie in [0, 1]", self.min_acceptance),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Pause guard: a sliding window of proposal outcomes (accepted or not).
+#[derive(Debug)]
+pub struct PauseGuard {
+    cfg: GuardConfig,
+    window: VecDeque<bool>,
+    accepted_in_window: usize,
+    paused_for: usize,
+    pauses: u64,
+}
+
+impl PauseGuard {
+    pub fn new(cfg: GuardConfig) -> Self {
+        PauseGuard {
+            window: VecDeque::with_capacity(cfg.window),
+            cfg,
+            accepted_in_window: 0,
+            paused_for: 0,
+            pauses: 0,
+        }
+    }
+
+    pub fn paused(&self) -> bool {
+        self.paused_for > 0
+    }
+
+    pub fn pauses(&self) -> u64 {
+        self.pauses
+    }
+
+    /// Record one verify: `proposed` drafts of which the first `accepted` were accepted.
+    pub fn record(&mut self, proposed: usize, accepted: usize) {
+        if !self.cfg.enabled {
+            return;
+        }
+        for g in 0..proposed {
+            let ok = g < accepted;
+            if self.window.len() == self.cfg.window {
+                if let Some(true) = self.window.pop_front() {
+                    self.accepted_in_window -= 1;
+                }
+            }
+            self.window.push_back(ok);
+            self.accepted_in_window += usize::from(ok);
+        }
+        let n = self.window.len();
+        if n >= self.cfg.min_proposals
+            && (self.accepted_in_window as f64) < self.cfg.min_acceptance * n as f64
+        {
+            self.paused_for = self.cfg.pause_tokens;
+            self.pauses += 1;
+            // Re-arm with a clean slate: the next judgement needs fresh evidence.
+            self.window.clear();
+            self.accepted_in_window = 0;
+        }
+    }
+
+    /// `n` tokens were emitted; a pause runs out after `pause_tokens` of them.
+    pub fn on_emitted(&mut self, n: usize) {
+        self.paused_for = self.paused_for.saturating_sub(n);
+    }
+}
+
+/// A decayed weighted least-squares line y ≈ a + b·x with b ≥ 0 (costs do not fall as the
+/// batch grows). With a single distinct x the slope is taken as 0: flat, i.e. optimistic.
+#[derive(Clone, Copy, Debug, Default)]
+struct LinFit {
+    w: f64,
+    sx: f64,
+    sxx: f64,
+    sy: f64,
+    sxy: f64,
+    samples: u64,
+}
+
+impl LinFit {
+    /// Old samples fade: weight 0.98^age (≈ 50 samples of memory).
+    const DECAY: f64 = 0.98;
+
+    fn add(&mut self, x: f64, y: f64) {
+        let d = Self::DECAY;
+        self.w = self.w * d + 1.0;
+        self.sx = self.sx * d + x;
+        self.sxx = self.sxx * d + x * x;
+        self.sy = self.sy * d + y;
+        self.sxy = self.sxy * d + x * y;
+        self.samples += 1;
+    }
+
+    fn predict(&self, x: f64) -> Option<f64> {
+        if self.samples == 0 {
+            return None;
+        }
+        let mx = self.sx / self.w;
+        let my = self.sy / self.w;
+        let var = self.sxx / self.w - mx * mx;
+        let slope = if var > 1e-9 {
+            ((self.sxy / self.w - mx * my) / var).max(0.0)
+        } else {
+            0.0
+        };
+        Some((my + slope * (x - mx)).max(0.0))
+    }
+}
+
+/// Automatic draft depth. Keeps, per depth j, the decayed counts of drafts that reached
+/// depth j (all earlier ones accepted) and of those accepted, giving the conditional
+/// acceptance a_j = (accepted_j + 1) / (reached_j + 2) (a uniform prior, so an unexplored
+/// depth looks like a coin flip); and decayed least-squares lines through the measured wall
+/// time of a decode forward against S (= 1 + G rows) and of drafting against G. It picks the
+/// G in 0..=cap maximising E(G) / cost(G), E(G) = 1 + Σ_{g≤G} Π_{j≤g} a_j,
+/// cost(G) = verify(1+G) + draft(G), never more than one depth beyond the deepest measured.
+#[derive(Debug)]
+pub struct DepthController {
+    max_depth: usize,
+    /// seconds per decode forward against S − 1
+    verify: LinFit,
+    /// seconds of drafting against G − 1
+    draft: LinFit,
+    /// deepest S measured
+    widest: usize,
+    /// index j (1..=MAX_DEPTH)
+    reached: [f64; MAX_DEPTH + 1],
+    accepted: [f64; MAX_DEPTH + 1],
+    decisions: u64,
+}
+
+impl DepthController {
+    /// Counts are multiplied by this at each record, so old evidence fades (≈ 100 cycles).
+    const DECAY: f64 = 0.99;
+    /// Every this many decisions, one goes round-robin over the candidates to refresh them.
+    pub const EXPLORE_EVERY: u64 = 32;
+
+    pub fn new(max_depth: usize) -> Self {
+        DepthController {
+            max_depth: max_depth.clamp(1, MAX_DEPTH),
+            verify: LinFit::default(),
+            draft: LinFit::default(),
+            widest: 0,
+            reached: [0.0; MAX_DEPTH + 1],
+            accepted: [0.0; MAX_DEPTH + 1],
+            decisions: 0,
+        }
+    }
+
+    /// Wall time of a decode forward over `rows` rows (1 = a plain step).
+    pub fn record_verify(&mut self, rows: usize, secs: f64) {
+        if rows >= 1 && secs.is_finite() {
+            self.verify.add((rows - 1) as f64, secs);
+            self.widest = self.widest.max(rows);
+        }
+    }
+
+    /// Wall time of drafting `depth` tokens.
+    pub fn record_draft(&mut self, depth: usize, secs: f64) {
+        if depth >= 1 && secs.is_finite() {
+            self.draft.add((depth - 1) as f64, secs);
+        }
+    }
+
+    /// A verify of `proposed` drafts accepted the first `accepted`.
+    pub fn record_acceptance(&mut self, proposed: usize, accepted: usize) {
+        for j in 1..=MAX_DEPTH {
+            self.reached[j] *= Self::DECAY;
+            self.accepted[j] *= Self::DECAY;
+        }
+        // Depth j is reached when drafts 1..j−1 were all accepted.
+        for j in 1..=proposed.min(MAX_DEPTH) {
+            if j > accepted + 1 {
+                break;
+            }
+            self.reached[j] += 1.0;
+            if j <= accepted {
+                self.accepted[j] += 1.0;
+            }
+        }
+    }
+
+    /// Posterior mean of the acceptance of depth `j` given depths < j were accepted.
+    pub fn acceptance(&self, j: usize) -> f64 {
+        (self.accepted[j] + 1.0) / (self.reached[j] + 2.0)
+    }
+
+    /// Expected tokens emitted by one cycle at depth `g`.
+    pub fn expected_tokens(&self, g: usize) -> f64 {
+        let mut e = 1.0;
+        let mut prod = 1.0;
+        for j in 1..=g.min(MAX_DEPTH) {
+            prod *= self.acceptance(j);
+            e += prod;
+        }
+        e
+    }
+
+    /// Estimated seconds of one cycle at depth `g` (1.0 + 0 before anything was measured).
+    pub fn cost(&self, g: usize) -> f64 {
+        let v = self.verify.predict(g as f64).unwrap_or(1.0);
+        let d = if g == 0 {
+            0.0
+        } else {
+            self.draft.predict((g - 1) as f64).unwrap_or(0.0)
+        };
+        v + d
+    }
+
+    /// Candidates never go more than one depth beyond the deepest measured verify.
+    fn frontier(&self) -> usize {
+        self.widest.min(self.max_depth)
+    }
+
+    /// The best depth in 0..=min(cap, frontier) by E(G)/cost(G); ties go to the smaller G.
+    pub fn best(&self, cap: usize) -> usize {
+        let top = cap.min(self.frontier());
+        let mut best = (0, self.expected_tokens(0) / self.cost(0).max(1e-12));
+        for g in 1..=top {
+            let rate = self.expected_tokens(g) / self.cost(g).max(1e-12);
+            if rate > best.1 * (1.0 + 1e-9) {
+                best = (g, rate);
+            }
+        }
+        best.0
+    }
+
+    /// The depth for the next cycle: first a plain step (to measure S = 1), then
+    /// [`best`](Self::best), except that every `EXPLORE_EVERY`-th decision goes round-robin over
+    /// the candidates so stale costs and acceptances get refreshed.
+    pub fn choose(&mut self, cap: usize) -> usize {
+        self.decisions += 1;
+        if self.widest == 0 {
+            return 0;
+        }
+        if self.decisions % Self::EXPLORE_EVERY == 0 {
+            let n = cap.min(self.frontier()) as u64 + 1;
+            return ((self.decisions / Self::EXPLORE_EVERY) % n) as usize;
+        }
+        self.best(cap)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn guard() -> PauseGuard {
+        PauseGuard::new(GuardConfig::default())
+    }
+
+    #[test]
+    fn guard_pauses_after_24_proposals_below_10_percent_and_rearms() {
+        let mut g = guard();
+        // 23 rejected proposals: not enough evidence yet.
+        for _ in 0..23 {
+            g.record(1, 0);
+        }
+        assert!(!g.paused());
+        g.record(1, 0);
+        assert!(g.paused());
+        assert_eq!(g.pauses(), 1);
+        g.on_emitted(255);
+        assert!(g.paused());
+        g.on_emitted(1);
+        assert!(!g.paused());
+        // Re-armed with an empty window: a few rejections do not pause again.
+        g.record(4, 0);
+        assert!(!g.paused());
+    }
+
+    #[test]
+    fn guard_keeps_drafting_at_or_above_10_percent() {
+        let mut g = guard();
+        // 3 of 24 accepted = 12.5%.
+        for i in 0..24 {
+            g.record(1, usize::from(i % 8 == 0));
+        }
+        assert!(!g.paused());
+        // Sliding window: 24 more rejections push the accepted ones out (48-wide window: 3/48 = 6%).
+        for _ in 0..24 {
+            g.record(1, 0);
+        }
+        assert!(g.paused());
+    }
+
+    #[test]
+    fn guard_counts_every_proposal_of_a_burst() {
+        let mut g = guard();
+        // 6 verifies of depth 4, first draft accepted each time: 6/24 = 25%.
+        for _ in 0..6 {
+            g.record(4, 1);
+        }
+        assert!(!g.paused());
+        let mut g = guard();
+        for _ in 0..6 {
+            g.record(4, 0);
+        }
+        assert!(g.paused());
+    }
+
+    #[test]
+    fn disabled_guard_never_pauses() {
+        let mut g = PauseGuard::new(GuardConfig {
+            enabled: false,
+            ..GuardConfig::default()
+        });
+        for _ in 0..100 {
+            g.record(4, 0);
+        }
+        assert!(!g.paused());
+    }
+
+    #[test]
+    fn guard_config_validation() {
+        let bad = GuardConfig {
+            window: 10,
+            ..GuardConfig::default()
+        };
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("guard.window"));
+        let bad = GuardConfig {
+            min_acceptance: 1.5,
+            ..GuardConfig::default()
+        };
+        assert!(bad.validate().is_err());
+        assert!(GuardConfig::default().validate().is_ok());
+    }
+
+    /// A controller that measured verify cost `cost(S)` at every S and saw 1000 verifies at
+    /// depth `a.len()` whose per-depth conditional acceptance is exactly `a[j-1]`
+    /// (deterministic dithering: depth j accepts whenever its running sum of a_j passes 1).
+    fn trained(cost: impl Fn(usize) -> f64, a: &[f64]) -> DepthController {
+        let mut c = DepthController::new(MAX_DEPTH);
+        for s in 1..=MAX_DEPTH + 1 {
+            c.record_verify(s, cost(s));
+        }
+        let mut acc = vec![0.0; a.len()];
+        for _ in 0..1000 {
+            let mut k = 0;
+            while k < a.len() {
+                acc[k] += a[k];
+                if acc[k] < 1.0 {
+                    break;
+                }
+                acc[k] -= 1.0;
+                k += 1;
+            }
+            c.record_acceptance(a.len(), k);
+        }
+        c
+    }
+
+    #[test]
+    fn measured_acceptance_follows_the_data() {
+        let c = trained(|_| 1.0, &[0.8; 8]);
+        for j in 1..=3 {
+            assert!(
+                (c.acceptance(j) - 0.8).abs() < 0.03,
+                "a_{j} = {}",
+                c.acceptance(j)
+            );
+        }
+        // E(2) = 1 + 0.8 + 0.64.
+        assert!((c.expected_tokens(2) - 2.44).abs() < 0.06);
+    }
+
+    #[test]
+    fn expensive_verify_turns_drafting_off() {
+        // Every extra row costs as much as a plain step; acceptance 0.5: E(1)/cost(1) = 0.75 < 1.
+        let c = trained(|s| s as f64, &[0.5; 8]);
+        assert_eq!(c.best(8), 0);
+    }
+
+    #[test]
+    fn cheap_verify_and_high_acceptance_go_deep() {
+        let c = trained(|_| 1.0, &[0.9; 8]);
+        assert_eq!(c.best(8), 8);
+        // The cap (max_new_tokens or context left) is respected.
+        assert_eq!(c.best(3), 3);
+    }
+
+    #[test]
+    fn a_bad_second_depth_stops_at_one() {
+        // a1 = 0.8, a2 = 0.1; cost 1 + 0.1 per extra row:
+        // E(1)/c(1) = 1.8/1.1 = 1.64 > E(2)/c(2) = 1.88/1.2 = 1.57 > E(0)/c(0) = 1.
+        let mut a = [0.1; 8];
+        a[0] = 0.8;
+        let c = trained(|s| 1.0 + 0.1 * (s - 1) as f64, &a);
+        assert_eq!(c.best(8), 1);
+    }
+
+    #[test]
+    fn drafting_cost_counts() {
+        // Free verify width but drafting each token costs a full step: with a = 0.5 nothing pays.
+        let mut c = trained(|_| 1.0, &[0.5; 8]);
+        for g in 1..=MAX_DEPTH {
+            c.record_draft(g, g as f64);
+        }
+        assert_eq!(c.best(8), 0);
+    }
+
+    #[test]
+    fn fresh_controller_measures_a_plain_step_then_explores_one_depth_at_a_time() {
+        let mut c = DepthController::new(MAX_DEPTH);
+        assert_eq!(c.choose(8), 0);
+        c.record_verify(1, 1.0);
+        // Only depth 1 is a candidate until S = 2 was measured.
+        assert_eq!(c.choose(8), 1);
+        c.record_verify(2, 1.0);
+        c.record_acceptance(1, 1);
+        assert_eq!(c.choose(8), 2);
+        c.record_verify(3, 1.0);
+        c.record_acceptance(2, 2);
+        assert_eq!(c.choose(8), 3);
+    }
+
+    #[test]
+    fn exploration_revisits_depth_zero_periodically() {
+        let mut c = trained(|_| 1.0, &[0.9; 8]);
+        let picks: Vec<usize> = (0..2 * DepthController::EXPLORE_EVERY)
+            .map(|_| c.choose(8))
+            .collect();
+        assert!(picks.iter().filter(|&&g| g == 8).count() >= 60);
+        assert!(picks.iter().any(|&g| g != 8));
+    }
+}

@@ -1,0 +1,116 @@
+//! Decoding: token selection, draft sources (the model's MTP head, n-gram prompt lookup) and
+//! the speculative draft/verify loop. Model-independent: the model is reached only through
+//! [`Target`]. docs/speculative.md explains the algorithm, the MTP bookkeeping and the tests.
+//!
+//! - `rng`: deterministic PRNG; `sampling`: processed distribution, greedy/sampled picks
+//! - `ngram`, `mtp`: drafters; `guard`: pause guard and automatic depth; `stats`: counters
+//! - `spec`: [`generate`], the loop that drafts, verifies, accepts and rolls back
+
+pub mod guard;
+pub mod mtp;
+pub mod ngram;
+pub mod rng;
+pub mod sampling;
+pub mod spec;
+pub mod stats;
+
+#[cfg(test)]
+mod mock;
+#[cfg(test)]
+mod tests;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::{Error, Result};
+
+pub use guard::GuardConfig;
+pub use sampling::SamplingParams;
+pub use spec::{generate, DraftDepth, DraftSource, FinishReason, GenerateOptions, Generation};
+pub use stats::DecodeStats;
+
+pub struct StepOutput {
+    pub logits: Vec<f32>, /* [S, V] row-major */
+    pub hidden: Vec<f32>, /* [S, H] */
+}
+
+pub trait Target {
+    fn vocab_size(&self) -> usize;
+    fn hidden_size(&self) -> usize;
+    /// Main model over `tokens` at positions start_pos..start_pos+S (start_pos == kv_len()); appends KV rows;
+    /// returns logits and the pre-final-norm hidden state of every row.
+    fn step_all(&mut self, tokens: &[u32], start_pos: usize) -> Result<StepOutput>;
+    fn kv_len(&self) -> usize;
+    fn truncate(&mut self, len: usize); // roll back main-model KV to `len` rows
+    fn has_mtp(&self) -> bool;
+    /// MTP layer over S rows: row j takes token tokens[j] (the token at main position p+1) and hidden[j] (the
+    /// hidden that produced it: main hidden at p, or the previous MTP output when chaining); appends MTP KV rows at
+    /// start_pos.. (== mtp_kv_len()); returns the head's logits (predicting the token after tokens[j]) and the MTP
+    /// layer's output hidden (to chain the next depth).
+    fn mtp_step(&mut self, tokens: &[u32], hidden: &[f32], start_pos: usize) -> Result<StepOutput>;
+    fn mtp_kv_len(&self) -> usize;
+    fn mtp_truncate(&mut self, len: usize);
+}
+
+/// A source of draft tokens for the loop in [`spec`].
+///
+/// Between cycles the main KV holds every context token but the last (`kv_len() ==
+/// context.len() - 1`); the last one is fed by the next verify.
+pub trait Drafter {
+    /// The main model kept new KV rows (prefill, or the accepted rows of a verify) whose
+    /// pre-norm hidden states are `hidden` ([rows, H], in position order).
+    fn observe(&mut self, _hidden: &[f32]) {}
+
+    /// Up to `max` (≥ 1) draft tokens to follow `context`. May return fewer, or none.
+    /// Must leave the target's main KV untouched.
+    fn propose(
+        &mut self,
+        target: &mut dyn Target,
+        context: &[u32],
+        max: usize,
+        cancel: &AtomicBool,
+    ) -> Result<Vec<u32>>;
+
+    /// A cycle without drafting (guard pause or depth 0): a chance to do bounded upkeep.
+    fn idle(
+        &mut self,
+        _target: &mut dyn Target,
+        _context: &[u32],
+        _cancel: &AtomicBool,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// `mtp_step` calls made so far.
+    fn mtp_forwards(&self) -> u64 {
+        0
+    }
+}
+
+/// `Err(Error::Cancelled)` once the caller raised `cancel`.
+pub(crate) fn check_cancel(cancel: &AtomicBool) -> Result<()> {
+    if cancel.load(Ordering::Relaxed) {
+        Err(Error::Cancelled)
+    } else {
+        Ok(())
+    }
+}
+
+/// A target's output must have `rows` rows of logits and hidden states.
+pub(crate) fn check_step(
+    out: &StepOutput,
+    rows: usize,
+    vocab: usize,
+    hidden: usize,
+    what: &str,
+) -> Result<()> {
+    if out.logits.len() != rows * vocab || out.hidden.len() != rows * hidden {
+        return Err(Error::Internal(format!(
+            "{what} over {rows} rows returned {} logits and {} hidden values; expected {} and {}",
+            out.logits.len(),
+            out.hidden.len(),
+            rows * vocab,
+            rows * hidden
+        )));
+    }
+    Ok(())
+}

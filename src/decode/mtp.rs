@@ -1,0 +1,158 @@
+//! The MTP drafter: absorb (true token, true hidden) pairs into the MTP layer's KV, then
+//! chain the head for up to G drafts (docs/speculative.md, "MTP bookkeeping").
+//!
+//! MTP KV row i holds the pair (t_{i+1}, h_i): the token at main position i+1 and the main
+//! model's hidden state at position i. Between cycles the MTP KV holds only true rows, the
+//! first `mtp_kv_len()` positions; the main hidden states of positions
+//! `mtp_kv_len()..kv_len()` wait in `pending`. Drafting absorbs them in one `mtp_step`
+//! (the last of those rows pairs the not-yet-fed context token with h_{kv_len−1}, and its
+//! logits give d1), chains single-row steps on (d_{g−1}, that step's MTP hidden) for deeper
+//! drafts, then truncates the chained rows, which rest on drafted tokens.
+
+use std::sync::atomic::AtomicBool;
+
+use super::sampling::argmax;
+use super::{check_cancel, check_step, Drafter, Target};
+use crate::{Error, Result};
+
+/// While drafting is off, pending rows are absorbed once this many have piled up, so memory
+/// stays bounded.
+pub const BACKLOG_ROWS: usize = 256;
+
+pub struct MtpDrafter {
+    vocab: usize,
+    hidden: usize,
+    /// Main hidden states of positions mtp_kv_len().. not yet absorbed: [rows, H].
+    pending: Vec<f32>,
+    /// Rows per absorbing `mtp_step` (0 = all at once).
+    chunk: usize,
+    forwards: u64,
+}
+
+impl MtpDrafter {
+    pub fn new(target: &dyn Target, chunk: usize) -> Self {
+        MtpDrafter {
+            vocab: target.vocab_size(),
+            hidden: target.hidden_size(),
+            pending: Vec::new(),
+            chunk,
+            forwards: 0,
+        }
+    }
+
+    fn pending_rows(&self) -> usize {
+        self.pending.len() / self.hidden.max(1)
+    }
+
+    /// Run every pending pair through the MTP layer. Returns the head logits and MTP hidden of
+    /// the last row (`None` when nothing was pending).
+    fn absorb(
+        &mut self,
+        target: &mut dyn Target,
+        context: &[u32],
+        cancel: &AtomicBool,
+    ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+        let (v, h) = (self.vocab, self.hidden);
+        let rows = self.pending_rows();
+        if rows == 0 {
+            return Ok(None);
+        }
+        let start = target.mtp_kv_len();
+        let kv = target.kv_len();
+        if start + rows != kv || context.len() != kv + 1 {
+            return Err(Error::Internal(format!(
+                "MTP bookkeeping: {start} absorbed + {rows} pending rows, main KV {kv}, context {}",
+                context.len()
+            )));
+        }
+        let chunk = if self.chunk == 0 { rows } else { self.chunk };
+        let mut done = 0;
+        let mut last = None;
+        let result = (|| {
+            while done < rows {
+                let n = chunk.min(rows - done);
+                check_cancel(cancel)?;
+                let pos = start + done;
+                let out = target.mtp_step(
+                    &context[pos + 1..pos + 1 + n],
+                    &self.pending[done * h..(done + n) * h],
+                    pos,
+                )?;
+                self.forwards += 1;
+                check_step(&out, n, v, h, "mtp_step")?;
+                done += n;
+                last = Some((
+                    out.logits[(n - 1) * v..].to_vec(),
+                    out.hidden[(n - 1) * h..].to_vec(),
+                ));
+            }
+            Ok(())
+        })();
+        // Whatever was absorbed is no longer pending, even when a chunk failed.
+        self.pending.drain(..done * h);
+        result.map(|()| last)
+    }
+
+    /// Chain the head from (d1's logits, its MTP hidden) to `max` drafts.
+    fn chain(
+        &mut self,
+        target: &mut dyn Target,
+        logits: &[f32],
+        hidden: Vec<f32>,
+        max: usize,
+        cancel: &AtomicBool,
+    ) -> Result<Vec<u32>> {
+        let true_len = target.mtp_kv_len();
+        let mut drafts = vec![argmax(logits)?];
+        let mut z = hidden;
+        while drafts.len() < max {
+            check_cancel(cancel)?;
+            let d = drafts[drafts.len() - 1];
+            let out = target.mtp_step(&[d], &z, true_len + drafts.len() - 1)?;
+            self.forwards += 1;
+            check_step(&out, 1, self.vocab, self.hidden, "mtp_step")?;
+            drafts.push(argmax(&out.logits)?);
+            z = out.hidden;
+        }
+        Ok(drafts)
+    }
+}
+
+impl Drafter for MtpDrafter {
+    fn observe(&mut self, hidden: &[f32]) {
+        self.pending.extend_from_slice(hidden);
+    }
+
+    fn propose(
+        &mut self,
+        target: &mut dyn Target,
+        context: &[u32],
+        max: usize,
+        cancel: &AtomicBool,
+    ) -> Result<Vec<u32>> {
+        let Some((logits, z)) = self.absorb(target, context, cancel)? else {
+            return Ok(Vec::new());
+        };
+        let true_len = target.mtp_kv_len();
+        let drafts = self.chain(target, &logits, z, max, cancel);
+        // Chained rows rest on drafted tokens: drop them, accepted or not.
+        target.mtp_truncate(true_len);
+        drafts
+    }
+
+    fn idle(
+        &mut self,
+        target: &mut dyn Target,
+        context: &[u32],
+        cancel: &AtomicBool,
+    ) -> Result<()> {
+        if self.pending_rows() >= BACKLOG_ROWS {
+            self.absorb(target, context, cancel)?;
+        }
+        Ok(())
+    }
+
+    fn mtp_forwards(&self) -> u64 {
+        self.forwards
+    }
+}

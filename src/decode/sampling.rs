@@ -1,0 +1,314 @@
+//! Token selection: greedy argmax, and sampling from the *processed* distribution
+//! (temperature, then top-k, then top-p, renormalised).
+//!
+//! Sampling is inverse-CDF over token ids in ascending order with one uniform draw `u` per
+//! emitted token. The speculative loop relies on that: it picks the target's token for every
+//! verified row exactly as plain decoding would and accepts a draft iff the pick equals it
+//! (docs/speculative.md, "Acceptance").
+
+use crate::{Error, Result};
+
+/// How to pick tokens. `temperature == 0` is greedy (then `top_k`/`top_p` are ignored).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy; otherwise logits are divided by it. Finite, ≥ 0.
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 = off.
+    pub top_k: usize,
+    /// Keep the smallest most-likely prefix whose mass reaches `top_p`; 1.0 = off. In (0, 1].
+    pub top_p: f32,
+    /// Seed of the sampling stream; `None` draws one from the clock.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let t = self.temperature;
+        if !t.is_finite() || t < 0.0 {
+            return Err(Error::invalid(
+                "temperature",
+                format!(
+                    "got {t}; use 0 for greedy decoding or a finite positive value such as 1.0"
+                ),
+            ));
+        }
+        let p = self.top_p;
+        if !p.is_finite() || p <= 0.0 || p > 1.0 {
+            return Err(Error::invalid(
+                "top_p",
+                format!("got {p}; it must lie in (0, 1] (1.0 turns nucleus filtering off)"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Index of the largest logit; ties go to the lowest id. NaN anywhere is a model bug.
+pub fn argmax(logits: &[f32]) -> Result<u32> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &x) in logits.iter().enumerate() {
+        if x.is_nan() {
+            return Err(nan_logits(i));
+        }
+        match best {
+            Some((_, b)) if x <= b => {}
+            _ => best = Some((i, x)),
+        }
+    }
+    best.map(|(i, _)| i as u32)
+        .ok_or_else(|| Error::Internal("argmax over an empty logits row".into()))
+}
+
+fn nan_logits(index: usize) -> Error {
+    Error::Internal(format!("the model produced a NaN logit (token id {index})"))
+}
+
+/// The distribution sampling draws from: softmax(logits / temperature), restricted to the
+/// `top_k` largest logits, then to the smallest prefix (by descending probability) whose mass
+/// reaches `top_p`, renormalised. Ties in either cut keep the lowest token ids. Greedy
+/// (`temperature == 0`) gives the point mass at [`argmax`]. Returns one probability per token id.
+pub fn processed_distribution(logits: &[f32], params: &SamplingParams) -> Result<Vec<f64>> {
+    let v = logits.len();
+    let mut probs = vec![0.0f64; v];
+    if params.is_greedy() {
+        probs[argmax(logits)? as usize] = 1.0;
+        return Ok(probs);
+    }
+    let mut max = f32::NEG_INFINITY;
+    for (i, &x) in logits.iter().enumerate() {
+        if x.is_nan() {
+            return Err(nan_logits(i));
+        }
+        if x == f32::INFINITY {
+            return Err(Error::Internal(format!(
+                "the model produced an infinite logit (token id {i})"
+            )));
+        }
+        max = max.max(x);
+    }
+    if max == f32::NEG_INFINITY {
+        return Err(Error::Internal(
+            "every logit is -inf: no token can be sampled".into(),
+        ));
+    }
+    // Candidates in the cut order: descending logit (= descending probability), then id.
+    let mut cand: Vec<u32> = (0..v as u32)
+        .filter(|&i| logits[i as usize] > f32::NEG_INFINITY)
+        .collect();
+    let order = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    let k = params.top_k;
+    let need_sort = params.top_p < 1.0;
+    if k > 0 && k < cand.len() {
+        cand.select_nth_unstable_by(k - 1, order);
+        cand.truncate(k);
+    }
+    if need_sort {
+        cand.sort_unstable_by(order);
+    }
+    let t = f64::from(params.temperature);
+    let max = f64::from(max);
+    let weights: Vec<f64> = cand
+        .iter()
+        .map(|&i| ((f64::from(logits[i as usize]) - max) / t).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut keep = cand.len();
+    if need_sort {
+        let target = f64::from(params.top_p) * total;
+        let mut cum = 0.0;
+        for (j, w) in weights.iter().enumerate() {
+            cum += w;
+            if cum >= target {
+                keep = j + 1;
+                break;
+            }
+        }
+    }
+    let kept_total: f64 = weights[..keep].iter().sum();
+    if !(kept_total > 0.0 && kept_total.is_finite()) {
+        return Err(Error::Internal(
+            "sampling distribution has no finite positive mass".into(),
+        ));
+    }
+    for (&i, &w) in cand[..keep].iter().zip(&weights[..keep]) {
+        probs[i as usize] = w / kept_total;
+    }
+    Ok(probs)
+}
+
+/// Inverse-CDF draw from `probs` with a uniform `u ∈ [0, 1)`, scanning ids in ascending order.
+/// Only tokens with positive probability can be returned.
+pub fn sample(probs: &[f64], u: f64) -> Result<u32> {
+    let total: f64 = probs.iter().sum();
+    let target = u * total;
+    let mut cum = 0.0;
+    let mut last_positive = None;
+    for (i, &p) in probs.iter().enumerate() {
+        if p > 0.0 {
+            cum += p;
+            last_positive = Some(i as u32);
+            if target < cum {
+                return Ok(i as u32);
+            }
+        }
+    }
+    // Rounding can leave `target` at the very top of the range: the last positive token.
+    last_positive.ok_or_else(|| Error::Internal("sampling from an all-zero distribution".into()))
+}
+
+/// The token for one logits row: argmax when greedy, else a draw with the uniform `u`.
+pub fn pick(logits: &[f32], params: &SamplingParams, u: f64) -> Result<u32> {
+    if params.is_greedy() {
+        return argmax(logits);
+    }
+    sample(&processed_distribution(logits, params)?, u)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32, top_k: usize, top_p: f32) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed: Some(0),
+        }
+    }
+
+    fn close(a: &[f64], b: &[f64]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-12)
+    }
+
+    #[test]
+    fn validation_rejects_bad_values_with_named_parameter() {
+        for t in [-0.5, f32::NAN, f32::INFINITY] {
+            let e = params(t, 0, 1.0).validate().unwrap_err().to_string();
+            assert!(e.contains("'temperature'"), "{e}");
+        }
+        for p in [0.0, -0.1, 1.5, f32::NAN] {
+            let e = params(1.0, 0, p).validate().unwrap_err().to_string();
+            assert!(e.contains("'top_p'"), "{e}");
+        }
+        assert!(params(0.0, 0, 1.0).validate().is_ok());
+        assert!(params(0.7, 40, 0.95).validate().is_ok());
+    }
+
+    #[test]
+    fn argmax_breaks_ties_by_lowest_id_and_rejects_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]).unwrap(), 1);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY]).unwrap(), 0);
+        assert!(argmax(&[1.0, f32::NAN]).is_err());
+        assert!(argmax(&[]).is_err());
+    }
+
+    #[test]
+    fn temperature_one_is_softmax() {
+        let logits = [0.0f32, 1.0, 2.0];
+        let e: Vec<f64> = [0.0f64, 1.0, 2.0].iter().map(|x| x.exp()).collect();
+        let s: f64 = e.iter().sum();
+        let want: Vec<f64> = e.iter().map(|x| x / s).collect();
+        let got = processed_distribution(&logits, &params(1.0, 0, 1.0)).unwrap();
+        assert!(close(&got, &want), "{got:?}");
+        // Temperature 2 halves the logits.
+        let e2: Vec<f64> = [0.0f64, 0.5, 1.0].iter().map(|x| x.exp()).collect();
+        let s2: f64 = e2.iter().sum();
+        let want2: Vec<f64> = e2.iter().map(|x| x / s2).collect();
+        let got2 = processed_distribution(&logits, &params(2.0, 0, 1.0)).unwrap();
+        assert!(close(&got2, &want2), "{got2:?}");
+    }
+
+    #[test]
+    fn top_k_keeps_k_largest_with_lowest_id_on_ties() {
+        // ids 1 and 2 tie for second place: top-2 keeps 3 (the largest) and 1 (the lower id).
+        let logits = [0.0f32, 1.0, 1.0, 2.0];
+        let got = processed_distribution(&logits, &params(1.0, 2, 1.0)).unwrap();
+        let (a, b) = (2.0f64.exp(), 1.0f64.exp());
+        assert!(
+            close(&got, &[0.0, b / (a + b), 0.0, a / (a + b)]),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn top_p_keeps_smallest_prefix_reaching_the_mass() {
+        // Probabilities 0.5, 0.3, 0.2 (by construction through log-probs).
+        let logits = [0.5f64.ln() as f32, 0.3f64.ln() as f32, 0.2f64.ln() as f32];
+        let got = processed_distribution(&logits, &params(1.0, 0, 0.75)).unwrap();
+        assert!((got[0] - 0.5 / 0.8).abs() < 1e-6 && (got[1] - 0.3 / 0.8).abs() < 1e-6);
+        assert_eq!(got[2], 0.0);
+        // top_p below the largest probability keeps just the argmax.
+        let got = processed_distribution(&logits, &params(1.0, 0, 0.1)).unwrap();
+        assert_eq!(got, vec![1.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn top_p_ties_cut_the_higher_id() {
+        let logits = [0.0f32; 4];
+        let got = processed_distribution(&logits, &params(1.0, 0, 0.5)).unwrap();
+        assert_eq!(got, vec![0.5, 0.5, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn top_k_then_top_p_compose() {
+        // Uniform over 6; top-k 4 → 0.25 each; top-p 0.6 keeps 3 of them (0.75 ≥ 0.6).
+        let logits = [0.0f32; 6];
+        let got = processed_distribution(&logits, &params(1.0, 4, 0.6)).unwrap();
+        let third = 1.0 / 3.0;
+        assert!(
+            close(&got, &[third, third, third, 0.0, 0.0, 0.0]),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn greedy_distribution_is_a_point_mass() {
+        let got = processed_distribution(&[0.1, 0.9, 0.9], &params(0.0, 0, 1.0)).unwrap();
+        assert_eq!(got, vec![0.0, 1.0, 0.0]);
+    }
+
+    #[test]
+    fn neg_inf_logits_get_zero_mass_and_bad_rows_error() {
+        let got = processed_distribution(&[f32::NEG_INFINITY, 0.0], &params(1.0, 0, 1.0)).unwrap();
+        assert_eq!(got, vec![0.0, 1.0]);
+        assert!(processed_distribution(&[f32::NEG_INFINITY; 3], &params(1.0, 0, 1.0)).is_err());
+        assert!(processed_distribution(&[0.0, f32::NAN], &params(1.0, 0, 1.0)).is_err());
+        assert!(processed_distribution(&[0.0, f32::INFINITY], &params(1.0, 0, 1.0)).is_err());
+    }
+
+    #[test]
+    fn sample_is_inverse_cdf_in_id_order() {
+        let p = [0.25, 0.0, 0.5, 0.25];
+        assert_eq!(sample(&p, 0.0).unwrap(), 0);
+        assert_eq!(sample(&p, 0.2499).unwrap(), 0);
+        assert_eq!(sample(&p, 0.25).unwrap(), 2);
+        assert_eq!(sample(&p, 0.7499).unwrap(), 2);
+        assert_eq!(sample(&p, 0.75).unwrap(), 3);
+        assert_eq!(sample(&p, 0.999_999_999).unwrap(), 3);
+        assert!(sample(&[0.0, 0.0], 0.5).is_err());
+    }
+}

@@ -1,0 +1,530 @@
+//! The speculative decode loop: prefill, then cycles of draft → verify in one `step_all` →
+//! accept → roll back (docs/speculative.md).
+//!
+//! Every verified row picks the target's token exactly as plain decoding would (greedy argmax,
+//! or an inverse-CDF draw from the processed distribution with that position's uniform), and a
+//! draft is accepted iff it equals that pick. So the emitted tokens are the plain-decoding
+//! tokens, whatever the drafter proposes; sampled output is identical to plain sampling with
+//! the same seed.
+
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use super::guard::{DepthController, GuardConfig, PauseGuard};
+use super::mtp::MtpDrafter;
+use super::ngram::NgramDrafter;
+use super::rng::Rng;
+use super::sampling::{pick, SamplingParams};
+use super::stats::{DecodeStats, MAX_DEPTH};
+use super::{check_cancel, check_step, Drafter, Target};
+use crate::{Error, Result};
+
+/// Where drafts come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftSource {
+    /// Plain decoding: one token per forward.
+    Off,
+    /// The model's MTP head (an error if the model has none).
+    Mtp,
+    /// Prompt lookup (n-gram).
+    Ngram,
+    /// `Mtp` when the model has a head, else `Ngram`.
+    Auto,
+}
+
+impl DraftSource {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "off" => Ok(DraftSource::Off),
+            "mtp" => Ok(DraftSource::Mtp),
+            "ngram" => Ok(DraftSource::Ngram),
+            "auto" => Ok(DraftSource::Auto),
+            _ => Err(Error::invalid(
+                "draft",
+                format!("got '{s}'; expected one of 'auto', 'mtp', 'ngram', 'off'"),
+            )),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DraftSource::Off => "off",
+            DraftSource::Mtp => "mtp",
+            DraftSource::Ngram => "ngram",
+            DraftSource::Auto => "auto",
+        }
+    }
+}
+
+/// Draft depth G: drafts proposed per verify.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftDepth {
+    /// Always G (1..=8), less where max_new_tokens or the context limit leave less room.
+    Fixed(usize),
+    /// Chosen online by [`DepthController`] (0..=8).
+    Auto,
+}
+
+impl DraftDepth {
+    /// "auto" or an integer 1..=8.
+    pub fn parse(s: &str) -> Result<Self> {
+        if s == "auto" {
+            return Ok(DraftDepth::Auto);
+        }
+        match s.parse::<usize>() {
+            Ok(g) => {
+                let d = DraftDepth::Fixed(g);
+                d.validate()?;
+                Ok(d)
+            }
+            Err(_) => Err(Error::invalid(
+                "draft_depth",
+                format!("got '{s}'; expected 'auto' or an integer 1..={MAX_DEPTH}"),
+            )),
+        }
+    }
+
+    pub fn validate(self) -> Result<()> {
+        match self {
+            DraftDepth::Fixed(g) if !(1..=MAX_DEPTH).contains(&g) => Err(Error::invalid(
+                "draft_depth",
+                format!("got {g}; expected 'auto' or 1..={MAX_DEPTH} (use draft='off' for none)"),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Everything `generate` needs besides the model and the prompt.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// At least 1. A stop token counts as generated.
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation ends after emitting any of these (the stop token is kept in the output).
+    pub stop_tokens: Vec<u32>,
+    pub draft: DraftSource,
+    pub depth: DraftDepth,
+    pub guard: GuardConfig,
+    /// Most tokens (prompt + generated) the sequence may reach; `None` = unlimited. A prompt that
+    /// leaves no room is an error; reaching it later ends with [`FinishReason::ContextFull`].
+    pub max_context: Option<usize>,
+    /// Rows per prefill `step_all` and per MTP absorb batch (0 = the whole prompt at once).
+    pub prefill_chunk: usize,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_new_tokens: 128,
+            sampling: SamplingParams::default(),
+            stop_tokens: Vec::new(),
+            draft: DraftSource::Auto,
+            depth: DraftDepth::Auto,
+            guard: GuardConfig::default(),
+            max_context: None,
+            prefill_chunk: 0,
+        }
+    }
+}
+
+impl GenerateOptions {
+    pub fn validate(&self) -> Result<()> {
+        if self.max_new_tokens == 0 {
+            return Err(Error::invalid("max_new_tokens", "must be at least 1"));
+        }
+        self.sampling.validate()?;
+        self.depth.validate()?;
+        self.guard.validate()
+    }
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum FinishReason {
+    /// max_new_tokens reached.
+    Length,
+    /// A stop token was emitted.
+    Stop,
+    /// The `on_tokens` callback returned false.
+    Cancelled,
+    /// The sequence reached `max_context`.
+    ContextFull,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+            FinishReason::Cancelled => "cancelled",
+            FinishReason::ContextFull => "context_full",
+        }
+    }
+}
+
+/// The result of [`generate`].
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// Generated tokens (without the prompt).
+    pub tokens: Vec<u32>,
+    pub finish: FinishReason,
+    pub stats: DecodeStats,
+}
+
+/// How verified rows decide on drafts. Only `Exact` is lossless; the other exists to show
+/// that the tests can tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Acceptance {
+    Exact,
+    /// Negative control: accept every draft unconditionally.
+    #[cfg(test)]
+    AcceptAll,
+}
+
+/// Generate up to `opts.max_new_tokens` tokens after `prompt`.
+///
+/// Starts from empty caches (truncates the target's main and MTP KV to 0). `on_tokens` gets
+/// every burst of emitted tokens; returning false ends generation with
+/// [`FinishReason::Cancelled`]. `cancel` is checked before every forward: once set, the call
+/// returns `Err(Error::Cancelled)`. On every return, error or not, the target is left
+/// consistent: `kv_len() == prompt.len() + emitted − 1` (the last emitted token is not fed;
+/// 0 if nothing was emitted) and the MTP KV holds only rows built from true hidden states, at
+/// most `kv_len()` of them.
+pub fn generate(
+    target: &mut dyn Target,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    cancel: &AtomicBool,
+) -> Result<Generation> {
+    opts.validate()?;
+    let source = match opts.draft {
+        DraftSource::Auto if target.has_mtp() => DraftSource::Mtp,
+        DraftSource::Auto => DraftSource::Ngram,
+        DraftSource::Mtp if !target.has_mtp() => {
+            return Err(Error::invalid(
+                "draft",
+                "'mtp' needs a model with an MTP head and this one has none (or it was disabled); use 'auto', 'ngram' or 'off'",
+            ))
+        }
+        s => s,
+    };
+    let mut mtp;
+    let mut ngram = NgramDrafter;
+    let drafter: Option<&mut dyn Drafter> = match source {
+        DraftSource::Mtp => {
+            mtp = MtpDrafter::new(target, opts.prefill_chunk);
+            Some(&mut mtp)
+        }
+        DraftSource::Ngram => Some(&mut ngram),
+        _ => None,
+    };
+    run(
+        target,
+        prompt,
+        opts,
+        drafter,
+        Acceptance::Exact,
+        on_tokens,
+        cancel,
+    )
+}
+
+/// The loop behind [`generate`] with an explicit drafter and acceptance rule (tests plug in
+/// forced drafters and the negative control here).
+pub(crate) fn run(
+    target: &mut dyn Target,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    drafter: Option<&mut dyn Drafter>,
+    acceptance: Acceptance,
+    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    cancel: &AtomicBool,
+) -> Result<Generation> {
+    opts.validate()?;
+    let vocab = target.vocab_size();
+    check_prompt(prompt, vocab, opts.max_context)?;
+    target.truncate(0);
+    target.mtp_truncate(0);
+    let seed = opts.sampling.seed.unwrap_or_else(Rng::entropy_seed);
+    let mut lp = Loop {
+        vocab,
+        hidden: target.hidden_size(),
+        target,
+        opts,
+        drafter,
+        acceptance,
+        prompt_len: prompt.len(),
+        ctx: prompt.to_vec(),
+        rng: Rng::from_seed(seed),
+        stats: DecodeStats::new(prompt.len()),
+        guard: PauseGuard::new(opts.guard.clone()),
+        depth: DepthController::new(MAX_DEPTH),
+    };
+    let started = Instant::now();
+    let result = lp.decode(on_tokens, cancel);
+    lp.settle();
+    let generated = lp.ctx.len() - lp.prompt_len;
+    lp.stats.guard_pauses = lp.guard.pauses();
+    lp.stats.mtp_forwards = lp.drafter.as_ref().map_or(0, |d| d.mtp_forwards());
+    lp.stats.finish(generated, started.elapsed().as_secs_f64());
+    let finish = result?;
+    Ok(Generation {
+        tokens: lp.ctx[lp.prompt_len..].to_vec(),
+        finish,
+        stats: lp.stats,
+    })
+}
+
+fn check_prompt(prompt: &[u32], vocab: usize, max_context: Option<usize>) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(Error::invalid(
+            "prompt",
+            "is empty; give at least one token (e.g. the BOS token)",
+        ));
+    }
+    if let Some((i, &t)) = prompt
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| t as usize >= vocab)
+    {
+        return Err(Error::invalid(
+            "prompt",
+            format!("token id {t} at index {i} is outside the vocabulary (size {vocab})"),
+        ));
+    }
+    if let Some(mc) = max_context {
+        if prompt.len() >= mc {
+            return Err(Error::invalid(
+                "prompt",
+                format!(
+                    "{} tokens leave no room to generate within max_context {mc}; shorten the prompt",
+                    prompt.len()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+struct Loop<'t, 'o, 'd> {
+    target: &'t mut dyn Target,
+    opts: &'o GenerateOptions,
+    drafter: Option<&'d mut dyn Drafter>,
+    acceptance: Acceptance,
+    vocab: usize,
+    hidden: usize,
+    prompt_len: usize,
+    /// Prompt + emitted tokens. Invariant between cycles: target.kv_len() == ctx.len() − 1.
+    ctx: Vec<u32>,
+    rng: Rng,
+    stats: DecodeStats,
+    guard: PauseGuard,
+    depth: DepthController,
+}
+
+impl Loop<'_, '_, '_> {
+    fn decode(
+        &mut self,
+        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+        cancel: &AtomicBool,
+    ) -> Result<FinishReason> {
+        let first = self.prefill(cancel)?;
+        if let Some(f) = self.emit(&[first], on_tokens) {
+            return Ok(f);
+        }
+        loop {
+            if let Some(f) = self.cycle(on_tokens, cancel)? {
+                return Ok(f);
+            }
+        }
+    }
+
+    /// Run the prompt through the model; returns the first generated token.
+    fn prefill(&mut self, cancel: &AtomicBool) -> Result<u32> {
+        let t = Instant::now();
+        let n = self.prompt_len;
+        let chunk = if self.opts.prefill_chunk == 0 {
+            n
+        } else {
+            self.opts.prefill_chunk
+        };
+        let mut last_row = Vec::new();
+        let mut start = 0;
+        while start < n {
+            let end = (start + chunk).min(n);
+            check_cancel(cancel)?;
+            let out = self.target.step_all(&self.ctx[start..end], start)?;
+            self.stats.forwards += 1;
+            check_step(&out, end - start, self.vocab, self.hidden, "step_all")?;
+            if let Some(d) = self.drafter.as_mut() {
+                d.observe(&out.hidden);
+            }
+            if end == n {
+                last_row = out.logits[(end - start - 1) * self.vocab..].to_vec();
+            }
+            start = end;
+        }
+        let first = pick(&last_row, &self.opts.sampling, self.rng.next_f64())?;
+        self.stats.prefill_secs = t.elapsed().as_secs_f64();
+        Ok(first)
+    }
+
+    /// Depth for the next cycle, capped so that the burst fits max_new_tokens and the context.
+    fn next_depth(&mut self) -> usize {
+        let generated = self.ctx.len() - self.prompt_len;
+        let remaining = self.opts.max_new_tokens - generated;
+        let mut cap = MAX_DEPTH.min(remaining - 1);
+        if let Some(mc) = self.opts.max_context {
+            cap = cap.min(mc - self.ctx.len() - 1);
+        }
+        if self.drafter.is_none() || self.guard.paused() || cap == 0 {
+            return 0;
+        }
+        match self.opts.depth {
+            DraftDepth::Fixed(g) => g.min(cap),
+            DraftDepth::Auto => self.depth.choose(cap),
+        }
+    }
+
+    /// One draft → verify → accept cycle. Returns the finish reason once generation is over.
+    fn cycle(
+        &mut self,
+        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+        cancel: &AtomicBool,
+    ) -> Result<Option<FinishReason>> {
+        if let Some(mc) = self.opts.max_context {
+            if self.ctx.len() >= mc {
+                return Ok(Some(FinishReason::ContextFull));
+            }
+        }
+        let g = self.next_depth();
+        let drafts = self.draft(g, cancel)?;
+
+        check_cancel(cancel)?;
+        let t = Instant::now();
+        let kv = self.target.kv_len();
+        let mut feed = Vec::with_capacity(1 + drafts.len());
+        feed.push(self.ctx[self.ctx.len() - 1]);
+        feed.extend_from_slice(&drafts);
+        let out = self.target.step_all(&feed, kv)?;
+        self.stats.forwards += 1;
+        self.stats.decode_forwards += 1;
+        check_step(&out, feed.len(), self.vocab, self.hidden, "step_all")?;
+        let burst = self.accept(&out.logits, &drafts)?;
+        let accepted = burst.len() - 1;
+        let secs = t.elapsed().as_secs_f64();
+        self.stats.verify_secs += secs;
+        self.depth.record_verify(feed.len(), secs);
+
+        if !drafts.is_empty() {
+            self.depth.record_acceptance(drafts.len(), accepted);
+            self.guard.record(drafts.len(), accepted);
+        }
+        self.stats
+            .record_cycle(drafts.len(), drafts.len(), accepted);
+        // Keep the rows of the fed token and the accepted drafts; drop rejected ones.
+        self.target.truncate(kv + accepted + 1);
+        if let Some(d) = self.drafter.as_mut() {
+            d.observe(&out.hidden[..(accepted + 1) * self.hidden]);
+        }
+        Ok(self.emit(&burst, on_tokens))
+    }
+
+    /// Ask the drafter for `g` drafts (upkeep only when `g == 0`).
+    fn draft(&mut self, g: usize, cancel: &AtomicBool) -> Result<Vec<u32>> {
+        let Some(drafter) = self.drafter.as_mut() else {
+            return Ok(Vec::new());
+        };
+        let t = Instant::now();
+        if g == 0 {
+            drafter.idle(&mut *self.target, &self.ctx, cancel)?;
+            self.stats.draft_secs += t.elapsed().as_secs_f64();
+            return Ok(Vec::new());
+        }
+        let mut drafts = drafter.propose(&mut *self.target, &self.ctx, g, cancel)?;
+        drafts.truncate(g);
+        let secs = t.elapsed().as_secs_f64();
+        self.stats.draft_secs += secs;
+        if let Some(&bad) = drafts.iter().find(|&&d| d as usize >= self.vocab) {
+            return Err(Error::Internal(format!(
+                "drafter proposed token {bad}, outside the vocabulary ({})",
+                self.vocab
+            )));
+        }
+        if !drafts.is_empty() {
+            self.depth.record_draft(drafts.len(), secs);
+        }
+        Ok(drafts)
+    }
+
+    /// Walk the verified rows: row j's pick is the token after [t, d1..dj]. Returns the
+    /// accepted drafts followed by the target's own token.
+    fn accept(&mut self, logits: &[f32], drafts: &[u32]) -> Result<Vec<u32>> {
+        let mut burst = Vec::with_capacity(drafts.len() + 1);
+        for (j, row) in logits.chunks_exact(self.vocab).enumerate() {
+            let tok = pick(row, &self.opts.sampling, self.rng.next_f64())?;
+            match drafts.get(j) {
+                Some(&d) if d == tok || self.accept_all() => burst.push(d),
+                _ => {
+                    burst.push(tok);
+                    break;
+                }
+            }
+        }
+        Ok(burst)
+    }
+
+    fn accept_all(&self) -> bool {
+        match self.acceptance {
+            Acceptance::Exact => false,
+            #[cfg(test)]
+            Acceptance::AcceptAll => true,
+        }
+    }
+
+    /// Append `burst` up to a stop token or max_new_tokens and report it to `on_tokens`.
+    fn emit(
+        &mut self,
+        burst: &[u32],
+        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    ) -> Option<FinishReason> {
+        let before = self.ctx.len();
+        let mut finish = None;
+        for &t in burst {
+            self.ctx.push(t);
+            if self.opts.stop_tokens.contains(&t) {
+                finish = Some(FinishReason::Stop);
+                break;
+            }
+            if self.ctx.len() - self.prompt_len >= self.opts.max_new_tokens {
+                finish = Some(FinishReason::Length);
+                break;
+            }
+        }
+        self.guard.on_emitted(self.ctx.len() - before);
+        if !on_tokens(&self.ctx[before..]) && finish.is_none() {
+            finish = Some(FinishReason::Cancelled);
+        }
+        finish
+    }
+
+    /// Restore the invariant after the last cycle (or an error): main KV holds every context
+    /// token but the last; MTP KV never holds more rows than that.
+    fn settle(&mut self) {
+        let keep = self.ctx.len().saturating_sub(1).min(self.target.kv_len());
+        let keep = if self.ctx.len() == self.prompt_len {
+            // Nothing emitted: the prompt may be partly prefilled; drop it all.
+            0
+        } else {
+            keep
+        };
+        if self.target.kv_len() > keep {
+            self.target.truncate(keep);
+        }
+        if self.target.mtp_kv_len() > keep {
+            self.target.mtp_truncate(keep);
+        }
+    }
+}

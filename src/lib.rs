@@ -6,12 +6,9 @@
 
 pub mod config;
 pub mod container;
-pub mod convert;
 pub mod cpu;
 pub mod decode;
 pub mod error;
-pub mod experts;
-pub mod model;
 pub mod quant;
 
 mod python;

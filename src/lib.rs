@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod container;
+pub mod convert;
 pub mod cpu;
 pub mod decode;
 pub mod error;

@@ -21,7 +21,10 @@ use crate::error::{Error, Result};
 use crate::quant::format::{QMatrix, QuantFormat};
 
 pub use mmap::MappedFile;
-pub use names::{classify, expected_len, expected_shape, Proj, Role, TensorRole};
+pub use names::{
+    classify, expected_len, expected_names, expected_shape, expert_tensor_name, Proj, Role,
+    TensorRole,
+};
 pub use safetensors::Dtype;
 
 /// Suffix of the scales tensor of a quantised weight.
@@ -550,4 +553,4 @@ pub fn decode_floats(raw: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -231,6 +231,67 @@ pub fn expected_len(cfg: &ModelConfig, name: &str) -> Option<usize> {
     }
 }
 
+/// Every tensor name a complete checkpoint of `cfg` holds (2-D weights and vectors), in
+/// layer order; the GLM DSA indexer weights are not listed. `lm_head.weight` is omitted
+/// when the embeddings are tied.
+pub fn expected_names(cfg: &ModelConfig) -> Vec<String> {
+    let mut v = vec!["model.embed_tokens.weight".to_string()];
+    for l in 0..cfg.total_layers() {
+        let p = format!("model.layers.{l}");
+        for n in ["input_layernorm", "post_attention_layernorm"] {
+            v.push(format!("{p}.{n}.weight"));
+        }
+        let attn: &[&str] = if cfg.q_lora_rank.is_some() {
+            &["q_a_proj", "q_a_layernorm", "q_b_proj"]
+        } else {
+            &["q_proj"]
+        };
+        for n in attn.iter().chain(&[
+            "kv_a_proj_with_mqa",
+            "kv_a_layernorm",
+            "kv_b_proj",
+            "o_proj",
+        ]) {
+            v.push(format!("{p}.self_attn.{n}.weight"));
+        }
+        if cfg.is_moe_layer(l) {
+            v.push(format!("{p}.mlp.gate.weight"));
+            v.push(format!("{p}.mlp.gate.e_score_correction_bias"));
+            if cfg.n_shared_experts > 0 {
+                for n in ["gate_proj", "up_proj", "down_proj"] {
+                    v.push(format!("{p}.mlp.shared_experts.{n}.weight"));
+                }
+            }
+            for e in 0..cfg.n_routed_experts {
+                for pr in [Proj::Gate, Proj::Up, Proj::Down] {
+                    v.push(expert_tensor_name(l, e, pr));
+                }
+            }
+        } else {
+            for n in ["gate_proj", "up_proj", "down_proj"] {
+                v.push(format!("{p}.mlp.{n}.weight"));
+            }
+        }
+        if cfg.is_mtp_layer(l) {
+            for n in [
+                "enorm.weight",
+                "hnorm.weight",
+                "eh_proj.weight",
+                "shared_head.norm.weight",
+                "shared_head.head.weight",
+                "embed_tokens.weight",
+            ] {
+                v.push(format!("{p}.{n}"));
+            }
+        }
+    }
+    v.push("model.norm.weight".to_string());
+    if !cfg.tie_word_embeddings {
+        v.push("lm_head.weight".to_string());
+    }
+    v
+}
+
 /// The HF name of a routed expert's projection.
 pub fn expert_tensor_name(layer: usize, expert: usize, proj: Proj) -> String {
     let p = match proj {
@@ -332,6 +393,14 @@ mod tests {
             Some(4)
         );
         assert_eq!(expected_len(&c, "model.layers.2.hnorm.weight"), Some(32));
+        // Every expected name is classified and has a shape or a length.
+        for n in expected_names(&c) {
+            assert!(classify(&c, &n).role != Role::Unknown, "{n}");
+            assert!(
+                expected_shape(&c, &n).is_some() != expected_len(&c, &n).is_some(),
+                "{n}"
+            );
+        }
         let r = classify(&c, "model.layers.2.mlp.experts.1.down_proj.weight");
         assert_eq!(
             (r.role, r.layer, r.expert, r.proj),

@@ -226,6 +226,25 @@ impl<'a> QMatrix<'a> {
         let n = self.format.scales_per_row(self.cols);
         &self.scales[o * n..(o + 1) * n]
     }
+    /// The sub-matrix of rows `start..start + n` (rows are contiguous in data and scales).
+    pub fn row_range(&self, start: usize, n: usize) -> Result<QMatrix<'a>> {
+        if start.checked_add(n).is_none_or(|end| end > self.rows) {
+            return Err(Error::invalid(
+                "row_range",
+                format!("rows {start}..{} of a {}-row matrix", start + n, self.rows),
+            ));
+        }
+        let rb = self.format.row_bytes(self.cols);
+        let sp = self.format.scales_per_row(self.cols);
+        Ok(QMatrix {
+            format: self.format,
+            rows: n,
+            cols: self.cols,
+            data: &self.data[start * rb..(start + n) * rb],
+            scales: &self.scales[start * sp..(start + n) * sp],
+        })
+    }
+
     /// Bytes a kernel streams for one pass over this matrix (data + scales).
     pub fn stream_bytes(&self) -> usize {
         self.data.len() + self.scales.len() * 4

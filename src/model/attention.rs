@@ -1,0 +1,236 @@
+//! Multi-head latent attention (MLA) with the compressed KV cache.
+//!
+//! The cache holds, per layer and position, only the normed latent c (kv_lora_rank) and the
+//! roped shared key (qk_rope_head_dim). Attention runs "absorbed": the key half of kv_b is
+//! folded into the query (q_lat = W_UKᵀ q_nope), scores are q_lat·c + q_rope·k_rope, and the
+//! value half of kv_b is applied after the weighted sum of latents. That is the same function
+//! transformers computes by expanding K and V, with far less work per decoded token.
+
+use crate::config::ModelConfig;
+use crate::container::{Container, Weight};
+use crate::error::Result;
+use crate::model::linear;
+use crate::model::norm::{rmsnorm, rmsnorm_inplace};
+use crate::model::rope::Rope;
+use crate::quant::kernels;
+use crate::quant::pack::dequantize_row;
+
+/// Query projection: low-rank with its own norm, or one plain matrix.
+enum QProj {
+    Lora {
+        q_a_proj: Weight,
+        q_a_layernorm: Vec<f32>,
+        q_b_proj: Weight,
+    },
+    Plain {
+        q_proj: Weight,
+    },
+}
+
+/// One layer's KV rows: [len, kv_lora_rank] latents and [len, qk_rope_head_dim] roped keys.
+#[derive(Debug, Default, Clone)]
+pub struct LayerKv {
+    latent: Vec<f32>,
+    rope_key: Vec<f32>,
+}
+
+impl LayerKv {
+    pub fn len(&self, kv_lora_rank: usize) -> usize {
+        self.latent.len() / kv_lora_rank
+    }
+    pub fn truncate(&mut self, len: usize, kv_lora_rank: usize, rope_dim: usize) {
+        self.latent.truncate(len * kv_lora_rank);
+        self.rope_key.truncate(len * rope_dim);
+    }
+    /// Bytes held (the KV accounting the tests check).
+    pub fn bytes(&self) -> usize {
+        (self.latent.len() + self.rope_key.len()) * std::mem::size_of::<f32>()
+    }
+}
+
+pub struct Attention {
+    q: QProj,
+    kv_a_proj_with_mqa: Weight,
+    kv_a_layernorm: Vec<f32>,
+    kv_b_proj: Weight,
+    o_proj: Weight,
+    heads: usize,
+    nope: usize,
+    rope_dim: usize,
+    v_dim: usize,
+    kv_lora: usize,
+    scale: f32,
+}
+
+/// transformers builds `q_a_layernorm` and `kv_a_layernorm` without an eps argument, so both
+/// families use the RMSNorm default of 1e-6 there, whatever `rms_norm_eps` says.
+const LATENT_NORM_EPS: f32 = 1e-6;
+
+impl Attention {
+    pub fn load(c: &Container, cfg: &ModelConfig, prefix: &str) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let heads = cfg.num_attention_heads;
+        let qd = cfg.q_head_dim();
+        let p = |n: &str| format!("{prefix}.self_attn.{n}");
+        let q = match cfg.q_lora_rank {
+            Some(r) => QProj::Lora {
+                q_a_proj: linear::load(c, &p("q_a_proj.weight"), r, h)?,
+                q_a_layernorm: linear::load_vector(c, &p("q_a_layernorm.weight"), r)?,
+                q_b_proj: linear::load(c, &p("q_b_proj.weight"), heads * qd, r)?,
+            },
+            None => QProj::Plain {
+                q_proj: linear::load(c, &p("q_proj.weight"), heads * qd, h)?,
+            },
+        };
+        let kv_lora = cfg.kv_lora_rank;
+        Ok(Attention {
+            q,
+            kv_a_proj_with_mqa: linear::load(
+                c,
+                &p("kv_a_proj_with_mqa.weight"),
+                kv_lora + cfg.qk_rope_head_dim,
+                h,
+            )?,
+            kv_a_layernorm: linear::load_vector(c, &p("kv_a_layernorm.weight"), kv_lora)?,
+            kv_b_proj: linear::load(
+                c,
+                &p("kv_b_proj.weight"),
+                heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                kv_lora,
+            )?,
+            o_proj: linear::load(c, &p("o_proj.weight"), h, heads * cfg.v_head_dim)?,
+            heads,
+            nope: cfg.qk_nope_head_dim,
+            rope_dim: cfg.qk_rope_head_dim,
+            v_dim: cfg.v_head_dim,
+            kv_lora,
+            scale: cfg.softmax_scale(),
+        })
+    }
+
+    /// Attention over `s` rows of normed input `xn` ([s, hidden]) at cache rows
+    /// `start..start+s` (rope positions `rope_start..`); appends their KV rows to `kv` (which
+    /// must hold exactly `start` rows). Returns [s, hidden].
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        xn: &[f32],
+        s: usize,
+        start: usize,
+        rope_start: usize,
+        kv: &mut LayerKv,
+        rope: &Rope,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<Vec<f32>> {
+        let (heads, nope, rd, vd, kl) = (
+            self.heads,
+            self.nope,
+            self.rope_dim,
+            self.v_dim,
+            self.kv_lora,
+        );
+        let qd = nope + rd;
+        debug_assert_eq!(kv.len(kl), start);
+
+        // q: [s, heads, nope + rope]
+        let mut q = match &self.q {
+            QProj::Lora {
+                q_a_proj,
+                q_a_layernorm,
+                q_b_proj,
+            } => {
+                let qa = rmsnorm(
+                    &linear::apply(q_a_proj, xn, s, pool)?,
+                    q_a_layernorm,
+                    LATENT_NORM_EPS,
+                );
+                linear::apply(q_b_proj, &qa, s, pool)?
+            }
+            QProj::Plain { q_proj } => linear::apply(q_proj, xn, s, pool)?,
+        };
+        // c: [s, kv_lora + rope] → normed latent and roped shared key, appended to the cache.
+        let ckv = linear::apply(&self.kv_a_proj_with_mqa, xn, s, pool)?;
+        for r in 0..s {
+            let row = &ckv[r * (kl + rd)..(r + 1) * (kl + rd)];
+            let mut lat = row[..kl].to_vec();
+            rmsnorm_inplace(&mut lat, &self.kv_a_layernorm, LATENT_NORM_EPS);
+            kv.latent.extend_from_slice(&lat);
+            let mut k = row[kl..].to_vec();
+            rope.apply(&mut k, rope_start + r);
+            kv.rope_key.extend_from_slice(&k);
+            for hh in 0..heads {
+                let off = r * heads * qd + hh * qd + nope;
+                rope.apply(&mut q[off..off + rd], rope_start + r);
+            }
+        }
+
+        // q_lat[s, head, kv_lora] = W_UK(head)ᵀ · q_nope(s, head): stream the key rows of kv_b.
+        let kvb = self.kv_b_proj.view();
+        let mut q_lat = vec![0.0f32; s * heads * kl];
+        let mut wrow = vec![0.0f32; kl];
+        for hh in 0..heads {
+            for d in 0..nope {
+                dequantize_row(&kvb, hh * (nope + vd) + d, &mut wrow);
+                for r in 0..s {
+                    let qv = q[r * heads * qd + hh * qd + d];
+                    let dst = &mut q_lat[(r * heads + hh) * kl..(r * heads + hh + 1) * kl];
+                    for (a, w) in dst.iter_mut().zip(&wrow) {
+                        *a += qv * w;
+                    }
+                }
+            }
+        }
+
+        // Causal attention over the latent cache; o_lat[s, head, kv_lora].
+        let mut o_lat = vec![0.0f32; s * heads * kl];
+        let mut scores = Vec::with_capacity(start + s);
+        for r in 0..s {
+            let t = start + r + 1; // keys visible to this row
+            for hh in 0..heads {
+                let ql = &q_lat[(r * heads + hh) * kl..(r * heads + hh + 1) * kl];
+                let qr = &q[r * heads * qd + hh * qd + nope..r * heads * qd + (hh + 1) * qd];
+                scores.clear();
+                let mut max = f32::NEG_INFINITY;
+                for j in 0..t {
+                    let c = &kv.latent[j * kl..(j + 1) * kl];
+                    let k = &kv.rope_key[j * rd..(j + 1) * rd];
+                    let dot: f32 = ql.iter().zip(c).map(|(a, b)| a * b).sum::<f32>()
+                        + qr.iter().zip(k).map(|(a, b)| a * b).sum::<f32>();
+                    let v = dot * self.scale;
+                    max = max.max(v);
+                    scores.push(v);
+                }
+                let mut sum = 0.0f32;
+                for v in scores.iter_mut() {
+                    *v = (*v - max).exp();
+                    sum += *v;
+                }
+                let dst = &mut o_lat[(r * heads + hh) * kl..(r * heads + hh + 1) * kl];
+                for (j, p) in scores.iter().enumerate() {
+                    let w = p / sum;
+                    for (a, c) in dst.iter_mut().zip(&kv.latent[j * kl..(j + 1) * kl]) {
+                        *a += w * c;
+                    }
+                }
+            }
+        }
+
+        // o[s, head, v] = W_UV(head) · o_lat(s, head), through the kernel on the value rows.
+        let mut o = vec![0.0f32; s * heads * vd];
+        let mut lat_h = vec![0.0f32; s * kl];
+        let mut out_h = vec![0.0f32; s * vd];
+        for hh in 0..heads {
+            let wv = kvb.row_range(hh * (nope + vd) + nope, vd)?;
+            for r in 0..s {
+                lat_h[r * kl..(r + 1) * kl]
+                    .copy_from_slice(&o_lat[(r * heads + hh) * kl..(r * heads + hh + 1) * kl]);
+            }
+            kernels::matmul(&wv, &lat_h, s, &mut out_h, pool)?;
+            for r in 0..s {
+                o[r * heads * vd + hh * vd..r * heads * vd + (hh + 1) * vd]
+                    .copy_from_slice(&out_h[r * vd..(r + 1) * vd]);
+            }
+        }
+        linear::apply(&self.o_proj, &o, s, pool)
+    }
+}

@@ -1,0 +1,453 @@
+//! The model: embeddings, decoder layers, final norm, LM head, the MTP head, and their KV
+//! caches. `step_all` runs S positions in one forward (prefill and verify); weights are read
+//! once per forward whatever S is.
+//!
+//! Per layer (activations in f32):
+//! ```text
+//! x += MLA(rmsnorm(x, input_layernorm))
+//! h  = rmsnorm(x, post_attention_layernorm)
+//! x += dense MLP(h) if the layer is dense else MoE(h)
+//! logits = lm_head(rmsnorm(x, model.norm))
+//! ```
+
+use std::sync::Arc;
+
+use crate::config::{ModelConfig, ModelFamily};
+use crate::container::{Container, Weight};
+use crate::error::{Error, Result};
+use crate::model::attention::{Attention, LayerKv};
+use crate::model::linear;
+use crate::model::moe::{ExpertSource, Mlp, Moe, ResidentExperts};
+use crate::model::norm::{rmsnorm, rmsnorm_inplace};
+use crate::model::rope::Rope;
+use crate::quant::pack::dequantize_row;
+
+/// The feed-forward half of a decoder layer.
+enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+/// One decoder layer (main model or the MTP block).
+struct Layer {
+    input_layernorm: Vec<f32>,
+    self_attn: Attention,
+    post_attention_layernorm: Vec<f32>,
+    ffn: Ffn,
+}
+
+impl Layer {
+    fn load(c: &Container, cfg: &ModelConfig, index: usize) -> Result<Self> {
+        let p = format!("model.layers.{index}");
+        let h = cfg.hidden_size;
+        let ffn = if cfg.is_moe_layer(index) {
+            Ffn::Moe(Moe::load(c, cfg, index)?)
+        } else {
+            Ffn::Dense(Mlp::load(c, &format!("{p}.mlp"), h, cfg.intermediate_size)?)
+        };
+        Ok(Layer {
+            input_layernorm: linear::load_vector(c, &format!("{p}.input_layernorm.weight"), h)?,
+            self_attn: Attention::load(c, cfg, &p)?,
+            post_attention_layernorm: linear::load_vector(
+                c,
+                &format!("{p}.post_attention_layernorm.weight"),
+                h,
+            )?,
+            ffn,
+        })
+    }
+
+    /// Run the layer on `x` ([s, hidden]) in place.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        x: &mut [f32],
+        s: usize,
+        start: usize,
+        rope_start: usize,
+        kv: &mut LayerKv,
+        rope: &Rope,
+        eps: f32,
+        experts: &dyn ExpertSource,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<()> {
+        let xn = rmsnorm(x, &self.input_layernorm, eps);
+        let a = self
+            .self_attn
+            .forward(&xn, s, start, rope_start, kv, rope, pool)?;
+        for (v, d) in x.iter_mut().zip(&a) {
+            *v += d;
+        }
+        let h = rmsnorm(x, &self.post_attention_layernorm, eps);
+        let y = match &self.ffn {
+            Ffn::Dense(mlp) => mlp.forward(&h, s, pool)?,
+            Ffn::Moe(moe) => moe.forward(&h, s, experts, pool)?,
+        };
+        for (v, d) in x.iter_mut().zip(&y) {
+            *v += d;
+        }
+        Ok(())
+    }
+}
+
+/// The multi-token-prediction head (DeepSeek-V3 style), at layer index `num_hidden_layers`.
+///
+/// As in transformers (the oracle), the head uses the main model's embedding and LM head; the
+/// copies a checkpoint ships under `model.layers.N.embed_tokens` / `shared_head.head` are
+/// identical and are not loaded.
+struct MtpHead {
+    enorm: Vec<f32>,
+    hnorm: Vec<f32>,
+    /// [hidden, 2·hidden]: applied to [enorm(embed(t)) ; hnorm(norm(h))].
+    eh_proj: Weight,
+    layer: Layer,
+    shared_head_norm: Vec<f32>,
+}
+
+impl MtpHead {
+    fn load(c: &Container, cfg: &ModelConfig, index: usize) -> Result<Self> {
+        let p = format!("model.layers.{index}");
+        let h = cfg.hidden_size;
+        Ok(MtpHead {
+            enorm: linear::load_vector(c, &format!("{p}.enorm.weight"), h)?,
+            hnorm: linear::load_vector(c, &format!("{p}.hnorm.weight"), h)?,
+            eh_proj: linear::load(c, &format!("{p}.eh_proj.weight"), h, 2 * h)?,
+            layer: Layer::load(c, cfg, index)?,
+            shared_head_norm: linear::load_vector(c, &format!("{p}.shared_head.norm.weight"), h)?,
+        })
+    }
+
+    /// Whether every tensor the head needs is present (a checkpoint may ship without it).
+    fn present(c: &Container, index: usize) -> bool {
+        let p = format!("model.layers.{index}");
+        [
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "shared_head.norm.weight",
+        ]
+        .iter()
+        .all(|n| c.contains(&format!("{p}.{n}")))
+    }
+}
+
+/// Options fixed at load time.
+#[derive(Debug, Clone)]
+pub struct ModelOptions {
+    /// Compute threads for the kernels (0 = all cores).
+    pub threads: usize,
+    /// Load the MTP head when the checkpoint has one.
+    pub load_mtp: bool,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            threads: 0,
+            load_mtp: true,
+        }
+    }
+}
+
+/// Logits and final pre-norm hidden states of the rows of one forward.
+#[derive(Debug, Clone, Default)]
+pub struct Forward {
+    /// [rows, vocab]: every row, or only the last when asked.
+    pub logits: Vec<f32>,
+    /// [s, hidden]: the residual stream after the last layer, before `model.norm`.
+    pub hidden: Vec<f32>,
+}
+
+/// A loaded model with its KV caches.
+pub struct Model {
+    cfg: ModelConfig,
+    container: Arc<Container>,
+    embed_tokens: Weight,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    /// `None` when the embeddings are tied.
+    lm_head: Option<Weight>,
+    rope: Rope,
+    kv: Vec<LayerKv>,
+    mtp: Option<MtpHead>,
+    mtp_kv: LayerKv,
+    experts: Arc<dyn ExpertSource>,
+    pool: rayon::ThreadPool,
+}
+
+impl Model {
+    /// Load a model whose routed experts are all resident (small models, tests).
+    pub fn load(container: Arc<Container>, opts: &ModelOptions) -> Result<Self> {
+        let cfg = container.config().clone();
+        let mut expert_layers: Vec<usize> = (0..cfg.num_hidden_layers)
+            .filter(|&l| cfg.is_moe_layer(l))
+            .collect();
+        let mtp_index = cfg
+            .mtp_layer_index()
+            .filter(|&i| opts.load_mtp && MtpHead::present(&container, i));
+        expert_layers.extend(mtp_index);
+        let experts = Arc::new(ResidentExperts::load(&container, &cfg, &expert_layers)?);
+        Self::load_with_experts(container, opts, experts)
+    }
+
+    /// Load the dense part and use `experts` for the routed experts.
+    pub fn load_with_experts(
+        container: Arc<Container>,
+        opts: &ModelOptions,
+        experts: Arc<dyn ExpertSource>,
+    ) -> Result<Self> {
+        let cfg = container.config().clone();
+        if cfg.qk_rope_head_dim > 512 || cfg.qk_rope_head_dim % 2 != 0 {
+            return Err(Error::Unsupported(format!(
+                "qk_rope_head_dim = {} (colibri supports even values up to 512)",
+                cfg.qk_rope_head_dim
+            )));
+        }
+        let c = &*container;
+        let h = cfg.hidden_size;
+        let embed_tokens = linear::load(c, "model.embed_tokens.weight", cfg.vocab_size, h)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|l| Layer::load(c, &cfg, l))
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head = if cfg.tie_word_embeddings && !c.contains("lm_head.weight") {
+            None
+        } else {
+            Some(linear::load(c, "lm_head.weight", cfg.vocab_size, h)?)
+        };
+        let mtp = match cfg.mtp_layer_index() {
+            Some(i) if opts.load_mtp && MtpHead::present(c, i) => Some(MtpHead::load(c, &cfg, i)?),
+            _ => None,
+        };
+        let threads = if opts.threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            opts.threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("colibri-compute-{i}"))
+            .build()
+            .map_err(|e| Error::Internal(format!("cannot start the compute pool: {e}")))?;
+        Ok(Model {
+            rope: Rope::new(&cfg),
+            kv: vec![LayerKv::default(); cfg.num_hidden_layers],
+            norm: linear::load_vector(c, "model.norm.weight", h)?,
+            cfg,
+            container,
+            embed_tokens,
+            layers,
+            lm_head,
+            mtp,
+            mtp_kv: LayerKv::default(),
+            experts,
+            pool,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    pub fn container(&self) -> &Arc<Container> {
+        &self.container
+    }
+    pub fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    /// Rows in the main KV cache (= the next position to compute).
+    pub fn kv_len(&self) -> usize {
+        self.kv.first().map_or(0, |k| k.len(self.cfg.kv_lora_rank))
+    }
+    pub fn mtp_kv_len(&self) -> usize {
+        self.mtp_kv.len(self.cfg.kv_lora_rank)
+    }
+    /// Bytes held by the main KV cache.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.iter().map(LayerKv::bytes).sum()
+    }
+
+    /// Drop main-model KV rows from `len` on (roll back rejected positions).
+    pub fn truncate(&mut self, len: usize) {
+        let (kl, rd) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
+        for kv in &mut self.kv {
+            kv.truncate(len, kl, rd);
+        }
+    }
+    pub fn mtp_truncate(&mut self, len: usize) {
+        let (kl, rd) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
+        self.mtp_kv.truncate(len, kl, rd);
+    }
+    /// Forget everything (a new sequence).
+    pub fn reset(&mut self) {
+        self.truncate(0);
+        self.mtp_truncate(0);
+    }
+
+    /// The longest context the engine computes exactly: GLM-5's DSA indexer selects at most
+    /// `index_topk` keys, so beyond that dense MLA would differ from the model.
+    pub fn max_exact_context(&self) -> usize {
+        let limit = self.cfg.max_position_embeddings.max(1);
+        match (self.cfg.family, self.cfg.index_topk) {
+            (ModelFamily::GlmMoeDsa, Some(k)) => limit.min(k),
+            _ => limit,
+        }
+    }
+
+    fn check_tokens(&self, tokens: &[u32], start: usize, kv_len: usize) -> Result<()> {
+        if tokens.is_empty() {
+            return Err(Error::invalid("tokens", "at least one token is required"));
+        }
+        if start != kv_len {
+            return Err(Error::invalid(
+                "start_pos",
+                format!("must equal the cached length {kv_len}, got {start}"),
+            ));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(Error::invalid(
+                "tokens",
+                format!(
+                    "token id {bad} is outside the vocabulary (size {})",
+                    self.cfg.vocab_size
+                ),
+            ));
+        }
+        let end = start + tokens.len();
+        if end > self.max_exact_context() {
+            return Err(Error::invalid(
+                "context",
+                format!(
+                    "{end} tokens exceed the {} this model is computed exactly for{}; shorten \
+                     the prompt or max_new_tokens",
+                    self.max_exact_context(),
+                    if self.cfg.family == ModelFamily::GlmMoeDsa {
+                        " (GLM-5's sparse DSA attention is not implemented yet, dense MLA is \
+                         exact only up to index_topk keys)"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn embed(&self, w: &Weight, tokens: &[u32]) -> Vec<f32> {
+        let h = self.cfg.hidden_size;
+        let view = w.view();
+        let mut x = vec![0.0f32; tokens.len() * h];
+        for (r, &t) in tokens.iter().enumerate() {
+            dequantize_row(&view, t as usize, &mut x[r * h..(r + 1) * h]);
+        }
+        x
+    }
+
+    fn head_logits(&self, head: &Weight, xn: &[f32], rows: usize) -> Result<Vec<f32>> {
+        linear::apply(head, xn, rows, Some(&self.pool))
+    }
+
+    /// One forward over `tokens` at positions `start..`, appending their KV rows. Returns the
+    /// logits of every row (`all_logits`) or of the last row only, and every row's hidden state.
+    pub fn step(&mut self, tokens: &[u32], start: usize, all_logits: bool) -> Result<Forward> {
+        self.check_tokens(tokens, start, self.kv_len())?;
+        let s = tokens.len();
+        let h = self.cfg.hidden_size;
+        let eps = self.cfg.rms_norm_eps;
+        let mut x = self.embed(&self.embed_tokens, tokens);
+        let result = (|| {
+            for (layer, kv) in self.layers.iter().zip(self.kv.iter_mut()) {
+                layer.forward(
+                    &mut x,
+                    s,
+                    start,
+                    start,
+                    kv,
+                    &self.rope,
+                    eps,
+                    &*self.experts,
+                    Some(&self.pool),
+                )?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            // Leave the cache as it was before this call: no half-written rows.
+            self.truncate(start);
+            return Err(e);
+        }
+        let rows = if all_logits { s } else { 1 };
+        let last = &x[(s - rows) * h..];
+        let xn = rmsnorm(last, &self.norm, eps);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        let logits = self.head_logits(head, &xn, rows)?;
+        Ok(Forward { logits, hidden: x })
+    }
+
+    /// The state the MTP head consumes for main-model hidden states: `model.norm(hidden)`.
+    pub fn final_norm(&self, hidden: &[f32]) -> Vec<f32> {
+        rmsnorm(hidden, &self.norm, self.cfg.rms_norm_eps)
+    }
+
+    /// The MTP head over `s` rows: row j takes token `tokens[j]` and the carried state
+    /// `carried[j]` — `model.norm(h)` of the main model's hidden at the previous position, or
+    /// the head's own previous output when chaining — and appends MTP KV rows at `start..`:
+    /// ```text
+    /// z = MTPLayer(eh_proj · [enorm(embed(t)) ; hnorm(carried)])
+    /// out = shared_head.norm(z);  logits = lm_head(out)
+    /// ```
+    /// Returns the logits (predicting the token after `tokens[j]`) and `out`, the state a
+    /// chained draft carries (transformers' convention: the normed output, not raw z).
+    pub fn mtp_step(&mut self, tokens: &[u32], carried: &[f32], start: usize) -> Result<Forward> {
+        let h = self.cfg.hidden_size;
+        let eps = self.cfg.rms_norm_eps;
+        let s = tokens.len();
+        self.check_tokens(tokens, start, self.mtp_kv_len())?;
+        let Some(mtp) = self.mtp.as_ref() else {
+            return Err(Error::invalid(
+                "draft",
+                "this model has no MTP head (or it was disabled); use draft='ngram' or 'off'",
+            ));
+        };
+        if carried.len() != s * h {
+            return Err(Error::invalid(
+                "hidden",
+                format!("expected {s}×{h} values, got {}", carried.len()),
+            ));
+        }
+        let mut e = self.embed(&self.embed_tokens, tokens);
+        rmsnorm_inplace(&mut e, &mtp.enorm, eps);
+        let hn = rmsnorm(carried, &mtp.hnorm, eps);
+        let mut cat = Vec::with_capacity(s * 2 * h);
+        for r in 0..s {
+            cat.extend_from_slice(&e[r * h..(r + 1) * h]);
+            cat.extend_from_slice(&hn[r * h..(r + 1) * h]);
+        }
+        let mut z = linear::apply(&mtp.eh_proj, &cat, s, Some(&self.pool))?;
+        // MTP row p pairs h_p with token p+1 and sits at rope position p+1 (transformers).
+        if let Err(err) = mtp.layer.forward(
+            &mut z,
+            s,
+            start,
+            start + 1,
+            &mut self.mtp_kv,
+            &self.rope,
+            eps,
+            &*self.experts,
+            Some(&self.pool),
+        ) {
+            let (kl, rd) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
+            self.mtp_kv.truncate(start, kl, rd);
+            return Err(err);
+        }
+        let out = rmsnorm(&z, &mtp.shared_head_norm, eps);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        let logits = self.head_logits(head, &out, s)?;
+        Ok(Forward {
+            logits,
+            hidden: out,
+        })
+    }
+}

@@ -1,0 +1,11 @@
+//! The forward pass of DeepSeek-V3-family models: MLA attention, dense and MoE feed-forward,
+//! the MTP head, and the KV caches.
+
+pub mod attention;
+pub mod forward;
+pub mod linear;
+pub mod moe;
+pub mod norm;
+pub mod rope;
+
+pub use forward::{Forward, Model, ModelOptions};

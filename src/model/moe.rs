@@ -1,0 +1,344 @@
+//! The feed-forward blocks: dense MLP, the noaux_tc router, and the MoE that runs the union of
+//! the experts chosen by S rows (each expert fetched once per forward) plus the shared expert.
+
+use crate::config::ModelConfig;
+use crate::container::{Container, Weight};
+use crate::error::{Error, Result};
+use crate::model::linear;
+use crate::quant::kernels;
+use crate::quant::QMatrix;
+
+/// silu(v) = v / (1 + e^-v), the one definition every path uses.
+#[inline]
+pub fn silu(v: f32) -> f32 {
+    v / (1.0 + (-v).exp())
+}
+
+/// `down(silu(gate·x) ⊙ up·x)` over `s` rows of `x`.
+pub fn ffn(
+    gate: &QMatrix<'_>,
+    up: &QMatrix<'_>,
+    down: &QMatrix<'_>,
+    x: &[f32],
+    s: usize,
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<Vec<f32>> {
+    let inter = gate.rows();
+    let mut g = vec![0.0f32; s * inter];
+    let mut u = vec![0.0f32; s * inter];
+    kernels::matmul(gate, x, s, &mut g, pool)?;
+    kernels::matmul(up, x, s, &mut u, pool)?;
+    for (a, b) in g.iter_mut().zip(&u) {
+        *a = silu(*a) * b;
+    }
+    let mut out = vec![0.0f32; s * down.rows()];
+    kernels::matmul(down, &g, s, &mut out, pool)?;
+    Ok(out)
+}
+
+/// A dense gated MLP (dense-first layers and the shared experts).
+pub struct Mlp {
+    gate_proj: Weight,
+    up_proj: Weight,
+    down_proj: Weight,
+}
+
+impl Mlp {
+    pub fn load(c: &Container, prefix: &str, hidden: usize, inter: usize) -> Result<Self> {
+        Ok(Mlp {
+            gate_proj: linear::load(c, &format!("{prefix}.gate_proj.weight"), inter, hidden)?,
+            up_proj: linear::load(c, &format!("{prefix}.up_proj.weight"), inter, hidden)?,
+            down_proj: linear::load(c, &format!("{prefix}.down_proj.weight"), hidden, inter)?,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        x: &[f32],
+        s: usize,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<Vec<f32>> {
+        ffn(
+            &self.gate_proj.view(),
+            &self.up_proj.view(),
+            &self.down_proj.view(),
+            x,
+            s,
+            pool,
+        )
+    }
+}
+
+/// One routed expert's three matrices, borrowed from wherever the store keeps them.
+pub struct ExpertWeights<'a> {
+    pub gate: QMatrix<'a>,
+    pub up: QMatrix<'a>,
+    pub down: QMatrix<'a>,
+}
+
+/// Where routed experts come from: all resident (tiny models, tests) or the streaming store.
+pub trait ExpertSource: Send + Sync {
+    /// Make experts `ids` of `layer` available and call `f` for each (in any order).
+    fn with_experts(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        f: &mut dyn FnMut(usize, &ExpertWeights<'_>) -> Result<()>,
+    ) -> Result<()>;
+
+    /// Predicted experts of `layer` (router lookahead): bring them in early if possible.
+    fn prefetch(&self, _layer: usize, _ids: &[usize]) {}
+}
+
+/// Every expert loaded at start-up (views of the container's mapped shards).
+pub struct ResidentExperts {
+    /// [layer][expert] → (gate, up, down); empty for dense layers.
+    layers: Vec<Vec<[Weight; 3]>>,
+}
+
+impl ResidentExperts {
+    pub fn load(c: &Container, cfg: &ModelConfig, layers: &[usize]) -> Result<Self> {
+        let mut out: Vec<Vec<[Weight; 3]>> = Vec::new();
+        let (h, mi) = (cfg.hidden_size, cfg.moe_intermediate_size);
+        for &l in layers {
+            if out.len() <= l {
+                out.resize_with(l + 1, Vec::new);
+            }
+            let mut experts = Vec::with_capacity(cfg.n_routed_experts);
+            for e in 0..cfg.n_routed_experts {
+                let p = format!("model.layers.{l}.mlp.experts.{e}");
+                experts.push([
+                    linear::load(c, &format!("{p}.gate_proj.weight"), mi, h)?,
+                    linear::load(c, &format!("{p}.up_proj.weight"), mi, h)?,
+                    linear::load(c, &format!("{p}.down_proj.weight"), h, mi)?,
+                ]);
+            }
+            out[l] = experts;
+        }
+        Ok(ResidentExperts { layers: out })
+    }
+}
+
+impl ExpertSource for ResidentExperts {
+    fn with_experts(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        f: &mut dyn FnMut(usize, &ExpertWeights<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let experts = self
+            .layers
+            .get(layer)
+            .ok_or_else(|| Error::Internal(format!("layer {layer} has no experts")))?;
+        for &id in ids {
+            let [g, u, d] = experts
+                .get(id)
+                .ok_or_else(|| Error::Internal(format!("expert {id} of layer {layer}")))?;
+            f(
+                id,
+                &ExpertWeights {
+                    gate: g.view(),
+                    up: u.view(),
+                    down: d.view(),
+                },
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The noaux_tc router: sigmoid scores, bias-corrected choice, optional group limit.
+pub struct Router {
+    /// [n_routed_experts, hidden], kept in f32 as the checkpoints ship it.
+    weight: Weight,
+    e_score_correction_bias: Vec<f32>,
+    top_k: usize,
+    n_group: usize,
+    topk_group: usize,
+    norm_topk_prob: bool,
+    routed_scaling_factor: f32,
+}
+
+/// The chosen experts of one row and their weights (top_k entries each).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    pub ids: Vec<usize>,
+    pub weights: Vec<f32>,
+}
+
+impl Router {
+    pub fn load(c: &Container, cfg: &ModelConfig, prefix: &str) -> Result<Self> {
+        let e = cfg.n_routed_experts;
+        Ok(Router {
+            weight: linear::load(c, &format!("{prefix}.gate.weight"), e, cfg.hidden_size)?,
+            e_score_correction_bias: linear::load_vector(
+                c,
+                &format!("{prefix}.gate.e_score_correction_bias"),
+                e,
+            )?,
+            top_k: cfg.num_experts_per_tok,
+            n_group: cfg.n_group.max(1),
+            topk_group: cfg.topk_group.max(1),
+            norm_topk_prob: cfg.norm_topk_prob,
+            routed_scaling_factor: cfg.routed_scaling_factor,
+        })
+    }
+
+    /// Experts chosen per token (`num_experts_per_tok`).
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+
+    /// Route `s` rows of `h` ([s, hidden]); `top_k` overrides the config's k (prefetch uses
+    /// a wider prediction).
+    pub fn route(
+        &self,
+        h: &[f32],
+        s: usize,
+        top_k: usize,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<Vec<Routing>> {
+        let logits = linear::apply(&self.weight, h, s, pool)?;
+        let e = self.e_score_correction_bias.len();
+        Ok(logits
+            .chunks_exact(e)
+            .map(|row| self.route_row(row, top_k))
+            .collect())
+    }
+
+    fn route_row(&self, logits: &[f32], top_k: usize) -> Routing {
+        let e = logits.len();
+        let scores: Vec<f32> = logits.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
+        let mut choice: Vec<f32> = scores
+            .iter()
+            .zip(&self.e_score_correction_bias)
+            .map(|(s, b)| s + b)
+            .collect();
+        if self.n_group > 1 {
+            let per = e / self.n_group;
+            // A group's score is the sum of its best two choice scores.
+            let group_scores: Vec<f32> = choice
+                .chunks_exact(per)
+                .map(|g| {
+                    let best = top_indices(g, 2.min(per));
+                    best.iter().map(|&i| g[i]).sum()
+                })
+                .collect();
+            let keep = top_indices(&group_scores, self.topk_group);
+            for (g, chunk) in choice.chunks_exact_mut(per).enumerate() {
+                if !keep.contains(&g) {
+                    chunk.fill(f32::NEG_INFINITY);
+                }
+            }
+        }
+        let ids = top_indices(&choice, top_k.min(e));
+        let mut weights: Vec<f32> = ids.iter().map(|&i| scores[i]).collect();
+        if self.norm_topk_prob {
+            let denom: f32 = weights.iter().sum::<f32>() + 1e-20;
+            for w in &mut weights {
+                *w /= denom;
+            }
+        }
+        for w in &mut weights {
+            *w *= self.routed_scaling_factor;
+        }
+        Routing { ids, weights }
+    }
+}
+
+/// Indices of the `k` largest values, best first; ties go to the lowest index.
+pub fn top_indices(v: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// A MoE block: router, routed experts (from an [`ExpertSource`]) and shared experts.
+pub struct Moe {
+    pub router: Router,
+    shared: Option<Mlp>,
+    layer: usize,
+}
+
+impl Moe {
+    pub fn load(c: &Container, cfg: &ModelConfig, layer: usize) -> Result<Self> {
+        let prefix = format!("model.layers.{layer}.mlp");
+        let shared = if cfg.n_shared_experts > 0 {
+            Some(Mlp::load(
+                c,
+                &format!("{prefix}.shared_experts"),
+                cfg.hidden_size,
+                cfg.moe_intermediate_size * cfg.n_shared_experts,
+            )?)
+        } else {
+            None
+        };
+        Ok(Moe {
+            router: Router::load(c, cfg, &prefix)?,
+            shared,
+            layer,
+        })
+    }
+
+    /// MoE over `s` rows of normed `h`: route every row, fetch the union of chosen experts once,
+    /// run each on the rows that chose it, and sum per row in ascending expert order (so the
+    /// result does not depend on the order experts arrive in).
+    pub fn forward(
+        &self,
+        h: &[f32],
+        s: usize,
+        experts: &dyn ExpertSource,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<Vec<f32>> {
+        let hidden = h.len() / s.max(1);
+        let routing = self.router.route(h, s, self.router.top_k, pool)?;
+        let mut union: Vec<usize> = routing.iter().flat_map(|r| r.ids.iter().copied()).collect();
+        union.sort_unstable();
+        union.dedup();
+        // per_row[r] = (expert id, weighted output) for each of row r's choices.
+        let mut per_row: Vec<Vec<(usize, Vec<f32>)>> = vec![Vec::new(); s];
+        experts.with_experts(self.layer, &union, &mut |id, w| {
+            let rows: Vec<(usize, f32)> = routing
+                .iter()
+                .enumerate()
+                .filter_map(|(r, rt)| {
+                    rt.ids
+                        .iter()
+                        .position(|&x| x == id)
+                        .map(|k| (r, rt.weights[k]))
+                })
+                .collect();
+            let mut xs = Vec::with_capacity(rows.len() * hidden);
+            for &(r, _) in &rows {
+                xs.extend_from_slice(&h[r * hidden..(r + 1) * hidden]);
+            }
+            let y = ffn(&w.gate, &w.up, &w.down, &xs, rows.len(), pool)?;
+            for (k, &(r, weight)) in rows.iter().enumerate() {
+                let out = y[k * hidden..(k + 1) * hidden]
+                    .iter()
+                    .map(|v| v * weight)
+                    .collect();
+                per_row[r].push((id, out));
+            }
+            Ok(())
+        })?;
+        let mut out = vec![0.0f32; s * hidden];
+        for (r, mut contributions) in per_row.into_iter().enumerate() {
+            contributions.sort_by_key(|(id, _)| *id);
+            let dst = &mut out[r * hidden..(r + 1) * hidden];
+            for (_, y) in contributions {
+                for (a, b) in dst.iter_mut().zip(&y) {
+                    *a += b;
+                }
+            }
+        }
+        if let Some(shared) = &self.shared {
+            let y = shared.forward(h, s, pool)?;
+            for (a, b) in out.iter_mut().zip(&y) {
+                *a += b;
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,260 @@
+//! The forward pass against transformers' goldens (tests/fixtures/*, made by
+//! tools/make_fixtures.py): prefill and token-by-token logits, greedy continuation, chunked
+//! prefill, the MTP head (depth 1 and chained), and KV accounting.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use colibri::container::Container;
+use colibri::model::{Model, ModelOptions};
+
+const FIXTURES: [&str; 4] = ["dsv3_a", "dsv3_b", "glm_a", "glm_b"];
+
+fn fixture_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+/// A minimal safetensors reader for the golden files (independent of the container code).
+struct Golden {
+    tensors: HashMap<String, (String, Vec<usize>, Vec<u8>)>,
+}
+
+impl Golden {
+    fn load(name: &str) -> Golden {
+        let bytes = std::fs::read(fixture_dir(name).join("golden.safetensors")).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let data = &bytes[8 + n..];
+        let mut tensors = HashMap::new();
+        for (k, v) in header.as_object().unwrap() {
+            if k == "__metadata__" {
+                continue;
+            }
+            let dtype = v["dtype"].as_str().unwrap().to_owned();
+            let shape = v["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap() as usize)
+                .collect();
+            let off = v["data_offsets"].as_array().unwrap();
+            let (a, b) = (
+                off[0].as_u64().unwrap() as usize,
+                off[1].as_u64().unwrap() as usize,
+            );
+            tensors.insert(k.clone(), (dtype, shape, data[a..b].to_vec()));
+        }
+        Golden { tensors }
+    }
+    fn f32(&self, k: &str) -> (Vec<usize>, Vec<f32>) {
+        let (dt, shape, b) = &self.tensors[k];
+        assert_eq!(dt, "F32");
+        (
+            shape.clone(),
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        )
+    }
+    fn ids(&self, k: &str) -> Vec<u32> {
+        let (dt, _, b) = &self.tensors[k];
+        assert_eq!(dt, "I64");
+        b.chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect()
+    }
+}
+
+fn load(name: &str) -> Model {
+    let c = Arc::new(Container::open(&fixture_dir(name)).unwrap());
+    Model::load(c, &ModelOptions::default()).unwrap()
+}
+
+fn max_abs(v: &[f32]) -> f32 {
+    v.iter().fold(0.0f32, |m, x| m.max(x.abs()))
+}
+
+/// max |a − b| / max |b|.
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let d = a
+        .iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    d / max_abs(b)
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn prefill_logits_match_transformers() {
+    for name in FIXTURES {
+        let g = Golden::load(name);
+        let prompt = g.ids("prompt_ids");
+        let (_, want) = g.f32("logits");
+        let (_, want_hidden) = g.f32("hidden");
+        let mut m = load(name);
+        let f = m.step(&prompt, 0, true).unwrap();
+        let err = rel_err(&f.logits, &want);
+        eprintln!(
+            "{name}: prefill logits rel err {err:.2e}, hidden rel err {:.2e}",
+            rel_err(&f.hidden, &want_hidden)
+        );
+        assert!(err <= 1e-3, "{name}: prefill logits rel err {err}");
+    }
+}
+
+#[test]
+fn token_by_token_logits_match_transformers() {
+    for name in FIXTURES {
+        let g = Golden::load(name);
+        let prompt = g.ids("prompt_ids");
+        let (shape, want) = g.f32("logits");
+        let v = shape[1];
+        let mut m = load(name);
+        for (p, &t) in prompt.iter().enumerate() {
+            let f = m.step(&[t], p, true).unwrap();
+            let err = rel_err(&f.logits, &want[p * v..(p + 1) * v]);
+            assert!(err <= 1e-3, "{name}: position {p} rel err {err}");
+        }
+    }
+}
+
+#[test]
+fn greedy_continuation_is_token_identical() {
+    for name in FIXTURES {
+        let g = Golden::load(name);
+        let prompt = g.ids("prompt_ids");
+        let want = g.ids("greedy_ids");
+        let (_, want_logits) = g.f32("greedy_logits");
+        let v = want_logits.len() / want.len();
+        let mut m = load(name);
+        let mut f = m.step(&prompt, 0, false).unwrap();
+        let mut got = Vec::new();
+        for i in 0..want.len() {
+            let err = rel_err(&f.logits, &want_logits[i * v..(i + 1) * v]);
+            assert!(err <= 1e-3, "{name}: greedy step {i} rel err {err}");
+            let t = argmax(&f.logits);
+            got.push(t);
+            if i + 1 < want.len() {
+                f = m.step(&[t], prompt.len() + i, false).unwrap();
+            }
+        }
+        assert_eq!(got, want, "{name}");
+    }
+}
+
+#[test]
+fn chunked_prefill_equals_one_shot() {
+    for name in FIXTURES {
+        let g = Golden::load(name);
+        let prompt = g.ids("prompt_ids");
+        let mut m = load(name);
+        let one = m.step(&prompt, 0, true).unwrap().logits;
+        m.reset();
+        let mut chunked = Vec::new();
+        let mut pos = 0;
+        for chunk in prompt.chunks(5) {
+            chunked.extend(m.step(chunk, pos, true).unwrap().logits);
+            pos += chunk.len();
+        }
+        let err = rel_err(&chunked, &one);
+        assert!(err <= 1e-5, "{name}: chunked vs one-shot rel err {err}");
+    }
+}
+
+#[test]
+fn kv_cache_holds_latent_and_rope_key_only() {
+    for name in FIXTURES {
+        let g = Golden::load(name);
+        let prompt = g.ids("prompt_ids");
+        let mut m = load(name);
+        m.step(&prompt, 0, false).unwrap();
+        let cfg = m.config().clone();
+        let per = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4;
+        assert_eq!(cfg.kv_bytes_per_token_per_layer(), per);
+        assert_eq!(m.kv_bytes(), per * prompt.len() * cfg.num_hidden_layers);
+        m.truncate(5);
+        assert_eq!(m.kv_len(), 5);
+        assert_eq!(m.kv_bytes(), per * 5 * cfg.num_hidden_layers);
+    }
+}
+
+#[test]
+fn rollback_then_recompute_matches() {
+    let g = Golden::load("dsv3_a");
+    let prompt = g.ids("prompt_ids");
+    let mut m = load("dsv3_a");
+    let want = m.step(&prompt, 0, true).unwrap().logits;
+    // Feed garbage after position 6, roll back, and recompute the rest.
+    m.truncate(6);
+    m.step(&[3, 4, 5], 6, false).unwrap();
+    m.truncate(6);
+    let tail = m.step(&prompt[6..], 6, true).unwrap().logits;
+    let v = m.config().vocab_size;
+    assert!(rel_err(&tail, &want[6 * v..]) <= 1e-5);
+}
+
+#[test]
+fn mtp_head_matches_transformers() {
+    for name in FIXTURES {
+        let g = Golden::load(name);
+        let prompt = g.ids("prompt_ids");
+        let (_, want) = g.f32("mtp_logits");
+        let mut m = load(name);
+        assert!(m.has_mtp(), "{name}");
+        let f = m.step(&prompt, 0, true).unwrap();
+        let h = m.config().hidden_size;
+        let t = prompt.len();
+        let carried = m.final_norm(&f.hidden[..(t - 1) * h]);
+        let d = m.mtp_step(&prompt[1..], &carried, 0).unwrap();
+        let err = rel_err(&d.logits, &want);
+        eprintln!("{name}: mtp logits rel err {err:.2e}");
+        assert!(err <= 1e-3, "{name}: mtp logits rel err {err}");
+    }
+}
+
+#[test]
+fn chained_mtp_drafts_match_transformers_convention() {
+    for name in FIXTURES {
+        let g = Golden::load(name);
+        let prompt = g.ids("prompt_ids");
+        let greedy = g.ids("greedy_ids");
+        let want_ids = g.ids("mtp_chain_ids");
+        let (_, want_logits) = g.f32("mtp_chain_logits");
+        let mut m = load(name);
+        let v = m.config().vocab_size;
+        let h = m.config().hidden_size;
+        let t = prompt.len();
+        let f = m.step(&prompt, 0, true).unwrap();
+        let carried = m.final_norm(&f.hidden);
+        // Absorb the prompt and draft from the last position in one batch.
+        let mut tokens = prompt[1..].to_vec();
+        tokens.push(greedy[0]);
+        let d = m.mtp_step(&tokens, &carried, 0).unwrap();
+        let mut logits = d.logits[(t - 1) * v..].to_vec();
+        let mut state = d.hidden[(t - 1) * h..].to_vec();
+        for k in 0..want_ids.len() {
+            let err = rel_err(&logits, &want_logits[k * v..(k + 1) * v]);
+            assert!(err <= 1e-3, "{name}: chain depth {} rel err {err}", k + 1);
+            let id = argmax(&logits);
+            assert_eq!(id, want_ids[k], "{name}: depth {}", k + 1);
+            if k + 1 < want_ids.len() {
+                let d = m.mtp_step(&[id], &state, t + k).unwrap();
+                logits = d.logits;
+                state = d.hidden;
+            }
+        }
+    }
+}

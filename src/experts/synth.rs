@@ -1,0 +1,298 @@
+//! Synthetic expert containers: safetensors shards of random int4/int8 experts in the layout
+//! of our converter (gate, up, down and their `.qs` scales adjacent, one expert after the
+//! other), plus a `config.json` that [`Container::open`](crate::container::Container::open)
+//! accepts. Used by the store's tests and by `benches/experts.rs` (GLM-5.2 expert shapes:
+//! hidden 6144, moe_intermediate 2048, int4-gs64 = 21,233,664 bytes per expert).
+//!
+//! The bytes are a deterministic function of (seed, layer, expert, tensor), so two
+//! containers written with the same spec are identical.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use super::source::{fnv1a, ByteRange, ExpertLoc, MatrixLoc, StaticSource, FNV_OFFSET};
+use crate::container::names::expert_tensor_name;
+use crate::container::safetensors::{write_header, TensorSpec};
+use crate::container::{Dtype, Proj, SCALES_SUFFIX};
+use crate::error::{Error, Result};
+use crate::quant::QuantFormat;
+
+/// What to write.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SynthSpec {
+    pub hidden: usize,
+    pub moe_intermediate: usize,
+    pub n_routed_experts: usize,
+    /// Main decoder layers; the first `first_k_dense_replace` are dense (no experts).
+    pub num_hidden_layers: usize,
+    pub first_k_dense_replace: usize,
+    /// Add an MTP layer (index `num_hidden_layers`) with its own experts.
+    pub mtp: bool,
+    /// A quantised format (int8 / int4 / int4 grouped).
+    pub format: QuantFormat,
+    pub experts_per_shard: usize,
+    pub seed: u64,
+    /// Put a 2-byte tensor first so that every scale is 4-byte misaligned in the file.
+    pub misalign: bool,
+}
+
+impl SynthSpec {
+    /// GLM-5.2 expert shapes at int4-gs64, `moe_layers` MoE layers of `experts` experts.
+    pub fn glm52(moe_layers: usize, experts: usize) -> Self {
+        SynthSpec {
+            hidden: 6144,
+            moe_intermediate: 2048,
+            n_routed_experts: experts,
+            num_hidden_layers: moe_layers,
+            first_k_dense_replace: 0,
+            mtp: false,
+            format: QuantFormat::Int4Grouped { group_size: 64 },
+            experts_per_shard: 64,
+            seed: 1,
+            misalign: false,
+        }
+    }
+
+    /// A small spec for tests.
+    pub fn tiny(format: QuantFormat) -> Self {
+        SynthSpec {
+            hidden: 64,
+            moe_intermediate: 32,
+            n_routed_experts: 8,
+            num_hidden_layers: 3,
+            first_k_dense_replace: 1,
+            mtp: true,
+            format,
+            experts_per_shard: 5,
+            seed: 7,
+            misalign: false,
+        }
+    }
+
+    /// Layer indices with routed experts.
+    pub fn moe_layers(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = (self.first_k_dense_replace..self.num_hidden_layers).collect();
+        if self.mtp {
+            v.push(self.num_hidden_layers);
+        }
+        v
+    }
+
+    /// A `config.json` for these shapes (GLM-5 family; tiny attention dims, vocab 256).
+    pub fn config_json(&self) -> String {
+        serde_json::json!({
+            "model_type": "glm_moe_dsa",
+            "architectures": ["GlmMoeDsaForCausalLM"],
+            "vocab_size": 256,
+            "hidden_size": self.hidden,
+            "intermediate_size": 2 * self.moe_intermediate,
+            "moe_intermediate_size": self.moe_intermediate,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": self.n_routed_experts,
+            "num_experts_per_tok": self.n_routed_experts.min(8),
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "num_nextn_predict_layers": usize::from(self.mtp),
+            "index_head_dim": 16,
+            "index_n_heads": 2,
+            "index_topk": 2048,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": false
+        })
+        .to_string()
+    }
+}
+
+/// Deterministic pseudo-random bytes (splitmix64).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64, layer: usize, expert: usize, which: usize) -> Self {
+        let k = [seed, layer as u64, expert as u64, which as u64];
+        let mut h = FNV_OFFSET;
+        for x in k {
+            h = fnv1a(&x.to_le_bytes(), h);
+        }
+        Rng(h)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn fill(&mut self, out: &mut [u8]) {
+        let mut chunks = out.chunks_exact_mut(8);
+        for c in &mut chunks {
+            c.copy_from_slice(&self.next().to_le_bytes());
+        }
+        let rest = chunks.into_remainder();
+        let last = self.next().to_le_bytes();
+        let n = rest.len();
+        rest.copy_from_slice(&last[..n]);
+    }
+    /// Positive finite scales in [1e-3, 1.1e-2).
+    fn fill_scales(&mut self, out: &mut [u8]) {
+        for c in out.chunks_exact_mut(4) {
+            let s = 1e-3 + (self.next() % 10_000) as f32 * 1e-6;
+            c.copy_from_slice(&s.to_le_bytes());
+        }
+    }
+}
+
+/// Write `config.json` and the expert shards into `dir` (created if needed). Returns the
+/// table of where every expert is.
+pub fn write(dir: &Path, spec: &SynthSpec) -> Result<StaticSource> {
+    let f = spec.format;
+    if !f.is_quantized() {
+        return Err(Error::invalid(
+            "format",
+            "synthetic experts must be quantised",
+        ));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let cfg_path = dir.join("config.json");
+    std::fs::write(&cfg_path, spec.config_json()).map_err(|e| Error::io(&cfg_path, e))?;
+    let shapes = [
+        (Proj::Gate, spec.moe_intermediate, spec.hidden),
+        (Proj::Up, spec.moe_intermediate, spec.hidden),
+        (Proj::Down, spec.hidden, spec.moe_intermediate),
+    ];
+    let all: Vec<(usize, usize)> = spec
+        .moe_layers()
+        .into_iter()
+        .flat_map(|l| (0..spec.n_routed_experts).map(move |e| (l, e)))
+        .collect();
+    let mut files = Vec::new();
+    let mut layers: BTreeMap<usize, Vec<ExpertLoc>> = BTreeMap::new();
+    let mut fp = fnv1a(spec.config_json().as_bytes(), FNV_OFFSET);
+    for (si, chunk) in all.chunks(spec.experts_per_shard.max(1)).enumerate() {
+        let path: PathBuf = dir.join(format!("experts-{si:05}.safetensors"));
+        // Tensor list: (spec, (layer, expert, which)), which = 2·proj + is_scales.
+        let mut specs = Vec::new();
+        let mut gen = Vec::new();
+        if spec.misalign {
+            specs.push(TensorSpec {
+                name: "colibri.synthetic.pad".into(),
+                dtype: Dtype::U8,
+                shape: vec![2],
+            });
+            gen.push(None);
+        }
+        for &(l, e) in chunk {
+            for (p, (proj, rows, cols)) in shapes.iter().enumerate() {
+                let name = expert_tensor_name(l, e, *proj);
+                let nbytes = f.data_bytes(*rows, *cols).unwrap_or(0);
+                let nscales = f.scale_count(*rows, *cols).unwrap_or(0);
+                specs.push(TensorSpec {
+                    name: name.clone(),
+                    dtype: Dtype::U8,
+                    shape: vec![nbytes],
+                });
+                gen.push(Some((l, e, 2 * p)));
+                specs.push(TensorSpec {
+                    name: format!("{name}{SCALES_SUFFIX}"),
+                    dtype: Dtype::F32,
+                    shape: vec![nscales],
+                });
+                gen.push(Some((l, e, 2 * p + 1)));
+            }
+        }
+        let mut meta = BTreeMap::new();
+        meta.insert("format".to_string(), "pt".to_string());
+        meta.insert(
+            crate::container::FORMAT_VERSION_KEY.to_string(),
+            crate::container::FORMAT_VERSION.to_string(),
+        );
+        for s in &specs {
+            if s.dtype == Dtype::U8 && !s.name.starts_with("colibri.") {
+                meta.insert(s.name.clone(), f.name());
+            }
+        }
+        let header = write_header(&specs, &meta);
+        let file = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
+        let mut w = std::io::BufWriter::with_capacity(8 << 20, file);
+        w.write_all(&header).map_err(|e| Error::io(&path, e))?;
+        let mut offset = header.len() as u64;
+        let mut buf = Vec::new();
+        let mut locs: BTreeMap<(usize, usize), Vec<ByteRange>> = BTreeMap::new();
+        let file_idx = files.len();
+        for (s, g) in specs.iter().zip(&gen) {
+            let n = s.nbytes();
+            buf.resize(n, 0);
+            match g {
+                None => buf.fill(0),
+                Some((l, e, which)) => {
+                    let mut rng = Rng::new(spec.seed, *l, *e, *which);
+                    if which % 2 == 0 {
+                        rng.fill(&mut buf);
+                    } else {
+                        rng.fill_scales(&mut buf);
+                    }
+                    locs.entry((*l, *e)).or_default().push(ByteRange {
+                        file: file_idx,
+                        offset,
+                        len: n as u64,
+                    });
+                }
+            }
+            w.write_all(&buf).map_err(|e| Error::io(&path, e))?;
+            offset += n as u64;
+        }
+        w.flush().map_err(|e| Error::io(&path, e))?;
+        fp = fnv1a(&offset.to_le_bytes(), fp);
+        for ((l, e), r) in locs {
+            let m = |i: usize, name: String, rows: usize, cols: usize| MatrixLoc {
+                name,
+                format: f,
+                rows,
+                cols,
+                data: r[2 * i],
+                scales: Some(r[2 * i + 1]),
+            };
+            let loc = ExpertLoc {
+                gate: m(
+                    0,
+                    expert_tensor_name(l, e, Proj::Gate),
+                    shapes[0].1,
+                    shapes[0].2,
+                ),
+                up: m(
+                    1,
+                    expert_tensor_name(l, e, Proj::Up),
+                    shapes[1].1,
+                    shapes[1].2,
+                ),
+                down: m(
+                    2,
+                    expert_tensor_name(l, e, Proj::Down),
+                    shapes[2].1,
+                    shapes[2].2,
+                ),
+            };
+            let v = layers.entry(l).or_default();
+            debug_assert_eq!(v.len(), e);
+            v.push(loc);
+        }
+        files.push(path);
+    }
+    Ok(StaticSource {
+        dir: dir.to_path_buf(),
+        files,
+        fingerprint: format!("{fp:016x}"),
+        num_layers: spec.num_hidden_layers + usize::from(spec.mtp),
+        layers,
+    })
+}

@@ -1,0 +1,589 @@
+//! Store tests on small synthetic containers: byte-identical views across every mode, cache
+//! size, pin set, worker count and prefetch mode; faults; budget accounting; prefetch
+//! bookkeeping; the routing-history file; the container adapter.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::source::{fnv1a, FNV_OFFSET};
+use super::synth::{self, SynthSpec};
+use super::*;
+use crate::quant::QuantFormat;
+
+const G64: QuantFormat = QuantFormat::Int4Grouped { group_size: 64 };
+
+fn make(spec: &SynthSpec) -> (tempfile::TempDir, Arc<StaticSource>) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let src = synth::write(dir.path(), spec).expect("synth");
+    (dir, Arc::new(src))
+}
+
+fn opts(io: IoMode, budget: u64) -> StoreOptions {
+    StoreOptions {
+        io,
+        ram_budget_bytes: Some(budget),
+        io_threads: 2,
+        pin: PinPolicy::Off,
+        prefetch: PrefetchMode::Off,
+        prefetch_threads: 1,
+        usage_file: false,
+        ..Default::default()
+    }
+}
+
+fn digest_mats(mats: [&crate::quant::QMatrix<'_>; 3]) -> u64 {
+    let mut h = FNV_OFFSET;
+    for m in mats {
+        h = fnv1a(m.data(), h);
+        h = fnv1a(bytemuck::cast_slice(m.scales()), h);
+        h = fnv1a(&[m.rows() as u8, m.cols() as u8], h);
+    }
+    h
+}
+
+fn digest(v: &ExpertView<'_>) -> u64 {
+    digest_mats([&v.gate, &v.up, &v.down])
+}
+
+/// The digest of an expert computed straight from the file bytes.
+fn reference(src: &StaticSource, layer: usize, e: usize) -> u64 {
+    let loc = src.locate(layer, e).expect("loc");
+    let files: Vec<Vec<u8>> = src
+        .files
+        .iter()
+        .map(|p| std::fs::read(p).expect("read"))
+        .collect();
+    let get = |r: ByteRange| &files[r.file][r.offset as usize..r.end() as usize];
+    let scales: Vec<Vec<f32>> = loc
+        .mats()
+        .iter()
+        .map(|m| {
+            get(m.scales.expect("scales"))
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        })
+        .collect();
+    let q: Vec<crate::quant::QMatrix<'_>> = loc
+        .mats()
+        .iter()
+        .zip(&scales)
+        .map(|(m, s)| {
+            crate::quant::QMatrix::new(m.format, m.rows, m.cols, get(m.data), s).expect("q")
+        })
+        .collect();
+    digest_mats([&q[0], &q[1], &q[2]])
+}
+
+/// A deterministic routing trace: (layer, ids, predicted ids for that layer).
+fn trace(spec: &SynthSpec, calls: usize) -> Vec<(usize, Vec<usize>, Vec<usize>)> {
+    let layers = spec.moe_layers();
+    let n = spec.n_routed_experts;
+    let mut x = 12345u64;
+    let mut rnd = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    (0..calls)
+        .map(|i| {
+            let l = layers[i % layers.len()];
+            // Skewed: low ids are hot.
+            let ids: Vec<usize> = (0..3)
+                .map(|_| (rnd() % n as u64).min(rnd() % n as u64) as usize)
+                .collect();
+            let mut pred = ids[..2].to_vec();
+            pred.push((rnd() % n as u64) as usize);
+            (l, ids, pred)
+        })
+        .collect()
+}
+
+type Seen = Vec<(usize, Vec<(usize, u64)>)>;
+
+fn run(store: &ExpertStore, tr: &[(usize, Vec<usize>, Vec<usize>)], predict: bool) -> Seen {
+    let mut out = Vec::new();
+    for (l, ids, pred) in tr {
+        if predict {
+            store.prefetch(*l, pred);
+            store.hint_previous(*l);
+        }
+        let mut got = Vec::new();
+        store
+            .with_experts(*l, ids, &mut |id, v| {
+                got.push((id, digest(v)));
+                Ok(())
+            })
+            .expect("with_experts");
+        got.sort_unstable();
+        let mut want: Vec<usize> = ids.clone();
+        want.sort_unstable();
+        want.dedup();
+        assert_eq!(
+            got.iter().map(|g| g.0).collect::<Vec<_>>(),
+            want,
+            "each id once"
+        );
+        out.push((*l, got));
+    }
+    out
+}
+
+#[test]
+fn views_match_file_bytes_in_every_configuration() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    let refs: BTreeMap<(usize, usize), u64> = spec
+        .moe_layers()
+        .into_iter()
+        .flat_map(|l| (0..spec.n_routed_experts).map(move |e| (l, e)))
+        .map(|(l, e)| ((l, e), reference(&src, l, e)))
+        .collect();
+    let tr = trace(&spec, 60);
+    let expected: Seen = tr
+        .iter()
+        .map(|(l, ids, _)| {
+            let mut ids = ids.clone();
+            ids.sort_unstable();
+            ids.dedup();
+            (*l, ids.iter().map(|&e| (e, refs[&(*l, e)])).collect())
+        })
+        .collect();
+    let one = src.locate(1, 0).expect("loc").bytes();
+    let pins = PinPolicy::Explicit(vec![(1, 0), (2, 1), (3, 0)]);
+    let mut configs = 0;
+    for io in [IoMode::Mmap, IoMode::Pread, IoMode::Direct] {
+        for budget in [0, 2 * one, 4 * one, 10 * one, 1 << 30] {
+            for (pin, threads, prefetch) in [
+                (PinPolicy::Off, 1, PrefetchMode::Off),
+                (pins.clone(), 3, PrefetchMode::Real),
+                (PinPolicy::Off, 2, PrefetchMode::Hint),
+                (PinPolicy::Off, 4, PrefetchMode::Real),
+            ] {
+                if matches!(pin, PinPolicy::Explicit(_)) && budget < 10 * one {
+                    continue; // the pins alone need 3 experts (6 with O_DIRECT slack)
+                }
+                let o = StoreOptions {
+                    pin: pin.clone(),
+                    io_threads: threads,
+                    prefetch,
+                    guard_tokens: 0,
+                    ..opts(io, budget)
+                };
+                let store = ExpertStore::open_source(src.clone(), o).expect("open");
+                let seen = run(&store, &tr, prefetch != PrefetchMode::Off);
+                assert_eq!(
+                    seen, expected,
+                    "{io:?} budget {budget} {pin:?} {threads} {prefetch:?}"
+                );
+                let s = store.stats();
+                assert!(s.lru_bytes + s.pinned_bytes <= budget, "{s:?}");
+                configs += 1;
+            }
+        }
+    }
+    assert!(configs > 40);
+}
+
+#[test]
+fn misaligned_scales_are_copied_and_still_exact() {
+    let spec = SynthSpec {
+        misalign: true,
+        ..SynthSpec::tiny(QuantFormat::Int4PerRow)
+    };
+    let (_d, src) = make(&spec);
+    for io in [IoMode::Mmap, IoMode::Pread, IoMode::Direct] {
+        let store = ExpertStore::open_source(src.clone(), opts(io, 1 << 20)).expect("open");
+        store
+            .with_experts(2, &[0, 3, 7], &mut |id, v| {
+                assert_eq!(digest(v), reference(&src, 2, id));
+                Ok(())
+            })
+            .expect("call");
+        assert!(
+            store.stats().live_owned_bytes > 0,
+            "scales were copied ({io:?})"
+        );
+    }
+}
+
+#[test]
+fn views_feed_the_kernels() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    let store = ExpertStore::open_source(src.clone(), opts(IoMode::Mmap, 0)).expect("open");
+    let x: Vec<f32> = (0..2 * spec.hidden)
+        .map(|i| (i as f32 * 0.37).sin())
+        .collect();
+    let mut outs = Vec::new();
+    for io in [IoMode::Mmap, IoMode::Direct] {
+        let store2 = ExpertStore::open_source(src.clone(), opts(io, 1 << 20)).expect("open");
+        let mut y = vec![0f32; 2 * spec.moe_intermediate];
+        store2
+            .with_experts(1, &[5], &mut |_, v| {
+                crate::quant::kernels::matmul(&v.up, &x, 2, &mut y, None)
+            })
+            .expect("call");
+        assert!(y.iter().all(|v| v.is_finite()) && y.iter().any(|&v| v != 0.0));
+        outs.push(y);
+    }
+    assert_eq!(outs[0], outs[1]);
+    drop(store);
+}
+
+#[test]
+fn container_adapter_finds_the_same_experts() {
+    let spec = SynthSpec::tiny(G64);
+    let (d, src) = make(&spec);
+    let c = Arc::new(crate::container::Container::open(d.path()).expect("container"));
+    let cs = ContainerSource::new(c.clone()).expect("source");
+    assert_eq!(cs.num_layers(), src.num_layers());
+    for l in 0..cs.num_layers() {
+        assert_eq!(cs.num_experts(l), src.num_experts(l), "layer {l}");
+        for e in 0..cs.num_experts(l) {
+            let (a, b) = (cs.locate(l, e).expect("a"), src.locate(l, e).expect("b"));
+            assert_eq!(
+                a.mats().map(|m| (m.data, m.scales, m.format)),
+                b.mats().map(|m| (m.data, m.scales, m.format))
+            );
+        }
+    }
+    let store = ExpertStore::open(c, opts(IoMode::Pread, 1 << 20)).expect("open");
+    assert_eq!(store.layers(), vec![(1, 8), (2, 8), (3, 8)]);
+    store
+        .with_experts(3, &[4], &mut |id, v| {
+            assert_eq!(digest(v), reference(&src, 3, id));
+            Ok(())
+        })
+        .expect("mtp layer experts");
+    assert_ne!(cs.fingerprint(), "");
+}
+
+#[test]
+fn bad_arguments_are_typed_errors() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    let store = ExpertStore::open_source(src.clone(), opts(IoMode::Pread, 1 << 20)).expect("open");
+    let mut f = |_: usize, _: &ExpertView<'_>| Ok(());
+    assert!(matches!(
+        store.with_experts(0, &[0], &mut f),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        store.with_experts(1, &[8], &mut f),
+        Err(Error::InvalidArgument { .. })
+    ));
+    store.prefetch(0, &[1]); // ignored, never fails
+    store.prefetch(1, &[99]);
+    // The callback's own error comes back, and the store goes on.
+    let r = store.with_experts(1, &[1, 2], &mut |_, _| {
+        Err(Error::Internal("from f".into()))
+    });
+    assert!(matches!(r, Err(Error::Internal(m)) if m == "from f"));
+    store.with_experts(1, &[1, 2], &mut f).expect("usable");
+    let bad = StoreOptions {
+        io_threads: 0,
+        ..opts(IoMode::Pread, 0)
+    };
+    assert!(ExpertStore::open_source(src.clone(), bad).is_err());
+    let bad = StoreOptions {
+        pin: PinPolicy::Explicit(vec![(0, 0)]),
+        ..opts(IoMode::Pread, 1 << 20)
+    };
+    assert!(ExpertStore::open_source(src, bad).is_err());
+}
+
+/// Faults mid-generation give typed errors naming the file; the store stays usable.
+#[test]
+fn faults_are_typed_and_recoverable() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    // Experts 0..5 of layer 1 live in shard 0, layer 1 expert 5.. in shard 1.
+    let shard0 = src.files[0].clone();
+    let name0 = shard0
+        .file_name()
+        .and_then(|n| n.to_str())
+        .expect("name")
+        .to_owned();
+    let mut ok = |_: usize, _: &ExpertView<'_>| Ok(());
+    for io in [IoMode::Mmap, IoMode::Pread, IoMode::Direct] {
+        let store = ExpertStore::open_source(src.clone(), opts(io, 0)).expect("open");
+        for (kind, check) in [
+            (FaultKind::Eio, "io"),
+            (FaultKind::Missing, "io"),
+            (FaultKind::ShortRead(100), "container"),
+        ] {
+            store.faults().inject(&name0, kind, Some(1));
+            let err = store.with_experts(1, &[0, 1], &mut ok).expect_err("fault");
+            match (&err, check) {
+                (Error::Io { path, source }, "io") => {
+                    assert_eq!(path, &shard0);
+                    let want = if kind == FaultKind::Eio {
+                        Some(libc::EIO)
+                    } else {
+                        Some(libc::ENOENT)
+                    };
+                    assert_eq!(source.raw_os_error(), want);
+                }
+                (Error::Container { file, tensor, .. }, "container") => {
+                    assert_eq!(file, &shard0);
+                    assert!(tensor
+                        .as_deref()
+                        .is_some_and(|t| t.contains("layers.1.mlp.experts")));
+                }
+                _ => panic!("{io:?} {kind:?}: unexpected {err:?}"),
+            }
+            store.faults().clear();
+            store
+                .with_experts(1, &[0, 1], &mut ok)
+                .expect("usable after the fault");
+        }
+    }
+}
+
+#[test]
+fn a_truncated_shard_is_an_error_not_a_crash() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    let shard1 = src.files[1].clone();
+    let full = std::fs::read(&shard1).expect("read");
+    let mut ok = |_: usize, _: &ExpertView<'_>| Ok(());
+    for io in [IoMode::Mmap, IoMode::Pread, IoMode::Direct] {
+        let store = ExpertStore::open_source(src.clone(), opts(io, 0)).expect("open");
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&shard1)
+            .expect("open rw");
+        f.set_len(1000).expect("truncate");
+        // Layer 1 expert 6 lives in shard 1 (5 experts per shard).
+        match store.with_experts(1, &[2, 6], &mut ok) {
+            Err(Error::Container { file, .. }) => assert_eq!(file, shard1),
+            other => panic!("{io:?}: expected a container error, got {other:?}"),
+        }
+        store
+            .with_experts(1, &[0, 2], &mut ok)
+            .expect("other shards still work");
+        std::fs::write(&shard1, &full).expect("restore");
+        store
+            .with_experts(1, &[6], &mut |id, v| {
+                assert_eq!(digest(v), reference(&src, 1, id));
+                Ok(())
+            })
+            .expect("works again once restored");
+    }
+    // A shard deleted after open keeps serving its bytes (the descriptor stays open).
+    let store = ExpertStore::open_source(src.clone(), opts(IoMode::Pread, 0)).expect("open");
+    std::fs::remove_file(&shard1).expect("rm");
+    store
+        .with_experts(1, &[6], &mut ok)
+        .expect("deleted but open");
+}
+
+#[test]
+fn resident_memory_stays_within_budget_plus_fixed_overhead() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    let one = src.locate(1, 0).expect("loc").bytes();
+    let tr = trace(&spec, 120);
+    for (budget, prefetch) in [
+        (0, PrefetchMode::Off),
+        (3 * one, PrefetchMode::Real),
+        (7 * one, PrefetchMode::Real),
+    ] {
+        let o = StoreOptions {
+            prefetch,
+            prefetch_threads: 2,
+            io_threads: 2,
+            ..opts(IoMode::Pread, budget)
+        };
+        let window = 2 * o.io_threads as u64;
+        let store = ExpertStore::open_source(src.clone(), o).expect("open");
+        for (l, ids, pred) in &tr {
+            store.prefetch(*l, pred);
+            store
+                .with_experts(*l, ids, &mut |_, _| {
+                    let s = store.stats();
+                    // The cache's own accounting never exceeds the budget...
+                    assert!(s.lru_bytes + s.pinned_bytes <= budget);
+                    // ...and the real allocation exceeds it by at most the demand window
+                    // plus the one being used.
+                    assert!(s.live_owned_bytes <= budget + (window + 1) * one, "{s:?}");
+                    Ok(())
+                })
+                .expect("call");
+        }
+        let s = store.stats();
+        assert!(s.peak_owned_bytes <= budget + (window + 1) * one, "{s:?}");
+        assert!(s.peak_owned_bytes >= one);
+        drop(store);
+    }
+}
+
+#[test]
+fn prefetch_real_loads_once_and_counts_recall() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    let o = StoreOptions {
+        prefetch: PrefetchMode::Real,
+        ..opts(IoMode::Pread, 1 << 30)
+    };
+    let store = ExpertStore::open_source(src.clone(), o).expect("open");
+    store.prefetch(2, &[1, 2, 3]);
+    // Wait for the prefetch thread to finish the three loads.
+    let t = std::time::Instant::now();
+    while store.stats().total.loads < 3 {
+        assert!(t.elapsed().as_secs() < 10, "prefetch never completed");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let mut ok = |_: usize, _: &ExpertView<'_>| Ok(());
+    store.with_experts(2, &[2, 3, 4, 5], &mut ok).expect("call");
+    let l2 = store
+        .stats()
+        .layers
+        .iter()
+        .find(|x| x.0 == 2)
+        .expect("layer 2")
+        .1;
+    assert_eq!(l2.hits_prefetched, 2);
+    assert_eq!(l2.misses, 2);
+    assert_eq!(l2.loads, 5, "no expert loaded twice");
+    assert_eq!((l2.recalled_router, l2.routed_router), (2, 4));
+    assert!((l2.recall_router() - 0.5).abs() < 1e-12);
+    assert_eq!(l2.prefetch_issued, 3);
+    // The unused prediction (1) is wasted once the LRU evicts it; previous-token recall.
+    store.hint_previous(2);
+    store.with_experts(2, &[2, 3, 6], &mut ok).expect("call");
+    let l2 = store
+        .stats()
+        .layers
+        .iter()
+        .find(|x| x.0 == 2)
+        .expect("layer 2")
+        .1;
+    assert_eq!((l2.recalled_previous, l2.routed_previous), (2, 3));
+    assert_eq!(l2.hits_lru, 2);
+}
+
+#[test]
+fn demand_waits_for_an_in_flight_prefetch_instead_of_reading_again() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    for _ in 0..20 {
+        let o = StoreOptions {
+            prefetch: PrefetchMode::Real,
+            prefetch_threads: 2,
+            ..opts(IoMode::Pread, 1 << 30)
+        };
+        let store = ExpertStore::open_source(src.clone(), o).expect("open");
+        store.prefetch(1, &[0, 1, 2, 3, 4, 5, 6, 7]);
+        let mut seen = Vec::new();
+        store
+            .with_experts(1, &[0, 1, 2, 3, 4, 5, 6, 7], &mut |id, v| {
+                seen.push((id, digest(v)));
+                Ok(())
+            })
+            .expect("call");
+        drop(store.stats());
+        // Prefetch jobs still queued find the slot busy; give them time, then count loads.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let s = store.stats().total;
+        assert_eq!(s.loads, 8, "{s:?}");
+        assert_eq!(s.misses + s.hits_inflight + s.hits_prefetched, 8, "{s:?}");
+        seen.sort_unstable();
+        for (id, d) in seen {
+            assert_eq!(d, reference(&src, 1, id));
+        }
+    }
+}
+
+#[test]
+fn hint_mode_counts_useful_and_wasted_hints() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    for io in [IoMode::Mmap, IoMode::Pread] {
+        let o = StoreOptions {
+            prefetch: PrefetchMode::Hint,
+            ..opts(io, 0)
+        };
+        let store = ExpertStore::open_source(src.clone(), o).expect("open");
+        store.prefetch(3, &[0, 1, 2]);
+        let t = std::time::Instant::now();
+        while store.stats().total.prefetch_issued < 3 {
+            assert!(t.elapsed().as_secs() < 10);
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        store
+            .with_experts(3, &[0, 5], &mut |_, _| Ok(()))
+            .expect("call");
+        let s = store.stats().total;
+        assert_eq!((s.prefetch_useful, s.prefetch_wasted), (1, 2));
+        assert_eq!(s.loads, 2, "hints load nothing into the cache");
+    }
+}
+
+#[test]
+fn routing_history_pins_the_hot_set_across_runs() {
+    let spec = SynthSpec::tiny(G64);
+    let (d, src) = make(&spec);
+    let one = src.locate(1, 0).expect("loc").bytes();
+    let o = StoreOptions {
+        usage_file: true,
+        pin: PinPolicy::History { fraction: 0.5 },
+        ..opts(IoMode::Pread, 8 * one)
+    };
+    let mut ok = |_: usize, _: &ExpertView<'_>| Ok(());
+    {
+        let store = ExpertStore::open_source(src.clone(), o.clone()).expect("open");
+        assert_eq!(store.stats().pin_set_len, 0, "no history yet");
+        for _ in 0..5 {
+            store.with_experts(1, &[3, 4], &mut ok).expect("call");
+            store.with_experts(2, &[7], &mut ok).expect("call");
+        }
+        store.with_experts(3, &[1], &mut ok).expect("call");
+        assert!(matches!(
+            store.save_usage().expect("save"),
+            SaveOutcome::Written(_)
+        ));
+        // A second save adds nothing new.
+        store.save_usage().expect("save");
+    }
+    let p = d.path().join(USAGE_FILE);
+    let (c, w) = usage::load(&p, &src.fingerprint, &[(1, 8), (2, 8), (3, 8)]);
+    assert_eq!(w, None);
+    assert_eq!(
+        (c.layers[&1][3], c.layers[&2][7], c.layers[&3][1], c.total()),
+        (5, 5, 1, 16)
+    );
+    // Next run: the budget's half (4 experts) pins the four hottest.
+    let store = ExpertStore::open_source(src.clone(), o.clone()).expect("open");
+    let s = store.stats();
+    assert_eq!((s.pin_set_len, s.pin_set_bytes), (4, 4 * one));
+    store.with_experts(1, &[3, 4], &mut ok).expect("call");
+    store.with_experts(1, &[3, 4], &mut ok).expect("call");
+    assert_eq!(store.stats().total.hits_pinned, 2);
+    assert!(matches!(
+        store.save_usage().expect("save"),
+        SaveOutcome::Written(_)
+    ));
+    drop(store);
+    let (c, _) = usage::load(&p, &src.fingerprint, &[(1, 8), (2, 8), (3, 8)]);
+    assert_eq!(c.layers[&1][3], 7, "merged across runs");
+    // Another model's history is ignored (with a warning), never an error.
+    let other = StaticSource {
+        fingerprint: "another".into(),
+        ..(*src).clone()
+    };
+    let store = ExpertStore::open_source(Arc::new(other), o.clone()).expect("open");
+    assert_eq!(store.stats().pin_set_len, 0);
+    drop(store);
+    // An unwritable history path: skipped with a warning, generation goes on.
+    std::fs::remove_file(&p).expect("rm");
+    std::fs::create_dir(&p).expect("a directory in the way");
+    let store = ExpertStore::open_source(src.clone(), o).expect("open");
+    store.with_experts(1, &[0], &mut ok).expect("call");
+    assert!(matches!(
+        store.save_usage().expect("no error"),
+        SaveOutcome::Skipped(_)
+    ));
+}

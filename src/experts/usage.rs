@@ -1,0 +1,304 @@
+//! Routing history: how often each (layer, expert) was routed to, kept across runs in a
+//! sidecar file in the model directory (`colibri-usage.json`) and used to choose the pinned
+//! hot set. The file carries a fingerprint of the model; a file from another model, or one
+//! that cannot be parsed, is ignored with a warning. Saving is atomic (temporary file +
+//! rename in the same directory) and merges with whatever another run saved meanwhile.
+//! Failing to save (read-only model directory, full disk) never fails generation: it warns
+//! and reports [`SaveOutcome::Skipped`].
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// The sidecar's file name.
+pub const USAGE_FILE: &str = "colibri-usage.json";
+const FORMAT: &str = "colibri-usage";
+const VERSION: u32 = 1;
+
+/// Routing counts per layer (layer index → count per expert).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UsageCounts {
+    pub layers: BTreeMap<usize, Vec<u64>>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct UsageJson {
+    format: String,
+    version: u32,
+    fingerprint: String,
+    /// Layer index (as a string, JSON keys) → counts per expert.
+    layers: BTreeMap<String, Vec<u64>>,
+}
+
+/// What happened to a save request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SaveOutcome {
+    /// Written (merged) to this path.
+    Written(PathBuf),
+    /// Not written; the reason (also printed once as a warning).
+    Skipped(String),
+}
+
+impl UsageCounts {
+    /// Zero counts shaped like `shape` ((layer, experts) pairs).
+    pub fn zeros(shape: &[(usize, usize)]) -> Self {
+        UsageCounts {
+            layers: shape.iter().map(|&(l, n)| (l, vec![0; n])).collect(),
+        }
+    }
+
+    /// True when `self` has exactly the layers and expert counts of `shape`.
+    fn has_shape(&self, shape: &[(usize, usize)]) -> bool {
+        self.layers.len() == shape.len()
+            && shape
+                .iter()
+                .all(|&(l, n)| self.layers.get(&l).is_some_and(|c| c.len() == n))
+    }
+
+    /// Add `other` (same shape) into `self`.
+    pub fn merge(&mut self, other: &UsageCounts) {
+        for (l, c) in &other.layers {
+            if let Some(mine) = self.layers.get_mut(l) {
+                for (a, b) in mine.iter_mut().zip(c) {
+                    *a = a.saturating_add(*b);
+                }
+            }
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.layers.values().flatten().sum()
+    }
+}
+
+/// Read the history at `path`. Returns the counts (zeros when absent or unusable) and a
+/// warning when the file exists but was ignored.
+pub fn load(
+    path: &Path,
+    fingerprint: &str,
+    shape: &[(usize, usize)],
+) -> (UsageCounts, Option<String>) {
+    match read(path, fingerprint, shape) {
+        Ok(Some(c)) => (c, None),
+        Ok(None) => (UsageCounts::zeros(shape), None),
+        Err(why) => (
+            UsageCounts::zeros(shape),
+            Some(format!(
+                "{}: ignoring the routing history ({why}); it will be rewritten for this model",
+                path.display()
+            )),
+        ),
+    }
+}
+
+/// `Ok(None)`: no file. `Err(reason)`: a file that is not usable for this model.
+fn read(
+    path: &Path,
+    fingerprint: &str,
+    shape: &[(usize, usize)],
+) -> Result<Option<UsageCounts>, String> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot read it: {e}")),
+    };
+    let j: UsageJson = serde_json::from_str(&text).map_err(|e| format!("not valid: {e}"))?;
+    if j.format != FORMAT || j.version != VERSION {
+        return Err(format!(
+            "format '{}' version {} is not {FORMAT} version {VERSION}",
+            j.format, j.version
+        ));
+    }
+    if j.fingerprint != fingerprint {
+        return Err(format!(
+            "it belongs to another model (fingerprint {} != {fingerprint})",
+            j.fingerprint
+        ));
+    }
+    let mut layers = BTreeMap::new();
+    for (k, v) in j.layers {
+        let l: usize = k.parse().map_err(|_| format!("bad layer key '{k}'"))?;
+        layers.insert(l, v);
+    }
+    let c = UsageCounts { layers };
+    if !c.has_shape(shape) {
+        return Err("its layers or expert counts do not match this model".into());
+    }
+    Ok(Some(c))
+}
+
+/// Merge `delta` into the history on disk (re-read now, so concurrent runs add up) and write
+/// it atomically. Returns the merged counts on success.
+pub fn save(
+    path: &Path,
+    fingerprint: &str,
+    shape: &[(usize, usize)],
+    fallback_base: &UsageCounts,
+    delta: &UsageCounts,
+) -> Result<UsageCounts, String> {
+    let mut merged = match read(path, fingerprint, shape) {
+        Ok(Some(c)) => c,
+        // Absent or foreign: start from what we loaded (zeros for a foreign file).
+        Ok(None) | Err(_) => fallback_base.clone(),
+    };
+    merged.merge(delta);
+    let j = UsageJson {
+        format: FORMAT.into(),
+        version: VERSION,
+        fingerprint: fingerprint.into(),
+        layers: merged
+            .layers
+            .iter()
+            .map(|(l, c)| (l.to_string(), c.clone()))
+            .collect(),
+    };
+    let text = serde_json::to_string(&j).map_err(|e| e.to_string())?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(
+        ".{USAGE_FILE}.tmp-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(format!(
+            "cannot write the routing history {}: {e}",
+            path.display()
+        ));
+    }
+    Ok(merged)
+}
+
+/// Choose the pinned hot set: the most-routed (layer, expert) pairs, most counted first
+/// (ties: lower layer, then lower id), while their bytes fit `budget`. Never-routed experts
+/// are not pinned.
+pub fn select_pins(
+    counts: &UsageCounts,
+    bytes_of: impl Fn(usize, usize) -> u64,
+    budget: u64,
+) -> Vec<(usize, usize)> {
+    let mut cand: Vec<(u64, usize, usize)> = counts
+        .layers
+        .iter()
+        .flat_map(|(&l, c)| {
+            c.iter()
+                .enumerate()
+                .filter(|(_, &n)| n > 0)
+                .map(move |(e, &n)| (n, l, e))
+        })
+        .collect();
+    cand.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    let mut used = 0u64;
+    let mut pins = Vec::new();
+    for (_, l, e) in cand {
+        let b = bytes_of(l, e);
+        if used + b <= budget {
+            used += b;
+            pins.push((l, e));
+        }
+    }
+    pins.sort_unstable();
+    pins
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHAPE: [(usize, usize); 2] = [(3, 4), (5, 4)];
+
+    fn counts(a: [u64; 4], b: [u64; 4]) -> UsageCounts {
+        UsageCounts {
+            layers: [(3, a.to_vec()), (5, b.to_vec())].into_iter().collect(),
+        }
+    }
+
+    #[test]
+    fn save_merges_with_what_is_on_disk_and_round_trips() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join(USAGE_FILE);
+        let (c0, w) = load(&p, "fp", &SHAPE);
+        assert_eq!((c0.total(), w), (0, None));
+        let d1 = counts([1, 0, 0, 2], [0, 0, 5, 0]);
+        save(&p, "fp", &SHAPE, &c0, &d1).expect("save 1");
+        // A second run (loaded zeros before the first saved) adds its own counts.
+        let d2 = counts([1, 1, 0, 0], [0, 0, 0, 3]);
+        let merged = save(&p, "fp", &SHAPE, &c0, &d2).expect("save 2");
+        assert_eq!(merged, counts([2, 1, 0, 2], [0, 0, 5, 3]));
+        let (back, w) = load(&p, "fp", &SHAPE);
+        assert_eq!((back, w), (merged, None));
+        // No temporary files are left behind.
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .expect("ls")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from(USAGE_FILE)]);
+    }
+
+    #[test]
+    fn foreign_or_corrupt_history_is_ignored_with_a_warning() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join(USAGE_FILE);
+        save(
+            &p,
+            "other",
+            &SHAPE,
+            &UsageCounts::zeros(&SHAPE),
+            &counts([9; 4], [9; 4]),
+        )
+        .expect("save");
+        let (c, w) = load(&p, "fp", &SHAPE);
+        assert_eq!(c.total(), 0);
+        assert!(w.expect("warning").contains("another model"));
+        let (c, w) = load(&p, "other", &[(3, 4)]);
+        assert_eq!(c.total(), 0);
+        assert!(w.expect("warning").contains("do not match"));
+        std::fs::write(&p, "{not json").expect("write");
+        let (_, w) = load(&p, "fp", &SHAPE);
+        assert!(w.expect("warning").contains("not valid"));
+        // Saving over a foreign file replaces it with this model's counts.
+        let m = save(
+            &p,
+            "fp",
+            &SHAPE,
+            &UsageCounts::zeros(&SHAPE),
+            &counts([1; 4], [0; 4]),
+        )
+        .expect("save");
+        assert_eq!(m, counts([1; 4], [0; 4]));
+    }
+
+    #[test]
+    fn unwritable_directory_is_an_error_string_not_a_panic() {
+        let p = Path::new("/proc/definitely/not/writable").join(USAGE_FILE);
+        let r = save(
+            &p,
+            "fp",
+            &SHAPE,
+            &UsageCounts::zeros(&SHAPE),
+            &counts([1; 4], [1; 4]),
+        );
+        assert!(r.expect_err("must fail").contains("cannot write"));
+    }
+
+    #[test]
+    fn pins_take_the_hottest_experts_that_fit() {
+        let c = counts([5, 0, 7, 1], [7, 2, 0, 0]);
+        let pins = select_pins(&c, |_, _| 10, 30);
+        assert_eq!(pins, vec![(3, 0), (3, 2), (5, 0)]);
+        assert_eq!(select_pins(&c, |_, _| 10, 9), vec![]);
+        assert_eq!(
+            select_pins(&c, |_, _| 1, 100).len(),
+            5,
+            "zero counts never pinned"
+        );
+    }
+}

@@ -7,5 +7,6 @@ pub mod linear;
 pub mod moe;
 pub mod norm;
 pub mod rope;
+pub mod target;
 
 pub use forward::{Forward, Model, ModelOptions};

@@ -1,17 +1,220 @@
 //! Dequant-matmul: `Y[S×O] = X[S×I] · Wᵀ` with f32 activations, exact dequantisation and f32
-//! accumulation. The accumulation order belongs to the format, never to S: row s of an S-row
-//! call equals the S=1 call bit for bit (draft and verify must compute the same function).
+//! accumulation. The accumulation order belongs to the format and I, never to S, the tile
+//! position or the thread count: row s of an S-row call equals the S=1 call bit for bit (draft
+//! and verify must compute the same function).
 //!
-//! `scalar` is the reference every SIMD path is tested against.
+//! `scalar` is the reference every SIMD path is tested against. The SIMD paths (`avx512`,
+//! `avx2`, `neon`) share one shape of computation:
+//! - a weight row is consumed as vectors of L lanes (16 for AVX-512, 8 for AVX2, 4 for NEON);
+//!   vector v is dequantised exactly (`(nibble − 8) as f32 · scale`, `q as f32 · scale`, the
+//!   bf16/f16 bits widened) and multiply-added into accumulator `v % 4` of each activation row;
+//!   the last partial vector is masked (lanes past I are zero in both W and X);
+//! - the four accumulators are summed `(a0 + a1) + (a2 + a3)`, then the lanes by a fixed tree.
+//!
+//! Activation rows are processed in tiles of a few rows that share each decoded weight vector.
+//! When S is larger than one tile, each weight row is first decoded into an L1-resident f32
+//! buffer (the same vectors, bit for bit) and every tile reads it from there, so the weights
+//! of one call are read from memory once whatever S is.
+//!
+//! The path is chosen once at run time from the CPU's features (`COLIBRI_KERNEL` =
+//! `scalar|avx2|avx512|neon` overrides it, read once), and [`set_forced_path`] switches it for
+//! tests and A/B benches.
 
 pub mod scalar;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::quant::format::QMatrix;
 
+/// One implementation of the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KernelPath {
+    /// The reference: dequantise a row, then one sequential dot product per activation row.
+    Scalar,
+    /// x86-64 AVX2 + FMA (+ F16C for f16 weights).
+    Avx2,
+    /// x86-64 AVX-512 F + BW.
+    Avx512,
+    /// aarch64 Advanced SIMD.
+    Neon,
+}
+
+impl KernelPath {
+    /// Every path, in order of preference from least to most specialised.
+    pub const ALL: [KernelPath; 4] = [
+        KernelPath::Scalar,
+        KernelPath::Avx2,
+        KernelPath::Avx512,
+        KernelPath::Neon,
+    ];
+
+    /// The name used by `COLIBRI_KERNEL` and the Python binding.
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelPath::Scalar => "scalar",
+            KernelPath::Avx2 => "avx2",
+            KernelPath::Avx512 => "avx512",
+            KernelPath::Neon => "neon",
+        }
+    }
+
+    /// Parse a name produced by [`KernelPath::name`].
+    pub fn parse(name: &str) -> Result<Self> {
+        KernelPath::ALL
+            .into_iter()
+            .find(|p| p.name() == name.trim().to_ascii_lowercase())
+            .ok_or_else(|| {
+                Error::invalid(
+                    "kernel path",
+                    format!("unknown kernel path '{name}'; expected scalar, avx2, avx512 or neon"),
+                )
+            })
+    }
+
+    /// Whether this build runs on a CPU that has every feature the path needs.
+    pub fn is_available(self) -> bool {
+        let f = crate::cpu::features();
+        match self {
+            KernelPath::Scalar => true,
+            KernelPath::Avx2 => cfg!(target_arch = "x86_64") && f.avx2 && f.fma && f.f16c,
+            KernelPath::Avx512 => cfg!(target_arch = "x86_64") && f.avx512f && f.avx512bw,
+            KernelPath::Neon => cfg!(target_arch = "aarch64") && f.neon,
+        }
+    }
+
+    /// The paths this machine can run.
+    pub fn available() -> Vec<KernelPath> {
+        KernelPath::ALL
+            .into_iter()
+            .filter(|p| p.is_available())
+            .collect()
+    }
+
+    /// The fastest available path.
+    pub fn best() -> KernelPath {
+        [KernelPath::Avx512, KernelPath::Avx2, KernelPath::Neon]
+            .into_iter()
+            .find(|p| p.is_available())
+            .unwrap_or(KernelPath::Scalar)
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            KernelPath::Scalar => 1,
+            KernelPath::Avx2 => 2,
+            KernelPath::Avx512 => 3,
+            KernelPath::Neon => 4,
+        }
+    }
+
+    fn from_code(code: u8) -> Option<Self> {
+        KernelPath::ALL.into_iter().find(|p| p.code() == code)
+    }
+
+    fn require(self) -> Result<Self> {
+        if self.is_available() {
+            Ok(self)
+        } else {
+            Err(Error::invalid(
+                "kernel path",
+                format!(
+                    "kernel path '{}' needs CPU features this machine ({}, features [{}]) lacks; \
+                     available: {}",
+                    self.name(),
+                    crate::cpu::arch(),
+                    crate::cpu::features().names().join(", "),
+                    KernelPath::available()
+                        .iter()
+                        .map(|p| p.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ))
+        }
+    }
+}
+
+impl std::fmt::Display for KernelPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The path forced by [`set_forced_path`] (0 = none).
+static FORCED: AtomicU8 = AtomicU8::new(0);
+
+/// Parse an override value of `COLIBRI_KERNEL`: unset or empty means auto-detect.
+fn parse_override(value: Option<&str>) -> std::result::Result<Option<KernelPath>, String> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(v) => {
+            let p = KernelPath::parse(v).map_err(|e| format!("COLIBRI_KERNEL: {e}"))?;
+            p.require().map_err(|e| format!("COLIBRI_KERNEL: {e}"))?;
+            Ok(Some(p))
+        }
+    }
+}
+
+/// `COLIBRI_KERNEL`, read once.
+fn env_override() -> &'static std::result::Result<Option<KernelPath>, String> {
+    static ENV: OnceLock<std::result::Result<Option<KernelPath>, String>> = OnceLock::new();
+    ENV.get_or_init(|| parse_override(std::env::var("COLIBRI_KERNEL").ok().as_deref()))
+}
+
+/// The auto-detected path, detected once.
+fn detected() -> KernelPath {
+    static BEST: OnceLock<KernelPath> = OnceLock::new();
+    *BEST.get_or_init(KernelPath::best)
+}
+
+/// The path [`matmul`] and [`expert_ffn`] use now: the forced one, else `COLIBRI_KERNEL`, else
+/// the detected one. An invalid `COLIBRI_KERNEL` is an error here (and so for every call).
+pub fn active_path() -> Result<KernelPath> {
+    if let Some(p) = KernelPath::from_code(FORCED.load(Ordering::Relaxed)) {
+        return Ok(p);
+    }
+    match env_override() {
+        Ok(Some(p)) => Ok(*p),
+        Ok(None) => Ok(detected()),
+        Err(msg) => Err(Error::invalid("COLIBRI_KERNEL", msg.clone())),
+    }
+}
+
+/// The path calls use now (see [`active_path`]); when `COLIBRI_KERNEL` is invalid, calls fail
+/// and this reports the auto-detected path.
+pub fn selected_path() -> KernelPath {
+    active_path().unwrap_or_else(|_| detected())
+}
+
+/// Force every later call onto `path` (`None` returns to `COLIBRI_KERNEL` / auto-detection).
+/// Forcing a path this CPU cannot run is an error and changes nothing. Process-wide.
+pub fn set_forced_path(path: Option<KernelPath>) -> Result<()> {
+    let code = match path {
+        Some(p) => p.require()?.code(),
+        None => 0,
+    };
+    FORCED.store(code, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Columns a matrix may have (the SIMD paths index scale groups with a 64-bit multiply-shift,
+/// exact up to here; see `group_magic`).
+const MAX_COLS: usize = 1 << 26;
+
 /// Check the shapes of a matmul call.
-fn check_shapes(w: &QMatrix<'_>, x: &[f32], s: usize, y: &[f32]) -> Result<()> {
-    if x.len() != s * w.cols() || y.len() != s * w.rows() {
+fn check_shapes(w: &QMatrix<'_>, x_len: usize, s: usize, y_len: usize) -> Result<()> {
+    if s.checked_mul(w.cols()) != Some(x_len) || s.checked_mul(w.rows()) != Some(y_len) {
         return Err(Error::invalid(
             "matmul",
             format!(
@@ -20,8 +223,18 @@ fn check_shapes(w: &QMatrix<'_>, x: &[f32], s: usize, y: &[f32]) -> Result<()> {
                 w.cols(),
                 w.cols(),
                 w.rows(),
-                x.len(),
-                y.len()
+                x_len,
+                y_len
+            ),
+        ));
+    }
+    if w.cols() >= MAX_COLS {
+        return Err(Error::invalid(
+            "matmul",
+            format!(
+                "W has {} columns; at most {} are supported",
+                w.cols(),
+                MAX_COLS - 1
             ),
         ));
     }
@@ -29,7 +242,8 @@ fn check_shapes(w: &QMatrix<'_>, x: &[f32], s: usize, y: &[f32]) -> Result<()> {
 }
 
 /// `y[s, o] = Σ_i x[s, i] · W[o, i]` for S rows of `x` (row-major [S, I]) into `y`
-/// (row-major [S, O]). `pool` parallelises over output rows; `None` runs on this thread.
+/// (row-major [S, O]), on the [`active_path`]. `pool` parallelises over output rows; `None`
+/// runs on this thread. The result does not depend on S, the pool or its thread count.
 pub fn matmul(
     w: &QMatrix<'_>,
     x: &[f32],
@@ -37,8 +251,219 @@ pub fn matmul(
     y: &mut [f32],
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
-    check_shapes(w, x, s, y)?;
-    let _ = pool;
-    scalar::matmul(w, x, s, y);
+    matmul_with(active_path()?, w, x, s, y, pool)
+}
+
+/// [`matmul`] on an explicit path (an error if this CPU cannot run it).
+pub fn matmul_with(
+    path: KernelPath,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    s: usize,
+    y: &mut [f32],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    check_shapes(w, x.len(), s, y.len())?;
+    path.require()?;
+    if s == 0 || w.rows() == 0 {
+        return Ok(());
+    }
+    let row_bytes = w.format().row_bytes(w.cols());
+    if s == 1 {
+        // Y^T == Y: the chunks write straight into y.
+        for_row_chunks(w.rows(), 1, row_bytes, pool, y, |o0, out| {
+            rows(path, w, o0, x, 1, out)
+        });
+    } else {
+        let mut yt = vec![0.0f32; w.rows() * s];
+        for_row_chunks(w.rows(), s, row_bytes, pool, &mut yt, |o0, out| {
+            rows(path, w, o0, x, s, out)
+        });
+        transpose(&yt, w.rows(), s, y);
+    }
     Ok(())
 }
+
+/// silu(v) = v / (1 + e^(−v)) in f32: one scalar function for every path.
+#[inline]
+pub fn silu(v: f32) -> f32 {
+    v / (1.0 + (-v).exp())
+}
+
+/// Fused expert: `out[S×H] = down · (silu(gate · x) ⊙ (up · x))` for S rows of `x` ([S, H]),
+/// gate and up [F, H], down [H, F]. Gate and up rows are computed together, sharing each
+/// loaded activation vector. Equals `matmul(gate)`, `matmul(up)`, silu, product and
+/// `matmul(down)` on the same path bit for bit, and so is S-invariant like them.
+pub fn expert_ffn(
+    gate: &QMatrix<'_>,
+    up: &QMatrix<'_>,
+    down: &QMatrix<'_>,
+    x: &[f32],
+    s: usize,
+    out: &mut [f32],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    expert_ffn_with(active_path()?, gate, up, down, x, s, out, pool)
+}
+
+/// [`expert_ffn`] on an explicit path.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_ffn_with(
+    path: KernelPath,
+    gate: &QMatrix<'_>,
+    up: &QMatrix<'_>,
+    down: &QMatrix<'_>,
+    x: &[f32],
+    s: usize,
+    out: &mut [f32],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    let (f, h) = (gate.rows(), gate.cols());
+    if up.rows() != f || up.cols() != h || down.rows() != h || down.cols() != f {
+        return Err(Error::invalid(
+            "expert_ffn",
+            format!(
+                "gate [{}, {}], up [{}, {}] and down [{}, {}] do not form an expert \
+                 (need gate = up = [F, H] and down = [H, F])",
+                gate.rows(),
+                gate.cols(),
+                up.rows(),
+                up.cols(),
+                down.rows(),
+                down.cols()
+            ),
+        ));
+    }
+    let hidden_len = s.saturating_mul(f);
+    check_shapes(gate, x.len(), s, hidden_len)?;
+    check_shapes(down, hidden_len, s, out.len())?;
+    path.require()?;
+    if s == 0 {
+        return Ok(());
+    }
+    // hT[f, s] = silu(gate_f · x_s) · (up_f · x_s), computed per chunk of F rows.
+    let mut ht = vec![0.0f32; f * s];
+    let row_bytes = gate.format().row_bytes(h) + up.format().row_bytes(h);
+    for_row_chunks(f, s, row_bytes, pool, &mut ht, |o0, out_h| {
+        let mut u = vec![0.0f32; out_h.len()];
+        rows_pair(path, gate, up, o0, x, s, out_h, &mut u);
+        for (g, u) in out_h.iter_mut().zip(&u) {
+            *g = silu(*g) * u;
+        }
+    });
+    let mut hidden = vec![0.0f32; s * f];
+    transpose(&ht, f, s, &mut hidden);
+    matmul_with(path, down, &hidden, s, out, pool)
+}
+
+/// `out[i·s + t] = W[o0 + i] · x_t` for the rows of one chunk (`out` is [n, s], n = len/s).
+fn rows(path: KernelPath, w: &QMatrix<'_>, o0: usize, x: &[f32], s: usize, out: &mut [f32]) {
+    match path {
+        KernelPath::Scalar => scalar::rows(w, o0, x, s, out),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `path.require()` succeeded before any chunk ran, so the CPU has AVX2, FMA
+        // and F16C; the shapes were checked by `check_shapes` and `for_row_chunks` passes
+        // `o0 + out.len() / s <= w.rows()`.
+        KernelPath::Avx2 => unsafe { avx2::rows(w, o0, x, s, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, with AVX-512 F and BW present.
+        KernelPath::Avx512 => unsafe { avx512::rows(w, o0, x, s, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: as above, with NEON present.
+        KernelPath::Neon => unsafe { neon::rows(w, o0, x, s, out) },
+        #[allow(unreachable_patterns)]
+        _ => unreachable!("kernel path {path} was checked to be available"),
+    }
+}
+
+/// [`rows`] for two matrices of the same shape at once (gate and up), sharing the x loads.
+#[allow(clippy::too_many_arguments)]
+fn rows_pair(
+    path: KernelPath,
+    a: &QMatrix<'_>,
+    b: &QMatrix<'_>,
+    o0: usize,
+    x: &[f32],
+    s: usize,
+    out_a: &mut [f32],
+    out_b: &mut [f32],
+) {
+    match path {
+        KernelPath::Scalar => scalar::rows_pair(a, b, o0, x, s, out_a, out_b),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: see `rows`; `a` and `b` have the same shape (checked by `expert_ffn_with`).
+        KernelPath::Avx2 => unsafe { avx2::rows_pair(a, b, o0, x, s, out_a, out_b) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: see `rows`.
+        KernelPath::Avx512 => unsafe { avx512::rows_pair(a, b, o0, x, s, out_a, out_b) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: see `rows`.
+        KernelPath::Neon => unsafe { neon::rows_pair(a, b, o0, x, s, out_a, out_b) },
+        #[allow(unreachable_patterns)]
+        _ => unreachable!("kernel path {path} was checked to be available"),
+    }
+}
+
+/// Split the output rows of a [rows, s] transposed result into chunks and run `work(o0, chunk)`
+/// on each, in parallel on `pool` when given. Chunks are disjoint; how rows are split does not
+/// change any value (each output is computed by itself).
+fn for_row_chunks(
+    rows: usize,
+    s: usize,
+    row_bytes: usize,
+    pool: Option<&rayon::ThreadPool>,
+    out_t: &mut [f32],
+    work: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    debug_assert_eq!(out_t.len(), rows * s);
+    if rows == 0 || s == 0 {
+        return;
+    }
+    match pool {
+        None => work(0, out_t),
+        Some(pool) => {
+            let threads = pool.current_num_threads().max(1);
+            // ~8 chunks per thread for balance, but at least ~32 KiB of weights per chunk.
+            let per = rows
+                .div_ceil(threads * 8)
+                .max((32 << 10) / row_bytes.max(1))
+                .clamp(1, rows);
+            pool.install(|| {
+                out_t
+                    .par_chunks_mut(per * s)
+                    .enumerate()
+                    .for_each(|(i, chunk)| work(i * per, chunk))
+            });
+        }
+    }
+}
+
+/// `dst[t·rows + o] = src[o·s + t]`: [rows, s] → [s, rows].
+fn transpose(src: &[f32], rows: usize, s: usize, dst: &mut [f32]) {
+    for (o, row) in src.chunks_exact(s).enumerate().take(rows) {
+        for (t, v) in row.iter().enumerate() {
+            dst[t * rows + o] = *v;
+        }
+    }
+}
+
+/// Multiplier for the group of vector `v` (of `lanes` elements): `group = (v · m) >> 32` with
+/// `m = ceil(2^32 / (gs / lanes))`, exact while `v · gs / lanes < 2^32`, which `cols < MAX_COLS` (2^26) guarantees for
+/// lanes ≥ 4 and gs ≤ 256.
+/// Per-row formats use `m = 0` (every vector in group 0).
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(dead_code)
+)]
+fn group_magic(format: crate::quant::QuantFormat, lanes: usize) -> u64 {
+    match format {
+        crate::quant::QuantFormat::Int4Grouped { group_size } => {
+            let d = (group_size / lanes) as u64;
+            (1u64 << 32).div_ceil(d)
+        }
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,533 @@
+//! AVX2 + FMA (+ F16C) kernels: 8 f32 lanes, four accumulators per dot product (vector v →
+//! v % 4), tiles of up to two activation rows (one with a weight-row pair) so that the
+//! accumulators fit the 16 ymm registers. Weights are dequantised exactly to f32, so the result
+//! is the f32 dot product of the reference weights in this path's fixed order (see the module
+//! docs of `kernels`).
+//!
+//! Every function here needs AVX2, FMA and F16C; the entry points carry `#[target_feature]` and
+//! the helpers are `#[inline(always)]` into them.
+
+use std::arch::x86_64::*;
+use std::ptr;
+
+use super::group_magic;
+use crate::quant::format::{QMatrix, QuantFormat};
+
+/// Lanes per vector.
+const L: usize = 8;
+/// Independent accumulators per dot product.
+const A: usize = 4;
+/// Elements per chunk of `A` vectors.
+const CHUNK: usize = L * A;
+/// Activation rows per tile with one weight row (8 accumulators).
+const TILE: usize = 2;
+/// Activation rows per tile with two weight rows (8 accumulators).
+const TILE_PAIR: usize = 1;
+
+/// A weight row as a sequence of exactly dequantised 8-lane vectors. Implementations hold raw
+/// pointers into a row whose length matches the `n` the caller iterates over.
+trait Src: Copy {
+    /// Vector `v` (elements 8v .. 8v+7, all inside the row).
+    unsafe fn one(self, v: usize) -> __m256;
+    /// Vectors 4c .. 4c+3 (all full).
+    #[inline(always)]
+    unsafe fn chunk(self, c: usize) -> [__m256; A] {
+        // SAFETY: forwarded contract: vectors 4c..4c+3 are full.
+        unsafe {
+            [
+                self.one(A * c),
+                self.one(A * c + 1),
+                self.one(A * c + 2),
+                self.one(A * c + 3),
+            ]
+        }
+    }
+    /// The last, partial vector `v` holding `r` (1..8) elements; lanes ≥ r are +0.
+    unsafe fn tail(self, v: usize, r: usize) -> __m256;
+}
+
+/// All-ones in lanes < r, zero elsewhere.
+#[inline(always)]
+unsafe fn mask(r: usize) -> __m256i {
+    // SAFETY: AVX2 guaranteed by the caller.
+    unsafe {
+        _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(r as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        )
+    }
+}
+
+/// Zero the lanes ≥ r.
+#[inline(always)]
+unsafe fn keep(r: usize, v: __m256) -> __m256 {
+    // SAFETY: AVX guaranteed by the caller.
+    unsafe { _mm256_and_ps(v, _mm256_castsi256_ps(mask(r))) }
+}
+
+/// int4 (grouped or per-row): element 2j is the low nibble of byte j, 2j+1 the high one;
+/// w = (nibble − 8) · scale[group(v)].
+#[derive(Clone, Copy)]
+struct Int4 {
+    data: *const u8,
+    scales: *const f32,
+    magic: u64,
+}
+
+impl Int4 {
+    #[inline(always)]
+    unsafe fn scale(self, v: usize) -> __m256 {
+        // SAFETY: `group_magic` maps every vector of the row to its group, < scales_per_row.
+        unsafe { _mm256_set1_ps(*self.scales.add(((v as u64 * self.magic) >> 32) as usize)) }
+    }
+}
+
+/// The low 4 bytes of `b` → 8 signed bytes `nibble − 8` in element order (low 8 bytes).
+#[inline(always)]
+unsafe fn nibbles4(b: __m128i) -> __m128i {
+    // SAFETY: SSE4.1 is implied by the AVX2 the caller guarantees.
+    unsafe {
+        // u16 lane j = byte j; then its low byte = the low nibble and its high byte = the high
+        // nibble: the bytes are in element order.
+        let t = _mm_cvtepu8_epi16(b);
+        let u = _mm_and_si128(
+            _mm_or_si128(t, _mm_slli_epi16::<4>(t)),
+            _mm_set1_epi16(0x0F0F),
+        );
+        _mm_sub_epi8(u, _mm_set1_epi8(8))
+    }
+}
+
+/// The low 8 signed bytes of `q` → f32 · scale.
+#[inline(always)]
+unsafe fn deq(q: __m128i, scale: __m256) -> __m256 {
+    // SAFETY: AVX2 guaranteed by the caller.
+    unsafe { _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale) }
+}
+
+impl Src for Int4 {
+    #[inline(always)]
+    unsafe fn one(self, v: usize) -> __m256 {
+        // SAFETY: vector v is full, so bytes 4v .. 4v+4 are in the row.
+        unsafe {
+            let word = ptr::read_unaligned(self.data.add(v * 4) as *const i32);
+            deq(nibbles4(_mm_cvtsi32_si128(word)), self.scale(v))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn chunk(self, c: usize) -> [__m256; A] {
+        // SAFETY: vectors 4c..4c+3 are full, so bytes 16c .. 16c+16 are in the row.
+        unsafe {
+            let b = _mm_loadu_si128(self.data.add(c * 16) as *const __m128i);
+            let t = _mm256_cvtepu8_epi16(b);
+            let u = _mm256_and_si256(
+                _mm256_or_si256(t, _mm256_slli_epi16::<4>(t)),
+                _mm256_set1_epi16(0x0F0F),
+            );
+            let q = _mm256_sub_epi8(u, _mm256_set1_epi8(8));
+            let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
+            let v = A * c;
+            [
+                deq(lo, self.scale(v)),
+                deq(_mm_srli_si128::<8>(lo), self.scale(v + 1)),
+                deq(hi, self.scale(v + 2)),
+                deq(_mm_srli_si128::<8>(hi), self.scale(v + 3)),
+            ]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn tail(self, v: usize, r: usize) -> __m256 {
+        // SAFETY: the row ends ceil(r/2) bytes after byte 4v; padding nibbles read as 8 (0).
+        unsafe {
+            let mut buf = [0x88u8; 4];
+            ptr::copy_nonoverlapping(self.data.add(v * 4), buf.as_mut_ptr(), r.div_ceil(2));
+            let word = i32::from_le_bytes(buf);
+            keep(r, deq(nibbles4(_mm_cvtsi32_si128(word)), self.scale(v)))
+        }
+    }
+}
+
+/// int8 per row: w = q · scale.
+#[derive(Clone, Copy)]
+struct Int8 {
+    data: *const u8,
+    scale: f32,
+}
+
+impl Src for Int8 {
+    #[inline(always)]
+    unsafe fn one(self, v: usize) -> __m256 {
+        // SAFETY: bytes 8v .. 8v+8 are in the row.
+        unsafe {
+            let b = _mm_loadl_epi64(self.data.add(v * L) as *const __m128i);
+            deq(b, _mm256_set1_ps(self.scale))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn tail(self, v: usize, r: usize) -> __m256 {
+        // SAFETY: the row ends r bytes after byte 8v.
+        unsafe {
+            let mut buf = [0u8; 16];
+            ptr::copy_nonoverlapping(self.data.add(v * L), buf.as_mut_ptr(), r);
+            let b = _mm_loadu_si128(buf.as_ptr() as *const __m128i);
+            keep(r, deq(b, _mm256_set1_ps(self.scale)))
+        }
+    }
+}
+
+/// bf16: the 16 bits are the top half of the f32.
+#[derive(Clone, Copy)]
+struct Bf16(*const u8);
+
+#[inline(always)]
+unsafe fn bf16_to_f32(b: __m128i) -> __m256 {
+    // SAFETY: AVX2 guaranteed by the caller.
+    unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(b))) }
+}
+
+impl Src for Bf16 {
+    #[inline(always)]
+    unsafe fn one(self, v: usize) -> __m256 {
+        // SAFETY: bytes 16v .. 16v+16 are in the row.
+        unsafe { bf16_to_f32(_mm_loadu_si128(self.0.add(v * 2 * L) as *const __m128i)) }
+    }
+
+    #[inline(always)]
+    unsafe fn tail(self, v: usize, r: usize) -> __m256 {
+        // SAFETY: the row ends 2r bytes after byte 16v.
+        unsafe {
+            let mut buf = [0u8; 2 * L];
+            ptr::copy_nonoverlapping(self.0.add(v * 2 * L), buf.as_mut_ptr(), 2 * r);
+            bf16_to_f32(_mm_loadu_si128(buf.as_ptr() as *const __m128i))
+        }
+    }
+}
+
+/// IEEE half: `vcvtph2ps` (F16C) is exact (subnormals included).
+#[derive(Clone, Copy)]
+struct F16(*const u8);
+
+impl Src for F16 {
+    #[inline(always)]
+    unsafe fn one(self, v: usize) -> __m256 {
+        // SAFETY: bytes 16v .. 16v+16 are in the row; F16C guaranteed by the caller.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(self.0.add(v * 2 * L) as *const __m128i)) }
+    }
+
+    #[inline(always)]
+    unsafe fn tail(self, v: usize, r: usize) -> __m256 {
+        // SAFETY: the row ends 2r bytes after byte 16v.
+        unsafe {
+            let mut buf = [0u8; 2 * L];
+            ptr::copy_nonoverlapping(self.0.add(v * 2 * L), buf.as_mut_ptr(), 2 * r);
+            _mm256_cvtph_ps(_mm_loadu_si128(buf.as_ptr() as *const __m128i))
+        }
+    }
+}
+
+/// f32 (little-endian bytes, any alignment), or a decoded row buffer.
+#[derive(Clone, Copy)]
+struct F32(*const f32);
+
+impl Src for F32 {
+    #[inline(always)]
+    unsafe fn one(self, v: usize) -> __m256 {
+        // SAFETY: elements 8v .. 8v+8 are in the row.
+        unsafe { _mm256_loadu_ps(self.0.add(v * L)) }
+    }
+
+    #[inline(always)]
+    unsafe fn tail(self, v: usize, r: usize) -> __m256 {
+        // SAFETY: masked lanes are not read (fault suppression), the rest are in the row.
+        unsafe { _mm256_maskload_ps(self.0.add(v * L), mask(r)) }
+    }
+}
+
+/// Sum of four accumulators in a fixed tree: (a0 + a1) + (a2 + a3), then halves, pairs, lanes.
+#[inline(always)]
+unsafe fn reduce(a: [__m256; A]) -> f32 {
+    // SAFETY: AVX guaranteed by the caller.
+    unsafe {
+        let v = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+        let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)))
+    }
+}
+
+/// Dot products of `NW` weight rows with `T` activation rows of length `n`: each decoded weight
+/// vector is applied to all `T` rows. The order per (weight row, activation row) is fixed by n.
+#[inline(always)]
+unsafe fn dot_tile<S: Src, const NW: usize, const T: usize>(
+    w: [S; NW],
+    x: [*const f32; T],
+    n: usize,
+) -> [[f32; T]; NW] {
+    // SAFETY: the caller guarantees AVX2/FMA/F16C, that each `x[t]` points at n floats and each
+    // source at a row of n elements.
+    unsafe {
+        let (nv, r) = (n / L, n % L);
+        let nc = nv / A;
+        let mut acc = [[[_mm256_setzero_ps(); A]; T]; NW];
+        for c in 0..nc {
+            let mut wv = [[_mm256_setzero_ps(); A]; NW];
+            for k in 0..NW {
+                wv[k] = w[k].chunk(c);
+            }
+            for t in 0..T {
+                for j in 0..A {
+                    let xv = _mm256_loadu_ps(x[t].add(c * CHUNK + j * L));
+                    for k in 0..NW {
+                        acc[k][t][j] = _mm256_fmadd_ps(wv[k][j], xv, acc[k][t][j]);
+                    }
+                }
+            }
+        }
+        for v in nc * A..nv {
+            let mut wv = [_mm256_setzero_ps(); NW];
+            for k in 0..NW {
+                wv[k] = w[k].one(v);
+            }
+            for t in 0..T {
+                let xv = _mm256_loadu_ps(x[t].add(v * L));
+                for k in 0..NW {
+                    acc[k][t][v % A] = _mm256_fmadd_ps(wv[k], xv, acc[k][t][v % A]);
+                }
+            }
+        }
+        if r > 0 {
+            let v = nv;
+            let mut wv = [_mm256_setzero_ps(); NW];
+            for k in 0..NW {
+                wv[k] = w[k].tail(v, r);
+            }
+            for t in 0..T {
+                let xv = _mm256_maskload_ps(x[t].add(v * L), mask(r));
+                for k in 0..NW {
+                    acc[k][t][v % A] = _mm256_fmadd_ps(wv[k], xv, acc[k][t][v % A]);
+                }
+            }
+        }
+        let mut y = [[0.0f32; T]; NW];
+        for k in 0..NW {
+            for t in 0..T {
+                y[k][t] = reduce(acc[k][t]);
+            }
+        }
+        y
+    }
+}
+
+/// All `s` activation rows against `NW` weight rows, in tiles of `TM` rows (then one smaller
+/// tile). `out[k]` points at `s` floats for weight row k.
+#[inline(always)]
+unsafe fn tiles<S: Src, const NW: usize, const TM: usize>(
+    w: [S; NW],
+    x: &[f32],
+    s: usize,
+    n: usize,
+    out: [*mut f32; NW],
+) {
+    // SAFETY: `x` holds s rows of n; each `out[k]` points at s writable floats.
+    unsafe {
+        const { assert!(TM == 1 || TM == 2) };
+        let xp = x.as_ptr();
+        macro_rules! tile {
+            ($t:literal, $t0:expr) => {{
+                let mut xs = [xp; $t];
+                for (i, p) in xs.iter_mut().enumerate() {
+                    *p = xp.add(($t0 + i) * n);
+                }
+                let y = dot_tile::<S, NW, $t>(w, xs, n);
+                for k in 0..NW {
+                    for i in 0..$t {
+                        *out[k].add($t0 + i) = y[k][i];
+                    }
+                }
+            }};
+        }
+        let mut t0 = 0;
+        while s - t0 >= TM {
+            match TM {
+                2 => tile!(2, t0),
+                _ => tile!(1, t0),
+            }
+            t0 += TM;
+        }
+        if s - t0 == 1 {
+            tile!(1, t0);
+        }
+    }
+}
+
+/// Decode a whole row into `buf` (padded to whole vectors; lanes past n are +0).
+#[inline(always)]
+unsafe fn fill<S: Src>(w: S, n: usize, buf: &mut [f32]) {
+    // SAFETY: `buf` holds n.div_ceil(8)·8 floats; the source holds a row of n.
+    unsafe {
+        let (nv, r) = (n / L, n % L);
+        let p = buf.as_mut_ptr();
+        for c in 0..nv / A {
+            let wv = w.chunk(c);
+            for (j, v) in wv.into_iter().enumerate() {
+                _mm256_storeu_ps(p.add(c * CHUNK + j * L), v);
+            }
+        }
+        for v in nv / A * A..nv {
+            _mm256_storeu_ps(p.add(v * L), w.one(v));
+        }
+        if r > 0 {
+            _mm256_storeu_ps(p.add(nv * L), w.tail(nv, r));
+        }
+    }
+}
+
+/// Rows `o0..o0 + out.len()/s` of one weight matrix made by `make(o)`, into `out` ([n_rows, s]).
+#[inline(always)]
+unsafe fn rows_src<S: Src>(
+    make: impl Fn(usize) -> S,
+    n: usize,
+    o0: usize,
+    x: &[f32],
+    s: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: forwarded from `rows`.
+    unsafe {
+        if s <= TILE {
+            for (i, y) in out.chunks_exact_mut(s).enumerate() {
+                tiles::<S, 1, TILE>([make(o0 + i)], x, s, n, [y.as_mut_ptr()]);
+            }
+        } else {
+            let mut buf = vec![0.0f32; n.div_ceil(L) * L];
+            for (i, y) in out.chunks_exact_mut(s).enumerate() {
+                fill(make(o0 + i), n, &mut buf);
+                tiles::<F32, 1, TILE>([F32(buf.as_ptr())], x, s, n, [y.as_mut_ptr()]);
+            }
+        }
+    }
+}
+
+/// Like [`rows_src`] for two matrices (gate and up), sharing every activation load.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_src_pair<S: Src>(
+    make_a: impl Fn(usize) -> S,
+    make_b: impl Fn(usize) -> S,
+    n: usize,
+    o0: usize,
+    x: &[f32],
+    s: usize,
+    out_a: &mut [f32],
+    out_b: &mut [f32],
+) {
+    // SAFETY: forwarded from `rows_pair`.
+    unsafe {
+        let pairs = out_a.chunks_exact_mut(s).zip(out_b.chunks_exact_mut(s));
+        if s <= TILE_PAIR {
+            for (i, (ya, yb)) in pairs.enumerate() {
+                let w = [make_a(o0 + i), make_b(o0 + i)];
+                tiles::<S, 2, TILE_PAIR>(w, x, s, n, [ya.as_mut_ptr(), yb.as_mut_ptr()]);
+            }
+        } else {
+            let mut buf_a = vec![0.0f32; n.div_ceil(L) * L];
+            let mut buf_b = vec![0.0f32; n.div_ceil(L) * L];
+            for (i, (ya, yb)) in pairs.enumerate() {
+                fill(make_a(o0 + i), n, &mut buf_a);
+                fill(make_b(o0 + i), n, &mut buf_b);
+                let w = [F32(buf_a.as_ptr()), F32(buf_b.as_ptr())];
+                tiles::<F32, 2, TILE_PAIR>(w, x, s, n, [ya.as_mut_ptr(), yb.as_mut_ptr()]);
+            }
+        }
+    }
+}
+
+/// Expand `$body` with `$mk` bound to a closure `|w, o| -> Src` for row o of a matrix `w` in
+/// format `$fmt` (one instantiation of `$body` per source type).
+macro_rules! with_src {
+    ($fmt:expr, |$mk:ident| $body:expr) => {{
+        match $fmt {
+            QuantFormat::F32 => {
+                let $mk = |w: &QMatrix<'_>, o: usize| F32(w.row_data(o).as_ptr() as *const f32);
+                $body
+            }
+            QuantFormat::Bf16 => {
+                let $mk = |w: &QMatrix<'_>, o: usize| Bf16(w.row_data(o).as_ptr());
+                $body
+            }
+            QuantFormat::F16 => {
+                let $mk = |w: &QMatrix<'_>, o: usize| F16(w.row_data(o).as_ptr());
+                $body
+            }
+            QuantFormat::Int8PerRow => {
+                let $mk = |w: &QMatrix<'_>, o: usize| Int8 {
+                    data: w.row_data(o).as_ptr(),
+                    scale: w.row_scales(o)[0],
+                };
+                $body
+            }
+            f @ (QuantFormat::Int4PerRow | QuantFormat::Int4Grouped { .. }) => {
+                let magic = group_magic(f, L);
+                let $mk = move |w: &QMatrix<'_>, o: usize| Int4 {
+                    data: w.row_data(o).as_ptr(),
+                    scales: w.row_scales(o).as_ptr(),
+                    magic,
+                };
+                $body
+            }
+        }
+    }};
+}
+
+/// `out[i·s + t] = W[o0 + i] · x_t` for the rows `o0..o0 + out.len()/s`.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `x.len() == s · w.cols()`, `s > 0`,
+/// `out.len()` is a multiple of s and `o0 + out.len()/s <= w.rows()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, x: &[f32], s: usize, out: &mut [f32]) {
+    let n = w.cols();
+    // SAFETY: the caller's contract; `mk` builds sources over whole rows of n elements.
+    unsafe { with_src!(w.format(), |mk| rows_src(|o| mk(w, o), n, o0, x, s, out)) }
+}
+
+/// [`rows`] for two matrices of the same shape (gate and up), sharing the activation loads.
+///
+/// # Safety
+/// As [`rows`], for both `a` and `b`, which have the same shape; `out_a` and `out_b` have the
+/// same length.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn rows_pair(
+    a: &QMatrix<'_>,
+    b: &QMatrix<'_>,
+    o0: usize,
+    x: &[f32],
+    s: usize,
+    out_a: &mut [f32],
+    out_b: &mut [f32],
+) {
+    let n = a.cols();
+    // SAFETY: the caller's contract. Mixed formats fall back to one matrix at a time, which
+    // computes every dot product in the same order.
+    unsafe {
+        if a.format() != b.format() {
+            rows(a, o0, x, s, out_a);
+            rows(b, o0, x, s, out_b);
+            return;
+        }
+        with_src!(a.format(), |mk| rows_src_pair(
+            |o| mk(a, o),
+            |o| mk(b, o),
+            n,
+            o0,
+            x,
+            s,
+            out_a,
+            out_b
+        ))
+    }
+}

@@ -4,6 +4,8 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+mod container;
+
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -111,5 +113,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_for_test, m)?)?;
+    container::register(m)?;
     Ok(())
 }

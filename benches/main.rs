@@ -4,5 +4,6 @@
 use criterion::criterion_main;
 
 mod bandwidth;
+mod experts;
 
-criterion_main!(bandwidth::benches);
+criterion_main!(bandwidth::benches, experts::benches);

@@ -35,6 +35,14 @@ pub struct SynthSpec {
     pub seed: u64,
     /// Put a 2-byte tensor first so that every scale is 4-byte misaligned in the file.
     pub misalign: bool,
+    /// Also write the dense part (embeddings, attention, norms, routers, shared experts, dense
+    /// MLPs, MTP head) with random weights, so the directory is a complete loadable model.
+    pub dense: bool,
+    /// GLM-5.2 attention and dense dimensions in `config.json` (64 heads, q_lora 2048,
+    /// kv_lora 512, intermediate 12288...); otherwise tiny ones.
+    pub glm_dims: bool,
+    /// Vocabulary size in `config.json` (small: the synthetic model has no tokenizer).
+    pub vocab_size: usize,
 }
 
 impl SynthSpec {
@@ -51,6 +59,9 @@ impl SynthSpec {
             experts_per_shard: 64,
             seed: 1,
             misalign: false,
+            dense: false,
+            glm_dims: true,
+            vocab_size: 1024,
         }
     }
 
@@ -67,6 +78,9 @@ impl SynthSpec {
             experts_per_shard: 5,
             seed: 7,
             misalign: false,
+            dense: false,
+            glm_dims: false,
+            vocab_size: 256,
         }
     }
 
@@ -79,36 +93,47 @@ impl SynthSpec {
         v
     }
 
-    /// A `config.json` for these shapes (GLM-5 family; tiny attention dims, vocab 256).
+    /// A `config.json` for these shapes (GLM-5 family, `glm_moe_dsa`).
     pub fn config_json(&self) -> String {
+        // (heads, q_lora, kv_lora, nope, rope, v, intermediate, index_head_dim, index_heads)
+        let d = if self.glm_dims {
+            (64, 2048, 512, 192, 64, 256, 12288, 128, 32)
+        } else {
+            (2, 32, 32, 16, 8, 16, 2 * self.moe_intermediate, 16, 2)
+        };
         serde_json::json!({
             "model_type": "glm_moe_dsa",
             "architectures": ["GlmMoeDsaForCausalLM"],
-            "vocab_size": 256,
+            "vocab_size": self.vocab_size,
             "hidden_size": self.hidden,
-            "intermediate_size": 2 * self.moe_intermediate,
+            "intermediate_size": d.6,
             "moe_intermediate_size": self.moe_intermediate,
             "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
-            "q_lora_rank": 32,
-            "kv_lora_rank": 32,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 16,
+            "num_attention_heads": d.0,
+            "num_key_value_heads": d.0,
+            "q_lora_rank": d.1,
+            "kv_lora_rank": d.2,
+            "qk_nope_head_dim": d.3,
+            "qk_rope_head_dim": d.4,
+            "v_head_dim": d.5,
             "n_routed_experts": self.n_routed_experts,
             "num_experts_per_tok": self.n_routed_experts.min(8),
             "n_shared_experts": 1,
             "n_group": 1,
             "topk_group": 1,
+            "norm_topk_prob": true,
+            "routed_scaling_factor": 2.5,
             "first_k_dense_replace": self.first_k_dense_replace,
             "num_nextn_predict_layers": usize::from(self.mtp),
-            "index_head_dim": 16,
-            "index_n_heads": 2,
+            "index_head_dim": d.7,
+            "index_n_heads": d.8,
             "index_topk": 2048,
             "rms_norm_eps": 1e-5,
+            "rope_theta": 1000000.0,
             "max_position_embeddings": 4096,
-            "tie_word_embeddings": false
+            "tie_word_embeddings": false,
+            "bos_token_id": 0,
+            "eos_token_id": 1
         })
         .to_string()
     }
@@ -251,7 +276,11 @@ pub fn write(dir: &Path, spec: &SynthSpec) -> Result<StaticSource> {
             w.write_all(&buf).map_err(|e| Error::io(&path, e))?;
             offset += n as u64;
         }
-        w.flush().map_err(|e| Error::io(&path, e))?;
+        let file = w
+            .into_inner()
+            .map_err(|e| Error::io(&path, e.into_error()))?;
+        // Durable and clean, so cold-cache benches can drop the pages (DONTNEED skips dirty ones).
+        file.sync_all().map_err(|e| Error::io(&path, e))?;
         fp = fnv1a(&offset.to_le_bytes(), fp);
         for ((l, e), r) in locs {
             let m = |i: usize, name: String, rows: usize, cols: usize| MatrixLoc {
@@ -288,6 +317,9 @@ pub fn write(dir: &Path, spec: &SynthSpec) -> Result<StaticSource> {
         }
         files.push(path);
     }
+    if spec.dense {
+        write_dense(dir, spec)?;
+    }
     Ok(StaticSource {
         dir: dir.to_path_buf(),
         files,
@@ -295,4 +327,108 @@ pub fn write(dir: &Path, spec: &SynthSpec) -> Result<StaticSource> {
         num_layers: spec.num_hidden_layers + usize::from(spec.mtp),
         layers,
     })
+}
+
+/// Standard normal samples (Box-Muller on the splitmix stream).
+fn normals(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    let mut v = Vec::with_capacity(n + 1);
+    while v.len() < n {
+        let u1 = ((rng.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+        let u2 = (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
+        let r = (-2.0 * u1.ln()).sqrt();
+        let t = std::f64::consts::TAU * u2;
+        v.push((r * t.cos()) as f32 * scale);
+        v.push((r * t.sin()) as f32 * scale);
+    }
+    v.truncate(n);
+    v
+}
+
+/// The dense part of the model in one shard `dense-00000.safetensors`: random weights with
+/// std 1/sqrt(I) (int8 per-row for embeddings, lm_head and the MTP layer, int4-gs64
+/// otherwise), norms 1, router weights F32, correction bias 0.
+fn write_dense(dir: &Path, spec: &SynthSpec) -> Result<()> {
+    use crate::config::ModelConfig;
+    use crate::container::names::{classify, expected_len, expected_names, expected_shape};
+    use crate::container::Role;
+    let cfg = ModelConfig::from_json_str(&spec.config_json(), dir.join("config.json"))?;
+    let path = dir.join("dense-00000.safetensors");
+    let mut specs = Vec::new();
+    let mut blobs: Vec<Vec<u8>> = Vec::new();
+    let mut meta = BTreeMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    meta.insert(
+        crate::container::FORMAT_VERSION_KEY.to_string(),
+        crate::container::FORMAT_VERSION.to_string(),
+    );
+    for (k, name) in expected_names(&cfg).into_iter().enumerate() {
+        let role = classify(&cfg, &name);
+        if role.role == Role::RoutedExpert {
+            continue;
+        }
+        let mut rng = Rng::new(spec.seed ^ 0xd5e5, k, 0, 0);
+        let f32_bytes = |v: &[f32]| -> Vec<u8> { bytemuck::cast_slice(v).to_vec() };
+        match (role.role, expected_shape(&cfg, &name)) {
+            (Role::Router, Some((o, i))) => {
+                let w = normals(&mut rng, o * i, 1.0 / (i as f32).sqrt());
+                specs.push(TensorSpec {
+                    name: name.clone(),
+                    dtype: Dtype::F32,
+                    shape: vec![o, i],
+                });
+                blobs.push(f32_bytes(&w));
+            }
+            (_, Some((o, i))) => {
+                let int8 = matches!(role.role, Role::Embed | Role::LmHead)
+                    || role.layer.is_some_and(|l| cfg.is_mtp_layer(l));
+                let f = if int8 {
+                    QuantFormat::Int8PerRow
+                } else {
+                    QuantFormat::Int4Grouped { group_size: 64 }
+                };
+                let w = normals(&mut rng, o * i, 1.0 / (i as f32).sqrt());
+                let p = crate::quant::pack::quantize(f, &name, &w, o, i)?;
+                meta.insert(name.clone(), f.name());
+                specs.push(TensorSpec {
+                    name: name.clone(),
+                    dtype: Dtype::U8,
+                    shape: vec![p.data.len()],
+                });
+                blobs.push(p.data);
+                specs.push(TensorSpec {
+                    name: format!("{name}{SCALES_SUFFIX}"),
+                    dtype: Dtype::F32,
+                    shape: vec![p.scales.len()],
+                });
+                blobs.push(f32_bytes(&p.scales));
+            }
+            (r, None) => {
+                let n = expected_len(&cfg, &name).ok_or_else(|| {
+                    Error::Internal(format!("synthetic model: no shape known for '{name}'"))
+                })?;
+                let v: Vec<f32> = if r == Role::RouterBias {
+                    vec![0.0; n]
+                } else {
+                    vec![1.0; n]
+                };
+                specs.push(TensorSpec {
+                    name: name.clone(),
+                    dtype: Dtype::F32,
+                    shape: vec![n],
+                });
+                blobs.push(f32_bytes(&v));
+            }
+        }
+    }
+    let header = write_header(&specs, &meta);
+    let file = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
+    let mut w = std::io::BufWriter::with_capacity(8 << 20, file);
+    w.write_all(&header).map_err(|e| Error::io(&path, e))?;
+    for b in &blobs {
+        w.write_all(b).map_err(|e| Error::io(&path, e))?;
+    }
+    let file = w
+        .into_inner()
+        .map_err(|e| Error::io(&path, e.into_error()))?;
+    file.sync_all().map_err(|e| Error::io(&path, e))
 }

@@ -587,3 +587,27 @@ fn routing_history_pins_the_hot_set_across_runs() {
         SaveOutcome::Skipped(_)
     ));
 }
+
+#[test]
+fn synthetic_model_with_dense_part_opens_as_a_complete_container() {
+    let spec = SynthSpec {
+        dense: true,
+        ..SynthSpec::tiny(G64)
+    };
+    let (d, _src) = make(&spec);
+    let c = crate::container::Container::open(d.path()).expect("container");
+    for name in crate::container::expected_names(c.config()) {
+        assert!(c.contains(&name), "missing {name}");
+    }
+    let q = c
+        .weight("model.layers.0.self_attn.q_b_proj.weight")
+        .expect("q_b");
+    assert_eq!(q.format(), G64);
+    let e = c.weight("model.embed_tokens.weight").expect("embed");
+    assert_eq!(
+        (e.format(), e.rows()),
+        (QuantFormat::Int8PerRow, spec.vocab_size)
+    );
+    let mtp = c.weight("model.layers.3.eh_proj.weight").expect("eh_proj");
+    assert_eq!(mtp.format(), QuantFormat::Int8PerRow);
+}

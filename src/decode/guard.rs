@@ -161,8 +161,8 @@ impl LinFit {
 
 /// Automatic draft depth. Keeps, per depth j, the decayed counts of drafts that reached
 /// depth j (all earlier ones accepted) and of those accepted, giving the conditional
-/// acceptance a_j = (accepted_j + 1) / (reached_j + 2) (a uniform prior, so an unexplored
-/// depth looks like a coin flip); and decayed least-squares lines through the measured wall
+/// acceptance a_j = (accepted_j + 2·a_{j−1}) / (reached_j + 2) (a_0 = 0.5: an unexplored depth
+/// is assumed as good as the one before it); and decayed least-squares lines through the measured wall
 /// time of a decode forward against S (= 1 + G rows) and of drafting against G. It picks the
 /// G in 0..=cap maximising E(G) / cost(G), E(G) = 1 + Σ_{g≤G} Π_{j≤g} a_j,
 /// cost(G) = verify(1+G) + draft(G), never more than one depth beyond the deepest measured.
@@ -232,17 +232,26 @@ impl DepthController {
         }
     }
 
-    /// Posterior mean of the acceptance of depth `j` given depths < j were accepted.
-    pub fn acceptance(&self, j: usize) -> f64 {
-        (self.accepted[j] + 1.0) / (self.reached[j] + 2.0)
+    /// Posterior means of the acceptance of depths 1..=MAX_DEPTH (index j − 1), each given the
+    /// earlier depths were accepted. Depth j's prior is 2 pseudo-counts at depth j − 1's
+    /// estimate (0.5 for depth 1): an unexplored depth is assumed as good as the one before it.
+    pub fn acceptances(&self) -> [f64; MAX_DEPTH] {
+        let mut out = [0.0; MAX_DEPTH];
+        let mut prior = 0.5;
+        for j in 1..=MAX_DEPTH {
+            let a = (self.accepted[j] + 2.0 * prior) / (self.reached[j] + 2.0);
+            out[j - 1] = a;
+            prior = a;
+        }
+        out
     }
 
     /// Expected tokens emitted by one cycle at depth `g`.
     pub fn expected_tokens(&self, g: usize) -> f64 {
         let mut e = 1.0;
         let mut prod = 1.0;
-        for j in 1..=g.min(MAX_DEPTH) {
-            prod *= self.acceptance(j);
+        for a in self.acceptances().iter().take(g) {
+            prod *= a;
             e += prod;
         }
         e
@@ -409,12 +418,9 @@ mod tests {
     #[test]
     fn measured_acceptance_follows_the_data() {
         let c = trained(|_| 1.0, &[0.8; 8]);
-        for j in 1..=3 {
-            assert!(
-                (c.acceptance(j) - 0.8).abs() < 0.03,
-                "a_{j} = {}",
-                c.acceptance(j)
-            );
+        let a = c.acceptances();
+        for (j, aj) in a.iter().enumerate().take(3) {
+            assert!((aj - 0.8).abs() < 0.03, "a_{} = {aj}", j + 1);
         }
         // E(2) = 1 + 0.8 + 0.64.
         assert!((c.expected_tokens(2) - 2.44).abs() < 0.06);

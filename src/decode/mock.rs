@@ -6,8 +6,9 @@
 //! the true (t_{p+1}, h_p) pairs: the mock therefore checks the MTP bookkeeping strictly and
 //! returns an error on any row that breaks it.
 
+use std::cell::Cell;
+use std::rc::Rc;
 use std::sync::atomic::AtomicBool;
-use std::time::Duration;
 
 use super::rng::Rng;
 use super::sampling::argmax;
@@ -28,9 +29,9 @@ pub struct MockConfig {
     pub has_mtp: bool,
     /// Probability that an MTP draft is replaced by a wrong token (decided by a hash).
     pub mtp_error: f64,
-    /// Simulated wall time of a `step_all`: base + per_row · S.
-    pub delay_base: Duration,
-    pub delay_per_row: Duration,
+    /// Virtual seconds a `step_all` over S rows advances the mock's clock: base + per_row · S.
+    pub cost_base: f64,
+    pub cost_per_row: f64,
 }
 
 impl Default for MockConfig {
@@ -41,8 +42,8 @@ impl Default for MockConfig {
             logit_scale: 3.0,
             has_mtp: true,
             mtp_error: 0.2,
-            delay_base: Duration::ZERO,
-            delay_per_row: Duration::ZERO,
+            cost_base: 0.0,
+            cost_per_row: 0.0,
         }
     }
 }
@@ -58,6 +59,8 @@ pub struct MockTarget {
     mtp_kv: Vec<(u32, [f32; H])>,
     pub step_calls: usize,
     pub mtp_calls: usize,
+    /// Virtual time, advanced by `step_all` (see [`MockTarget::clock`]).
+    time: Rc<Cell<f64>>,
 }
 
 fn hash(a: u64, b: u64, c: u64, seed: u64) -> u64 {
@@ -88,7 +91,14 @@ impl MockTarget {
             mtp_kv: Vec::new(),
             step_calls: 0,
             mtp_calls: 0,
+            time: Rc::new(Cell::new(0.0)),
         }
+    }
+
+    /// A clock for `spec::run` that reads the mock's virtual time.
+    pub fn clock(&self) -> impl Fn() -> f64 {
+        let time = Rc::clone(&self.time);
+        move || time.get()
     }
 
     /// Logits for the token after `cur` when it follows `prev` (`None` at position 0).
@@ -152,11 +162,9 @@ impl MockTarget {
         Ok(())
     }
 
-    fn delay(&self, rows: usize) {
-        let d = self.cfg.delay_base + self.cfg.delay_per_row * rows as u32;
-        if !d.is_zero() {
-            std::thread::sleep(d);
-        }
+    fn advance_clock(&self, rows: usize) {
+        let t = self.time.get() + self.cfg.cost_base + self.cfg.cost_per_row * rows as f64;
+        self.time.set(t);
     }
 }
 
@@ -178,7 +186,7 @@ impl Target for MockTarget {
             )));
         }
         self.step_calls += 1;
-        self.delay(tokens.len());
+        self.advance_clock(tokens.len());
         let v = self.cfg.vocab;
         let mut out = StepOutput {
             logits: Vec::with_capacity(tokens.len() * v),

@@ -220,29 +220,43 @@ pub fn generate(
         DraftSource::Ngram => Some(&mut ngram),
         _ => None,
     };
-    run(
-        target,
-        prompt,
-        opts,
+    let epoch = Instant::now();
+    let clock = move || epoch.elapsed().as_secs_f64();
+    let hooks = Hooks {
         drafter,
-        Acceptance::Exact,
-        on_tokens,
-        cancel,
-    )
+        acceptance: Acceptance::Exact,
+        clock: &clock,
+    };
+    run(target, prompt, opts, hooks, on_tokens, cancel)
 }
 
-/// The loop behind [`generate`] with an explicit drafter and acceptance rule (tests plug in
-/// forced drafters and the negative control here).
+/// The parts of the loop that tests replace: the drafter, the acceptance rule, the clock.
+pub(crate) struct Hooks<'d, 'c> {
+    pub drafter: Option<&'d mut dyn Drafter>,
+    pub acceptance: Acceptance,
+    pub clock: Clock<'c>,
+}
+
+/// Seconds on a monotonic clock; the loop times forwards and drafting with it (tests pass a
+/// virtual clock that the mock model advances).
+pub(crate) type Clock<'a> = &'a dyn Fn() -> f64;
+
+/// The loop behind [`generate`] with explicit [`Hooks`] (tests plug in forced drafters, the
+/// negative control and a virtual clock here).
 pub(crate) fn run(
     target: &mut dyn Target,
     prompt: &[u32],
     opts: &GenerateOptions,
-    drafter: Option<&mut dyn Drafter>,
-    acceptance: Acceptance,
+    hooks: Hooks<'_, '_>,
     on_tokens: &mut dyn FnMut(&[u32]) -> bool,
     cancel: &AtomicBool,
 ) -> Result<Generation> {
     opts.validate()?;
+    let Hooks {
+        drafter,
+        acceptance,
+        clock,
+    } = hooks;
     let vocab = target.vocab_size();
     check_prompt(prompt, vocab, opts.max_context)?;
     target.truncate(0);
@@ -261,14 +275,16 @@ pub(crate) fn run(
         stats: DecodeStats::new(prompt.len()),
         guard: PauseGuard::new(opts.guard.clone()),
         depth: DepthController::new(MAX_DEPTH),
+        drafted_last_cycle: false,
+        clock,
     };
-    let started = Instant::now();
+    let started = clock();
     let result = lp.decode(on_tokens, cancel);
     lp.settle();
     let generated = lp.ctx.len() - lp.prompt_len;
     lp.stats.guard_pauses = lp.guard.pauses();
     lp.stats.mtp_forwards = lp.drafter.as_ref().map_or(0, |d| d.mtp_forwards());
-    lp.stats.finish(generated, started.elapsed().as_secs_f64());
+    lp.stats.finish(generated, clock() - started);
     let finish = result?;
     Ok(Generation {
         tokens: lp.ctx[lp.prompt_len..].to_vec(),
@@ -308,7 +324,7 @@ fn check_prompt(prompt: &[u32], vocab: usize, max_context: Option<usize>) -> Res
     Ok(())
 }
 
-struct Loop<'t, 'o, 'd> {
+struct Loop<'t, 'o, 'd, 'c> {
     target: &'t mut dyn Target,
     opts: &'o GenerateOptions,
     drafter: Option<&'d mut dyn Drafter>,
@@ -322,9 +338,17 @@ struct Loop<'t, 'o, 'd> {
     stats: DecodeStats,
     guard: PauseGuard,
     depth: DepthController,
+    /// Whether the previous cycle drafted: only then is a draft's time typical (after a
+    /// cycle without drafts the MTP drafter also absorbs the rows it skipped).
+    drafted_last_cycle: bool,
+    clock: Clock<'c>,
 }
 
-impl Loop<'_, '_, '_> {
+impl Loop<'_, '_, '_, '_> {
+    fn now(&self) -> f64 {
+        (self.clock)()
+    }
+
     fn decode(
         &mut self,
         on_tokens: &mut dyn FnMut(&[u32]) -> bool,
@@ -343,7 +367,7 @@ impl Loop<'_, '_, '_> {
 
     /// Run the prompt through the model; returns the first generated token.
     fn prefill(&mut self, cancel: &AtomicBool) -> Result<u32> {
-        let t = Instant::now();
+        let t = self.now();
         let n = self.prompt_len;
         let chunk = if self.opts.prefill_chunk == 0 {
             n
@@ -367,7 +391,7 @@ impl Loop<'_, '_, '_> {
             start = end;
         }
         let first = pick(&last_row, &self.opts.sampling, self.rng.next_f64())?;
-        self.stats.prefill_secs = t.elapsed().as_secs_f64();
+        self.stats.prefill_secs = self.now() - t;
         Ok(first)
     }
 
@@ -403,7 +427,7 @@ impl Loop<'_, '_, '_> {
         let drafts = self.draft(g, cancel)?;
 
         check_cancel(cancel)?;
-        let t = Instant::now();
+        let t = self.now();
         let kv = self.target.kv_len();
         let mut feed = Vec::with_capacity(1 + drafts.len());
         feed.push(self.ctx[self.ctx.len() - 1]);
@@ -414,7 +438,7 @@ impl Loop<'_, '_, '_> {
         check_step(&out, feed.len(), self.vocab, self.hidden, "step_all")?;
         let burst = self.accept(&out.logits, &drafts)?;
         let accepted = burst.len() - 1;
-        let secs = t.elapsed().as_secs_f64();
+        let secs = self.now() - t;
         self.stats.verify_secs += secs;
         self.depth.record_verify(feed.len(), secs);
 
@@ -434,18 +458,20 @@ impl Loop<'_, '_, '_> {
 
     /// Ask the drafter for `g` drafts (upkeep only when `g == 0`).
     fn draft(&mut self, g: usize, cancel: &AtomicBool) -> Result<Vec<u32>> {
+        let clock = self.clock;
         let Some(drafter) = self.drafter.as_mut() else {
             return Ok(Vec::new());
         };
-        let t = Instant::now();
+        let t = clock();
+        let typical = std::mem::replace(&mut self.drafted_last_cycle, g > 0);
         if g == 0 {
             drafter.idle(&mut *self.target, &self.ctx, cancel)?;
-            self.stats.draft_secs += t.elapsed().as_secs_f64();
+            self.stats.draft_secs += clock() - t;
             return Ok(Vec::new());
         }
         let mut drafts = drafter.propose(&mut *self.target, &self.ctx, g, cancel)?;
         drafts.truncate(g);
-        let secs = t.elapsed().as_secs_f64();
+        let secs = clock() - t;
         self.stats.draft_secs += secs;
         if let Some(&bad) = drafts.iter().find(|&&d| d as usize >= self.vocab) {
             return Err(Error::Internal(format!(
@@ -453,7 +479,7 @@ impl Loop<'_, '_, '_> {
                 self.vocab
             )));
         }
-        if !drafts.is_empty() {
+        if !drafts.is_empty() && typical {
             self.depth.record_draft(drafts.len(), secs);
         }
         Ok(drafts)

@@ -1,14 +1,13 @@
 //! End-to-end tests of the decode loop on the mock target (docs/speculative.md, "Tests").
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use super::guard::GuardConfig;
 use super::mock::{Forced, ForcedDrafter, MockConfig, MockTarget};
 use super::mtp::MtpDrafter;
 use super::rng::Rng;
 use super::sampling::{processed_distribution, SamplingParams};
-use super::spec::{run, Acceptance};
+use super::spec::{run, Acceptance, Hooks};
 use super::*;
 use crate::Error;
 
@@ -57,12 +56,17 @@ fn run_forced(
 ) -> Generation {
     target.step_calls = 0;
     target.mtp_calls = 0;
+    let clock = target.clock();
+    let hooks = Hooks {
+        drafter: Some(drafter),
+        acceptance,
+        clock: &clock,
+    };
     let g = run(
         target,
         prompt,
         o,
-        Some(drafter),
-        acceptance,
+        hooks,
         &mut |_| true,
         &AtomicBool::new(false),
     )
@@ -474,20 +478,17 @@ fn chunked_prefill_and_absorb_match_one_shot() {
     assert_eq!(chunked.stats.forwards, whole.stats.forwards + 4);
 }
 
+fn mean_depth(h: &[u64]) -> f64 {
+    let cycles: u64 = h.iter().sum();
+    let weighted: u64 = h.iter().enumerate().map(|(g, &c)| g as u64 * c).sum();
+    weighted as f64 / cycles as f64
+}
+
 #[test]
-fn auto_depth_goes_deep_when_verify_is_flat_and_off_when_it_is_expensive() {
-    // Flat verify cost (2 ms whatever S) and an always-right drafter: deep drafts pay.
-    let cheap = MockConfig {
-        delay_base: Duration::from_millis(2),
-        ..MockConfig::default()
-    };
-    // Verify cost ∝ S (2 ms per row) and an always-wrong drafter: drafting never pays.
-    let dear = MockConfig {
-        delay_per_row: Duration::from_millis(2),
-        ..MockConfig::default()
-    };
+fn auto_depth_follows_measured_cost_and_acceptance() {
+    // Virtual time: the mock's step_all advances a clock by base + per_row · S.
     let prompt = [1, 2, 3];
-    let mean_depth = |cfg: MockConfig, mode: Forced, n: usize| {
+    let forced = |cfg: MockConfig, mode: Forced, n: usize| {
         let mut t = MockTarget::new(cfg);
         let plain = gen(
             &mut t,
@@ -504,15 +505,63 @@ fn auto_depth_goes_deep_when_verify_is_flat_and_off_when_it_is_expensive() {
         let o = opts(DraftSource::Auto, DraftDepth::Auto, n);
         let g = run_forced(&mut t, &prompt, &o, &mut d, Acceptance::Exact);
         assert_eq!(g.tokens, plain.tokens);
-        let h = &g.stats.depth_histogram;
-        let cycles: u64 = h.iter().sum();
-        let weighted: u64 = h.iter().enumerate().map(|(g, &c)| g as u64 * c).sum();
-        (weighted as f64 / cycles as f64, h.clone())
+        g.stats.depth_histogram
     };
-    let (deep, h) = mean_depth(cheap, Forced::AcceptAll, 150);
-    assert!(deep >= 5.0, "mean depth {deep}, histogram {h:?}");
-    let (off, h) = mean_depth(dear, Forced::RejectAll, 80);
-    assert!(off <= 0.5, "mean depth {off}, histogram {h:?}");
+    // Nearly flat verify cost and an always-right drafter: the deepest drafts pay.
+    let cheap = MockConfig {
+        cost_base: 1.0,
+        cost_per_row: 0.01,
+        ..MockConfig::default()
+    };
+    let h = forced(cheap, Forced::AcceptAll, 300);
+    eprintln!("flat cost, always right: depth histogram {h:?}");
+    assert!(
+        mean_depth(&h) >= 6.0 && h[8] * 2 > h.iter().sum::<u64>(),
+        "{h:?}"
+    );
+    // Verify cost ∝ S and an always-wrong drafter: drafting never pays.
+    let dear = MockConfig {
+        cost_per_row: 1.0,
+        ..MockConfig::default()
+    };
+    let h = forced(dear, Forced::RejectAll, 150);
+    eprintln!("cost ∝ S, always wrong: depth histogram {h:?}");
+    assert!(h[0] * 10 >= h.iter().sum::<u64>() * 9, "{h:?}");
+
+    // The mock MTP head (per-depth acceptance 0.8) with cost 1 + 0.25·S: E(G)/cost(G) is
+    // 0.80, 1.20, 1.39, 1.48, 1.49, 1.48, 1.44, 1.39, 1.33 for G = 0..8, best at 3..5.
+    let mut t = MockTarget::new(MockConfig {
+        cost_base: 1.0,
+        cost_per_row: 0.25,
+        ..MockConfig::default()
+    });
+    let plain = gen(
+        &mut t,
+        &prompt,
+        &opts(DraftSource::Off, DraftDepth::Auto, 400),
+    );
+    let mut d = MtpDrafter::new(&t, 0);
+    let clock = t.clock();
+    let o = opts(DraftSource::Mtp, DraftDepth::Auto, 400);
+    let hooks = Hooks {
+        drafter: Some(&mut d),
+        acceptance: Acceptance::Exact,
+        clock: &clock,
+    };
+    let g = run(
+        &mut t,
+        &prompt,
+        &o,
+        hooks,
+        &mut |_| true,
+        &AtomicBool::new(false),
+    )
+    .unwrap();
+    assert_eq!(g.tokens, plain.tokens);
+    let h = &g.stats.depth_histogram;
+    eprintln!("cost 1 + 0.25·S, MTP mock: depth histogram {h:?}");
+    let mid: u64 = h[3..=5].iter().sum();
+    assert!(mid * 10 >= h.iter().sum::<u64>() * 7, "{h:?}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -592,7 +641,13 @@ fn empirical(
             None => generate(t, prompt, &o, &mut |_| true, &cancel),
             Some(acc) => {
                 let mut d = MtpDrafter::new(t, 0);
-                run(t, prompt, &o, Some(&mut d), acc, &mut |_| true, &cancel)
+                let clock = t.clock();
+                let hooks = Hooks {
+                    drafter: Some(&mut d),
+                    acceptance: acc,
+                    clock: &clock,
+                };
+                run(t, prompt, &o, hooks, &mut |_| true, &cancel)
             }
         }
         .unwrap();
@@ -624,6 +679,10 @@ fn sampled_output_distribution_matches_plain_sampling_and_the_negative_control_f
             let emp = empirical(&mut t, &prompt, &o, None);
             for pos in 0..3 {
                 let d = tv(&emp[pos], &exact[pos]);
+                eprintln!(
+                    "top_k {top_k} top_p {top_p} G {depth} position {}: TV {d:.4}",
+                    pos + 1
+                );
                 assert!(
                     d <= TV_BOUND,
                     "top_k {top_k} top_p {top_p} G {depth} position {}: TV {d}",
@@ -637,6 +696,7 @@ fn sampled_output_distribution_matches_plain_sampling_and_the_negative_control_f
         let worst = (0..3)
             .map(|pos| tv(&emp[pos], &exact[pos]))
             .fold(0.0, f64::max);
+        eprintln!("top_k {top_k} top_p {top_p} negative control: worst TV {worst:.4}");
         assert!(
             worst > TV_BOUND,
             "negative control passed the bound: TV {worst}"

@@ -10,6 +10,7 @@ pub mod convert;
 pub mod cpu;
 pub mod decode;
 pub mod error;
+pub mod experts;
 pub mod model;
 pub mod quant;
 

@@ -5,6 +5,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 mod container;
+mod engine;
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -113,6 +114,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_for_test, m)?)?;
+    m.add_class::<engine::PyEngine>()?;
     container::register(m)?;
     Ok(())
 }

@@ -258,3 +258,61 @@ fn chained_mtp_drafts_match_transformers_convention() {
         }
     }
 }
+
+/// Every way of getting experts — all resident, or the streaming store in each I/O mode, with
+/// prefetch off / hint / real and a budget too small to hold a layer — gives bit-identical
+/// logits.
+#[test]
+fn output_is_identical_across_expert_sources_and_prefetch_modes() {
+    use colibri::experts::{ExpertStore, IoMode, PinPolicy, PrefetchMode, StoreOptions};
+    for name in ["dsv3_a", "glm_b"] {
+        let g = Golden::load(name);
+        let mut tokens = g.ids("prompt_ids");
+        tokens.extend(g.ids("greedy_ids"));
+        let c = Arc::new(Container::open(&fixture_dir(name)).unwrap());
+        let reference = Model::load(c.clone(), &ModelOptions::default())
+            .unwrap()
+            .step(&tokens, 0, true)
+            .unwrap()
+            .logits;
+        for io in [IoMode::Mmap, IoMode::Pread] {
+            for prefetch in [PrefetchMode::Off, PrefetchMode::Hint, PrefetchMode::Real] {
+                for budget in [Some(1u64), None] {
+                    let store = ExpertStore::open(
+                        c.clone(),
+                        StoreOptions {
+                            io,
+                            prefetch,
+                            ram_budget_bytes: budget,
+                            pin: PinPolicy::Off,
+                            usage_file: false,
+                            ..StoreOptions::default()
+                        },
+                    )
+                    .unwrap();
+                    let opts = ModelOptions {
+                        prefetch_top_k: if prefetch == PrefetchMode::Off { 0 } else { 4 },
+                        ..ModelOptions::default()
+                    };
+                    let mut m =
+                        Model::load_with_experts(c.clone(), &opts, Arc::new(store)).unwrap();
+                    // Token by token, so the lookahead runs many times.
+                    let mut logits = Vec::new();
+                    for (p, &t) in tokens.iter().enumerate() {
+                        logits.extend(m.step(&[t], p, true).unwrap().logits);
+                    }
+                    let v = m.config().vocab_size;
+                    for p in 0..tokens.len() {
+                        assert!(
+                            logits[p * v..(p + 1) * v]
+                                .iter()
+                                .zip(&reference[p * v..(p + 1) * v])
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{name} {io:?} {prefetch:?} {budget:?}: position {p} differs"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -57,9 +57,9 @@ impl Layer {
         })
     }
 
-    /// Run the layer on `x` ([s, hidden]) in place.
+    /// Attention half: `x += MLA(input_layernorm(x))`, in place on [s, hidden].
     #[allow(clippy::too_many_arguments)]
-    fn forward(
+    fn attend(
         &self,
         x: &mut [f32],
         s: usize,
@@ -68,7 +68,6 @@ impl Layer {
         kv: &mut LayerKv,
         rope: &Rope,
         eps: f32,
-        experts: &dyn ExpertSource,
         pool: Option<&rayon::ThreadPool>,
     ) -> Result<()> {
         let xn = rmsnorm(x, &self.input_layernorm, eps);
@@ -78,6 +77,18 @@ impl Layer {
         for (v, d) in x.iter_mut().zip(&a) {
             *v += d;
         }
+        Ok(())
+    }
+
+    /// Feed-forward half: `x += FFN(post_attention_layernorm(x))`.
+    fn feed_forward(
+        &self,
+        x: &mut [f32],
+        s: usize,
+        eps: f32,
+        experts: &dyn ExpertSource,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<()> {
         let h = rmsnorm(x, &self.post_attention_layernorm, eps);
         let y = match &self.ffn {
             Ffn::Dense(mlp) => mlp.forward(&h, s, pool)?,
@@ -87,6 +98,31 @@ impl Layer {
             *v += d;
         }
         Ok(())
+    }
+
+    /// Router lookahead for this layer: its router applied to `x` (another layer's residual
+    /// after attention) — top-`k` ids per row, the union in first-seen order.
+    fn predict(
+        &self,
+        x: &[f32],
+        s: usize,
+        k: usize,
+        eps: f32,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<Vec<usize>> {
+        let Ffn::Moe(moe) = &self.ffn else {
+            return Ok(Vec::new());
+        };
+        let h = rmsnorm(x, &self.post_attention_layernorm, eps);
+        let mut ids = Vec::new();
+        for r in moe.router.route(&h, s, k, pool)? {
+            for id in r.ids {
+                if !ids.contains(&id) {
+                    ids.push(id);
+                }
+            }
+        }
+        Ok(ids)
     }
 }
 
@@ -138,6 +174,8 @@ pub struct ModelOptions {
     pub threads: usize,
     /// Load the MTP head when the checkpoint has one.
     pub load_mtp: bool,
+    /// Router-lookahead width: experts predicted per row for the next layer (0 = off).
+    pub prefetch_top_k: usize,
 }
 
 impl Default for ModelOptions {
@@ -145,6 +183,7 @@ impl Default for ModelOptions {
         ModelOptions {
             threads: 0,
             load_mtp: true,
+            prefetch_top_k: 0,
         }
     }
 }
@@ -173,6 +212,7 @@ pub struct Model {
     mtp_kv: LayerKv,
     experts: Arc<dyn ExpertSource>,
     pool: rayon::ThreadPool,
+    prefetch_top_k: usize,
 }
 
 impl Model {
@@ -241,6 +281,7 @@ impl Model {
             mtp_kv: LayerKv::default(),
             experts,
             pool,
+            prefetch_top_k: opts.prefetch_top_k,
         })
     }
 
@@ -357,19 +398,21 @@ impl Model {
         let h = self.cfg.hidden_size;
         let eps = self.cfg.rms_norm_eps;
         let mut x = self.embed(&self.embed_tokens, tokens);
+        let pool = Some(&self.pool);
+        let top_k = self.prefetch_top_k;
         let result = (|| {
-            for (layer, kv) in self.layers.iter().zip(self.kv.iter_mut()) {
-                layer.forward(
-                    &mut x,
-                    s,
-                    start,
-                    start,
-                    kv,
-                    &self.rope,
-                    eps,
-                    &*self.experts,
-                    Some(&self.pool),
-                )?;
+            for (i, (layer, kv)) in self.layers.iter().zip(self.kv.iter_mut()).enumerate() {
+                self.experts.begin_layer(i);
+                layer.attend(&mut x, s, start, start, kv, &self.rope, eps, pool)?;
+                // Router lookahead: predict layer i+1's experts from this residual so their
+                // loads overlap this layer's feed-forward.
+                if let (Some(next), true) = (self.layers.get(i + 1), top_k > 0) {
+                    let ids = next.predict(&x, s, top_k, eps, pool)?;
+                    if !ids.is_empty() {
+                        self.experts.prefetch(i + 1, &ids);
+                    }
+                }
+                layer.feed_forward(&mut x, s, eps, &*self.experts, pool)?;
             }
             Ok(())
         })();
@@ -427,17 +470,21 @@ impl Model {
         }
         let mut z = linear::apply(&mtp.eh_proj, &cat, s, Some(&self.pool))?;
         // MTP row p pairs h_p with token p+1 and sits at rope position p+1 (transformers).
-        if let Err(err) = mtp.layer.forward(
-            &mut z,
-            s,
-            start,
-            start + 1,
-            &mut self.mtp_kv,
-            &self.rope,
-            eps,
-            &*self.experts,
-            Some(&self.pool),
-        ) {
+        let pool = Some(&self.pool);
+        let run = mtp
+            .layer
+            .attend(
+                &mut z,
+                s,
+                start,
+                start + 1,
+                &mut self.mtp_kv,
+                &self.rope,
+                eps,
+                pool,
+            )
+            .and_then(|()| mtp.layer.feed_forward(&mut z, s, eps, &*self.experts, pool));
+        if let Err(err) = run {
             let (kl, rd) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
             self.mtp_kv.truncate(start, kl, rd);
             return Err(err);

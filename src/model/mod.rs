@@ -7,6 +7,7 @@ pub mod linear;
 pub mod moe;
 pub mod norm;
 pub mod rope;
+pub mod store_source;
 pub mod target;
 
 pub use forward::{Forward, Model, ModelOptions};

@@ -8,12 +8,6 @@ use crate::model::linear;
 use crate::quant::kernels;
 use crate::quant::QMatrix;
 
-/// silu(v) = v / (1 + e^-v), the one definition every path uses.
-#[inline]
-pub fn silu(v: f32) -> f32 {
-    v / (1.0 + (-v).exp())
-}
-
 /// `down(silu(gate·x) ⊙ up·x)` over `s` rows of `x`.
 pub fn ffn(
     gate: &QMatrix<'_>,
@@ -23,16 +17,8 @@ pub fn ffn(
     s: usize,
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<Vec<f32>> {
-    let inter = gate.rows();
-    let mut g = vec![0.0f32; s * inter];
-    let mut u = vec![0.0f32; s * inter];
-    kernels::matmul(gate, x, s, &mut g, pool)?;
-    kernels::matmul(up, x, s, &mut u, pool)?;
-    for (a, b) in g.iter_mut().zip(&u) {
-        *a = silu(*a) * b;
-    }
     let mut out = vec![0.0f32; s * down.rows()];
-    kernels::matmul(down, &g, s, &mut out, pool)?;
+    kernels::expert_ffn(gate, up, down, x, s, &mut out, pool)?;
     Ok(out)
 }
 
@@ -88,6 +74,9 @@ pub trait ExpertSource: Send + Sync {
 
     /// Predicted experts of `layer` (router lookahead): bring them in early if possible.
     fn prefetch(&self, _layer: usize, _ids: &[usize]) {}
+
+    /// `layer` is about to run (a chance to hint the experts the previous token used there).
+    fn begin_layer(&self, _layer: usize) {}
 }
 
 /// Every expert loaded at start-up (views of the container's mapped shards).

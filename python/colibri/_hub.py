@@ -1,0 +1,82 @@
+"""Resolving a model name to a local directory: the embedded default, a local path, or a
+Hugging Face repo id (through ``huggingface_hub``, honouring its cache and ``HF_HUB_OFFLINE``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from colibri.errors import ModelNotFoundError
+
+#: Name of the model that ships inside the package.
+DEFAULT_MODEL = "tiny"
+
+_EMBEDDED_DIR = Path(__file__).resolve().parent / "models"
+
+
+def embedded_models() -> list[str]:
+    """Names of the models shipped inside the package."""
+    if not _EMBEDDED_DIR.is_dir():
+        return []
+    return sorted(p.name for p in _EMBEDDED_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_model_dir(
+    model: str | os.PathLike[str] | None, *, revision: str | None = None
+) -> Path:
+    """Return the local directory holding ``model``.
+
+    ``None`` or the name of an embedded model selects the model shipped in the package; an
+    existing directory is used as is; anything else is treated as a Hugging Face repo id and
+    fetched (or found in the local cache when offline).
+    """
+    if model is None:
+        model = DEFAULT_MODEL
+    name = os.fspath(model)
+    if name in embedded_models():
+        return _EMBEDDED_DIR / name
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"{path} is a directory but has no config.json; point colibri at a model "
+                "directory (config.json, *.safetensors, tokenizer.json)"
+            )
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is a file; colibri expects a model directory")
+    owner, _, repo = name.partition("/")
+    is_repo_id = bool(owner) and bool(repo) and "/" not in repo and not name.startswith((".", "~"))
+    if not is_repo_id:
+        hint = ", ".join(embedded_models()) or "none"
+        raise ModelNotFoundError(
+            f"model {name!r} is neither an existing directory nor a Hugging Face repo id "
+            f"(owner/name); embedded models: {hint}"
+        )
+    return _download(name, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError as e:  # pragma: no cover - a runtime dependency
+        raise ModelNotFoundError(f"huggingface_hub is needed to fetch {repo_id!r}: {e}") from e
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        local = snapshot_download(
+            repo_id,
+            revision=revision,
+            local_files_only=offline,
+            allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"],
+        )
+    except LocalEntryNotFoundError as e:
+        raise ModelNotFoundError(
+            f"{repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set "
+            "(or the hub is unreachable); download it first or unset HF_HUB_OFFLINE"
+        ) from e
+    except HfHubHTTPError as e:
+        raise ModelNotFoundError(f"cannot fetch {repo_id!r} from the Hugging Face hub: {e}") from e
+    except Exception as e:  # network errors surface as many types
+        raise ModelNotFoundError(f"cannot fetch {repo_id!r}: {type(e).__name__}: {e}") from e
+    return Path(local)

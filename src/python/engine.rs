@@ -1,0 +1,299 @@
+//! `colibri._core.Engine`: a loaded model plus the decode loop, driven from Python.
+//!
+//! One Engine serialises its callers with a mutex (the KV cache is per sequence); compute runs
+//! with the GIL released. The `on_tokens` callback is called with the GIL held after every
+//! forward that emitted tokens; it also checks for Ctrl-C, so KeyboardInterrupt stops
+//! generation within one forward and leaves the engine usable.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use numpy::{PyArray2, PyArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::container::Container;
+use crate::decode::{self, DraftDepth, DraftSource, GenerateOptions, SamplingParams};
+use crate::error::Error;
+use crate::experts::{ExpertStore, IoMode, PrefetchMode, StoreOptions};
+use crate::model::{Model, ModelOptions};
+use crate::python::{run, to_py_err};
+
+#[pyclass(name = "Engine", module = "colibri._core", frozen)]
+pub struct PyEngine {
+    model: Mutex<Model>,
+    store: Arc<ExpertStore>,
+    config_json: String,
+}
+
+impl PyEngine {
+    fn lock(&self) -> PyResult<MutexGuard<'_, Model>> {
+        self.model
+            .lock()
+            .map_err(|_| to_py_err(Error::Internal("engine lock poisoned".into())))
+    }
+}
+
+fn parse_choice(param: &str, value: &str, choices: &[&str]) -> crate::Result<()> {
+    if choices.contains(&value) {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            param,
+            format!("'{value}'; expected one of {}", choices.join(", ")),
+        ))
+    }
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        path: String,
+        threads: usize,
+        io: &str,
+        ram_budget: Option<u64>,
+        prefetch: &str,
+        prefetch_top_k: usize,
+        mtp: bool,
+        usage_file: bool,
+    ) -> PyResult<Self> {
+        let (io, prefetch) = (io.to_owned(), prefetch.to_owned());
+        run(py, move || {
+            parse_choice("io", &io, &["auto", "mmap", "pread", "direct"])?;
+            parse_choice("prefetch", &prefetch, &["auto", "off", "hint", "real"])?;
+            let container = Arc::new(Container::open(std::path::Path::new(&path))?);
+            let config_json = std::fs::read_to_string(container.dir().join("config.json"))
+                .map_err(|e| Error::io(container.dir().join("config.json"), e))?;
+            let defaults = StoreOptions::default();
+            let prefetch_mode = match prefetch.as_str() {
+                "auto" => defaults.prefetch,
+                other => PrefetchMode::parse(other)?,
+            };
+            let store_opts = StoreOptions {
+                io: match io.as_str() {
+                    "auto" => defaults.io,
+                    other => IoMode::parse(other)?,
+                },
+                ram_budget_bytes: ram_budget,
+                prefetch: prefetch_mode,
+                usage_file,
+                ..defaults
+            };
+            let store = Arc::new(ExpertStore::open(container.clone(), store_opts)?);
+            let top_k = match (prefetch_mode, prefetch_top_k) {
+                (PrefetchMode::Off, _) => 0,
+                (_, 0) => container.config().num_experts_per_tok,
+                (_, k) => k,
+            };
+            let opts = ModelOptions {
+                threads,
+                load_mtp: mtp,
+                prefetch_top_k: top_k,
+            };
+            let model = Model::load_with_experts(container, &opts, store.clone())?;
+            Ok(PyEngine {
+                model: Mutex::new(model),
+                store,
+                config_json,
+            })
+        })
+    }
+
+    /// The model's `config.json` text.
+    fn config_json(&self) -> String {
+        self.config_json.clone()
+    }
+
+    #[getter]
+    fn has_mtp(&self) -> PyResult<bool> {
+        Ok(self.lock()?.has_mtp())
+    }
+
+    #[getter]
+    fn max_context(&self) -> PyResult<usize> {
+        Ok(self.lock()?.max_exact_context())
+    }
+
+    #[getter]
+    fn vocab_size(&self) -> PyResult<usize> {
+        Ok(self.lock()?.config().vocab_size)
+    }
+
+    #[getter]
+    fn eos_token_ids(&self) -> PyResult<Vec<u32>> {
+        Ok(self.lock()?.config().eos_token_ids.clone())
+    }
+
+    /// Logits of one forward over `ids` as a fresh sequence: float32 [len(ids), vocab].
+    fn logits<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let mut model = self.lock()?;
+        let vocab = model.config().vocab_size;
+        let m: &mut Model = &mut model;
+        let logits = run(py, || {
+            m.reset();
+            let f = m.step(&ids, 0, true);
+            m.reset();
+            Ok(f?.logits)
+        })?;
+        let rows = logits.len() / vocab.max(1);
+        numpy::PyArray1::from_vec(py, logits)
+            .reshape([rows, vocab])
+            .map_err(|e| to_py_err(Error::Internal(e.to_string())))
+    }
+
+    /// Generate after `ids`; returns {"tokens", "finish_reason", "stats"}.
+    #[pyo3(signature = (ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, draft="auto", draft_depth=0, stop_ids=None, on_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<u32>,
+        max_new_tokens: usize,
+        temperature: f32,
+        top_k: usize,
+        top_p: f32,
+        seed: u64,
+        draft: &str,
+        draft_depth: usize,
+        stop_ids: Option<Vec<u32>>,
+        on_tokens: Option<Py<PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let draft = DraftSource::parse(draft).map_err(to_py_err)?;
+        let depth = if draft_depth == 0 {
+            DraftDepth::Auto
+        } else {
+            DraftDepth::Fixed(draft_depth)
+        };
+        let mut model = self.lock()?;
+        let opts = GenerateOptions {
+            max_new_tokens,
+            sampling: SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                seed: Some(seed),
+            },
+            stop_tokens: stop_ids.unwrap_or_else(|| model.config().eos_token_ids.clone()),
+            draft,
+            depth,
+            max_context: Some(model.max_exact_context()),
+            ..GenerateOptions::default()
+        };
+        let m: &mut Model = &mut model;
+        self.store.reset_stats();
+        let cancel = AtomicBool::new(false);
+        let mut pending: Option<PyErr> = None;
+        let generation = run(py, || {
+            let mut on = |toks: &[u32]| -> bool {
+                Python::attach(|py| {
+                    if let Err(e) = py.check_signals() {
+                        pending = Some(e);
+                        return false;
+                    }
+                    let Some(cb) = &on_tokens else { return true };
+                    match cb.call1(py, (toks.to_vec(),)) {
+                        Ok(v) => v.extract::<bool>(py).unwrap_or(true),
+                        Err(e) => {
+                            pending = Some(e);
+                            false
+                        }
+                    }
+                })
+            };
+            decode::generate(m, &ids, &opts, &mut on, &cancel)
+        })?;
+        // The routing history teaches the pinned set; failing to save it (read-only model
+        // directory) must not fail the generation, and the store already warns about it.
+        let _ = self.store.save_usage();
+        if let Some(e) = pending {
+            return Err(e);
+        }
+        let d = PyDict::new(py);
+        d.set_item("tokens", generation.tokens)?;
+        d.set_item("finish_reason", generation.finish.as_str())?;
+        let stats = stats_dict(py, &generation.stats)?;
+        add_store_stats(&stats, &self.store)?;
+        d.set_item("stats", stats)?;
+        Ok(d)
+    }
+
+    /// Expert-store counters since the last generation started: totals and per layer.
+    fn expert_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let st = self.store.stats();
+        let d = PyDict::new(py);
+        d.set_item("io_mode", st.io_mode.name())?;
+        d.set_item("budget_bytes", st.budget_bytes)?;
+        d.set_item("pinned_bytes", st.pinned_bytes)?;
+        d.set_item("lru_bytes", st.lru_bytes)?;
+        d.set_item("pin_set_len", st.pin_set_len)?;
+        d.set_item("peak_owned_bytes", st.peak_owned_bytes)?;
+        let total = PyDict::new(py);
+        for (k, v) in st.total.fields() {
+            total.set_item(k, v)?;
+        }
+        d.set_item("total", total)?;
+        let layers = PyDict::new(py);
+        for (l, ls) in &st.layers {
+            let ld = PyDict::new(py);
+            for (k, v) in ls.fields() {
+                ld.set_item(k, v)?;
+            }
+            ld.set_item("recall_router", ls.recall_router())?;
+            ld.set_item("recall_previous", ls.recall_previous())?;
+            layers.set_item(l, ld)?;
+        }
+        d.set_item("layers", layers)?;
+        Ok(d)
+    }
+}
+
+fn add_store_stats(d: &Bound<'_, PyDict>, store: &ExpertStore) -> PyResult<()> {
+    let st = store.stats();
+    d.set_item("expert_hits", st.total.hits())?;
+    d.set_item("expert_misses", st.total.misses)?;
+    d.set_item("expert_bytes_read", st.total.bytes_read)?;
+    d.set_item("expert_wait_seconds", st.total.wait_s())?;
+    let recall = st.total.recall_router();
+    d.set_item(
+        "prefetch_recall",
+        if recall.is_nan() { None } else { Some(recall) },
+    )?;
+    d.set_item("prefetch_useful", st.total.prefetch_useful)?;
+    d.set_item("prefetch_wasted", st.total.prefetch_wasted)?;
+    d.set_item("io_mode", st.io_mode.name())?;
+    Ok(())
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &decode::DecodeStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let decode_tokens = s.generated_tokens.saturating_sub(1);
+    let decode_secs = (s.total_secs - s.prefill_secs).max(0.0);
+    d.set_item("prompt_tokens", s.prompt_tokens)?;
+    d.set_item("generated_tokens", s.generated_tokens)?;
+    d.set_item("forwards", s.forwards)?;
+    d.set_item("decode_forwards", s.decode_forwards)?;
+    d.set_item("mtp_forwards", s.mtp_forwards)?;
+    d.set_item("tokens_per_forward", s.tokens_per_forward)?;
+    d.set_item(
+        "tokens_per_second",
+        if decode_secs > 0.0 {
+            decode_tokens as f64 / decode_secs
+        } else {
+            0.0
+        },
+    )?;
+    d.set_item("prefill_seconds", s.prefill_secs)?;
+    d.set_item("decode_seconds", decode_secs)?;
+    d.set_item("drafts_proposed", s.proposed_per_depth.clone())?;
+    d.set_item("drafts_accepted", s.accepted_per_depth.clone())?;
+    d.set_item("acceptance_rate", s.acceptance_rate)?;
+    d.set_item("draft_seconds", s.draft_secs)?;
+    d.set_item("verify_seconds", s.verify_secs)?;
+    d.set_item("guard_pauses", s.guard_pauses)?;
+    d.set_item("depth_histogram", s.depth_histogram.clone())?;
+    Ok(d)
+}

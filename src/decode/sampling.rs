@@ -120,43 +120,64 @@ pub fn processed_distribution(logits: &[f32], params: &SamplingParams) -> Result
             .then(a.cmp(b))
     };
     let k = params.top_k;
-    let need_sort = params.top_p < 1.0;
     if k > 0 && k < cand.len() {
         cand.select_nth_unstable_by(k - 1, order);
         cand.truncate(k);
     }
-    if need_sort {
-        cand.sort_unstable_by(order);
-    }
+    // Unnormalised weights, dense by id (zero outside the candidates).
     let t = f64::from(params.temperature);
     let max = f64::from(max);
-    let weights: Vec<f64> = cand
-        .iter()
-        .map(|&i| ((f64::from(logits[i as usize]) - max) / t).exp())
-        .collect();
-    let total: f64 = weights.iter().sum();
-    let mut keep = cand.len();
-    if need_sort {
-        let target = f64::from(params.top_p) * total;
-        let mut cum = 0.0;
-        for (j, w) in weights.iter().enumerate() {
-            cum += w;
-            if cum >= target {
-                keep = j + 1;
-                break;
-            }
+    for &i in &cand {
+        probs[i as usize] = ((f64::from(logits[i as usize]) - max) / t).exp();
+    }
+    if params.top_p < 1.0 {
+        let total: f64 = probs.iter().sum();
+        let keep = nucleus(&mut cand, &probs, order, f64::from(params.top_p) * total);
+        for &i in &cand[keep..] {
+            probs[i as usize] = 0.0;
         }
     }
-    let kept_total: f64 = weights[..keep].iter().sum();
+    let kept_total: f64 = probs.iter().sum();
     if !(kept_total > 0.0 && kept_total.is_finite()) {
         return Err(Error::Internal(
             "sampling distribution has no finite positive mass".into(),
         ));
     }
-    for (&i, &w) in cand[..keep].iter().zip(&weights[..keep]) {
-        probs[i as usize] = w / kept_total;
+    for p in &mut probs {
+        *p /= kept_total;
     }
     Ok(probs)
+}
+
+/// Reorders `cand` so that its first `keep` entries are the smallest prefix, in `order`
+/// (descending weight, then id), whose weights reach `target`; returns `keep`. Sorts only a
+/// growing head of the candidates (64, 128, …), so a peaked distribution over a large
+/// vocabulary costs O(V), not O(V log V).
+fn nucleus(
+    cand: &mut [u32],
+    weights: &[f64],
+    order: impl Fn(&u32, &u32) -> std::cmp::Ordering,
+    target: f64,
+) -> usize {
+    let n = cand.len();
+    let mut m = n.min(64);
+    loop {
+        if m < n {
+            cand.select_nth_unstable_by(m - 1, &order);
+        }
+        cand[..m].sort_unstable_by(&order);
+        let mut cum = 0.0;
+        for (j, &i) in cand[..m].iter().enumerate() {
+            cum += weights[i as usize];
+            if cum >= target {
+                return j + 1;
+            }
+        }
+        if m == n {
+            return n;
+        }
+        m = (2 * m).min(n);
+    }
 }
 
 /// Inverse-CDF draw from `probs` with a uniform `u ∈ [0, 1)`, scanning ids in ascending order.
@@ -298,6 +319,58 @@ mod tests {
         assert!(processed_distribution(&[f32::NEG_INFINITY; 3], &params(1.0, 0, 1.0)).is_err());
         assert!(processed_distribution(&[0.0, f32::NAN], &params(1.0, 0, 1.0)).is_err());
         assert!(processed_distribution(&[0.0, f32::INFINITY], &params(1.0, 0, 1.0)).is_err());
+    }
+
+    /// The textbook version: sort everything, cut, renormalise.
+    fn reference(logits: &[f32], t: f64, top_k: usize, top_p: f64) -> Vec<f64> {
+        let mut ids: Vec<usize> = (0..logits.len()).collect();
+        ids.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        if top_k > 0 {
+            ids.truncate(top_k);
+        }
+        let max = f64::from(logits[ids[0]]);
+        let w: Vec<f64> = ids
+            .iter()
+            .map(|&i| ((f64::from(logits[i]) - max) / t).exp())
+            .collect();
+        let total: f64 = w.iter().sum();
+        let mut keep = ids.len();
+        let mut cum = 0.0;
+        for (j, x) in w.iter().enumerate() {
+            cum += x;
+            if cum >= top_p * total {
+                keep = j + 1;
+                break;
+            }
+        }
+        let kept: f64 = w[..keep].iter().sum();
+        let mut p = vec![0.0; logits.len()];
+        for (&i, &x) in ids[..keep].iter().zip(&w) {
+            p[i] = x / kept;
+        }
+        p
+    }
+
+    #[test]
+    fn matches_the_full_sort_reference_on_large_vocabularies() {
+        let mut rng = crate::decode::rng::Rng::from_seed(5);
+        for case in 0..24 {
+            let v = [50, 1000, 5000][case % 3];
+            let spread = [0.5, 4.0, 12.0][(case / 3) % 3];
+            // Quantised logits so ties occur.
+            let logits: Vec<f32> = (0..v)
+                .map(|_| ((rng.next_f64() * spread * 8.0).round() / 8.0) as f32)
+                .collect();
+            let t = [0.7f32, 1.0, 1.5][case % 3];
+            let top_k = [0, 0, 40, 300][case % 4];
+            let top_p = [0.5f32, 0.9, 0.99, 1.0][(case / 4) % 4];
+            let got = processed_distribution(&logits, &params(t, top_k, top_p)).unwrap();
+            let want = reference(&logits, f64::from(t), top_k, f64::from(top_p));
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!((g - w).abs() < 1e-9, "case {case} id {i}: {g} vs {w}");
+                assert_eq!(*g == 0.0, *w == 0.0, "case {case} id {i}: support differs");
+            }
+        }
     }
 
     #[test]

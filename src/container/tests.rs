@@ -294,3 +294,33 @@ fn weight_is_send_sync_and_cheap_to_clone() {
     assert_eq!(w.clone().to_f32(), vec![1.0, 2.0]);
     assert!(Weight::from_owned(QuantFormat::Int8PerRow, 1, 2, vec![1, 2], vec![]).is_err());
 }
+
+#[test]
+fn corrupted_bytes_never_panic() {
+    // Flip bytes all over a valid two-tensor file (header and data): opening and reading
+    // must return Ok or an error, never panic.
+    let cfg = tiny_config_json();
+    let dir = setup(&cfg);
+    let name = "model.layers.1.mlp.experts.0.gate_proj.weight";
+    let (t, _) = quantised(name, QuantFormat::Int4Grouped { group_size: 64 }, 192, 128);
+    let path = dir.0.path().join("s.safetensors");
+    write_file(&path, &t, &BTreeMap::new());
+    let good = std::fs::read(&path).unwrap();
+    let mut x = 12345u64;
+    for _ in 0..400 {
+        let mut bad = good.clone();
+        for _ in 0..3 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            // Mostly in the header, where structure lives.
+            let limit = if x % 4 == 0 { bad.len() } else { 8 + 200 };
+            let pos = (x >> 33) as usize % limit.min(bad.len());
+            bad[pos] = (x >> 20) as u8;
+        }
+        std::fs::write(&path, &bad).unwrap();
+        if let Ok(c) = Container::open(dir.0.path()) {
+            let _ = c.weight(name).map(|w| w.to_f32());
+        }
+    }
+}

@@ -1,0 +1,1 @@
+"""Test helpers that write checkpoints and containers without going through colibri."""

@@ -1,0 +1,179 @@
+"""The converter end to end: synthetic BF16 and FP8 checkpoints (written by
+``tests/helpers``, independently of colibri) convert into containers whose formats follow
+DESIGN §3 per tensor role and whose bytes match an independent numpy quantiser."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from colibri import _core
+from colibri.cli import main as cli_main
+from colibri.convert import convert
+from colibri.errors import InvalidArgumentError, NonFiniteWeightError, UnsupportedModelError
+from helpers.community import (
+    bf16_bytes,
+    group_scale_bound,
+    quantize,
+    random_weights,
+    tiny_config,
+    write_hf_checkpoint,
+    write_raw_safetensors,
+)
+
+
+def expected_format(name: str, n_layers: int) -> str:
+    """DESIGN §3 defaults, restated from the tensor name."""
+    if name.endswith("mlp.gate.weight"):
+        return "f32"
+    if f"layers.{n_layers}." in name:  # the MTP layer
+        return "int8"
+    if "embed_tokens" in name or "lm_head" in name:
+        return "int8"
+    return "int4_g64"
+
+
+def check_container(dst: Path, decoded: dict[str, np.ndarray], n_layers: int) -> None:
+    c = _core.Container(str(dst))
+    for name, w in decoded.items():
+        if w.ndim == 1:
+            assert c.info(name)["dtype"] == "F32", name
+            np.testing.assert_array_equal(c.vector(name), w)
+            continue
+        fmt = expected_format(name, n_layers)
+        assert c.format(name) == fmt, name
+        got = c.dequantize(name)
+        if fmt == "f32":
+            np.testing.assert_array_equal(got, w)
+            continue
+        # Bit-exact with the independent numpy quantiser of DESIGN §3 …
+        data, scales = quantize(w, fmt)
+        assert c.raw(name) == data.tobytes(), name
+        assert c.raw(name + ".qs") == scales.astype("<f4").tobytes(), name
+        # … and therefore within half a step of the source weights.
+        assert np.all(np.abs(got - w) <= group_scale_bound(scales, w.shape, fmt) * 1.0001), name
+
+
+def test_bf16_checkpoint(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    decoded = write_hf_checkpoint(tmp_path / "src", cfg, random_weights(cfg, seed=2))
+    report = convert(tmp_path / "src", tmp_path / "dst", progress=False, max_shard_size=60_000)
+    assert report.shards_written >= 2 and report.shards_skipped == 0
+    assert report.formats["int8"] > 0 and report.formats["int4_g64"] > 0
+    check_container(tmp_path / "dst", decoded, cfg["num_hidden_layers"])
+    for f in ("tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "dst" / f).read_text() == (tmp_path / "src" / f).read_text()
+    # Experts: gate, up, down (each with its scales) back to back in one file.
+    c = _core.Container(str(tmp_path / "dst"))
+    for e in range(cfg["n_routed_experts"]):
+        infos = [
+            c.info(f"model.layers.1.mlp.experts.{e}.{p}.weight{s}")
+            for p in ("gate_proj", "up_proj", "down_proj")
+            for s in ("", ".qs")
+        ]
+        assert len({i["file"] for i in infos}) == 1
+        assert all(a["end"] == b["start"] for a, b in itertools.pairwise(infos))
+
+
+def test_fp8_checkpoint_matches_numpy_decode(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    # 32x32 blocks so that most weights hold several blocks; decoded = numpy's own FP8 decode.
+    decoded = write_hf_checkpoint(tmp_path / "src", cfg, random_weights(cfg, seed=3), fp8_block=32)
+    convert(tmp_path / "src", tmp_path / "dst", progress=False)
+    check_container(tmp_path / "dst", decoded, cfg["num_hidden_layers"])
+    out_cfg = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert "quantization_config" not in out_cfg
+
+
+def test_resume_skips_finished_shards(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    write_hf_checkpoint(tmp_path / "src", cfg, random_weights(cfg, seed=4))
+    first = convert(tmp_path / "src", tmp_path / "dst", progress=False, max_shard_size=60_000)
+    shards = sorted((tmp_path / "dst").glob("*.safetensors"))
+    before = {p.name: p.read_bytes() for p in shards}
+    shards[0].write_bytes(before[shards[0].name][:100])  # a torn shard
+    (tmp_path / "dst" / f".{shards[1].name}.partial").write_bytes(b"junk")  # a stale temp
+    again = convert(tmp_path / "src", tmp_path / "dst", progress=False, max_shard_size=60_000)
+    assert (again.shards_written, again.shards_skipped) == (1, first.shards_written - 1)
+    assert {p.name: p.read_bytes() for p in shards} == before
+
+
+def test_cli_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tiny_config()
+    write_hf_checkpoint(tmp_path / "src", cfg, random_weights(cfg, seed=5))
+    rc = cli_main(
+        ["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "-q", "--expert-bits", "8"]
+    )
+    assert rc == 0
+    assert "wrote" in capsys.readouterr().out
+    c = _core.Container(str(tmp_path / "dst"))
+    assert c.format("model.layers.1.mlp.experts.0.up_proj.weight") == "int8"
+    assert c.format("model.layers.1.mlp.shared_experts.up_proj.weight") == "int4_g64"
+    rc = cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "src" / "out"), "-q"])
+    assert rc == 1
+    assert "inside the source" in capsys.readouterr().err
+
+
+def test_refusals(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    write_hf_checkpoint(tmp_path / "src", cfg, random_weights(cfg, seed=6))
+    for dst in (tmp_path / "src", tmp_path / "src" / "sub", tmp_path / "src" / ".." / "src" / "x"):
+        with pytest.raises(InvalidArgumentError, match="inside the source"):
+            convert(tmp_path / "src", dst, progress=False)
+    assert not (tmp_path / "src" / "sub").exists()
+    with pytest.raises(InvalidArgumentError, match="group_size"):
+        convert(tmp_path / "src", tmp_path / "d", group_size=100, progress=False)
+    with pytest.raises(InvalidArgumentError, match="dense_bits"):
+        convert(tmp_path / "src", tmp_path / "d", dense_bits=2, progress=False)
+
+
+def test_non_finite_source_is_named(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(cfg))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    w = np.ones((160, 32), dtype=np.float32)
+    w[7, 9] = np.inf
+    write_raw_safetensors(src / "m.safetensors", {name: ("BF16", w.shape, bf16_bytes(w))})
+    with pytest.raises(NonFiniteWeightError, match=rf"{name}.*Inf.*{7 * 32 + 9}"):
+        convert(src, tmp_path / "dst", progress=False)
+
+
+def test_fused_experts_are_refused(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(cfg))
+    w = np.zeros((4, 192, 160), dtype=np.float32)
+    write_raw_safetensors(
+        src / "m.safetensors",
+        {"model.layers.1.mlp.experts.gate_up_proj": ("BF16", w.shape, bf16_bytes(w))},
+    )
+    with pytest.raises(UnsupportedModelError, match="fused"):
+        convert(src, tmp_path / "dst", progress=False)
+
+
+def test_progress_exception_stops_a_shard_cleanly(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    write_hf_checkpoint(tmp_path / "src", cfg, random_weights(cfg, seed=7))
+    job = _core.ConvertJob(str(tmp_path / "src"), str(tmp_path / "dst"), max_shard_bytes=60_000)
+    seen: list[int] = []
+
+    def stop(n: int) -> None:
+        seen.append(n)
+        if len(seen) == 3:
+            raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        job.write_shard(0, stop)
+    assert len(seen) == 3
+    assert not job.is_done(0)
+    assert not list((tmp_path / "dst").glob("*.safetensors"))  # only the .partial file
+    job.write_shard(0)
+    assert job.is_done(0)
+    name, size = job.shards()[0]
+    assert (tmp_path / "dst" / name).stat().st_size == size

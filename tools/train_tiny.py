@@ -491,6 +491,22 @@ def export_hf(
     cfg.pop("_attn_implementation", None)
     cfg.pop("_experts_implementation", None)
     cfg["use_cache"] = True
+    # Official DeepSeek-V3 config.json spelling of the RoPE settings, next to transformers'
+    # ``rope_parameters`` (transformers accepts both; readers of the official layout need these).
+    cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
+    cfg["rope_scaling"] = None
+    for key in (
+        "_name_or_path",
+        "id2label",
+        "label2id",
+        "chunk_size_feed_forward",
+        "problem_type",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "is_encoder_decoder",
+    ):
+        cfg.pop(key, None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     gen = {
         "bos_token_id": model.config.bos_token_id,

@@ -80,6 +80,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("version", crate::VERSION)?;
     d.set_item("arch", crate::cpu::arch())?;
     d.set_item("cpu_features", crate::cpu::features().names())?;
+    d.set_item("kernel_path", crate::quant::kernels::selected_path().name())?;
     d.set_item("debug_assertions", cfg!(debug_assertions))?;
     Ok(d)
 }

@@ -7,6 +7,7 @@ drafts tokens that one batched forward verifies.
 from __future__ import annotations
 
 from colibri import _core
+from colibri._hub import DEFAULT_MODEL, embedded_models
 from colibri.errors import (
     ColibriError,
     ColibriFileNotFoundError,
@@ -21,27 +22,34 @@ from colibri.errors import (
     NonFiniteWeightError,
     UnsupportedModelError,
 )
+from colibri.model import GenerationResult, GenerationStats, Model
 
 __version__: str = _core.__version__
 
 __all__ = [
+    "DEFAULT_MODEL",
     "ColibriError",
     "ColibriFileNotFoundError",
     "ColibriIOError",
     "ColibriPermissionError",
     "ConfigError",
     "ContainerError",
+    "GenerationResult",
+    "GenerationStats",
     "InternalError",
     "InvalidArgumentError",
     "MissingTensorError",
+    "Model",
     "ModelNotFoundError",
     "NonFiniteWeightError",
     "UnsupportedModelError",
     "__version__",
     "build_info",
+    "embedded_models",
 ]
 
 
 def build_info() -> dict[str, object]:
-    """Facts about this build and machine: version, CPU architecture and features."""
+    """Facts about this build and machine: version, CPU architecture and features, the
+    kernel path the dispatcher chose."""
     return dict(_core.build_info())

@@ -221,6 +221,13 @@ impl PyEngine {
         Ok(d)
     }
 
+    /// Evict the model's expert bytes from the OS page cache (cold-start benchmarks).
+    fn drop_page_cache(&self, py: Python<'_>) -> PyResult<()> {
+        let store = &self.store;
+        py.detach(|| store.drop_page_cache());
+        Ok(())
+    }
+
     /// Expert-store counters since the last generation started: totals and per layer.
     fn expert_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let st = self.store.stats();

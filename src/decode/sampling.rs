@@ -110,31 +110,33 @@ pub fn processed_distribution(logits: &[f32], params: &SamplingParams) -> Result
             "every logit is -inf: no token can be sampled".into(),
         ));
     }
-    // Candidates in the cut order: descending logit (= descending probability), then id.
-    let mut cand: Vec<u32> = (0..v as u32)
-        .filter(|&i| logits[i as usize] > f32::NEG_INFINITY)
-        .collect();
-    let order = |a: &u32, b: &u32| {
-        logits[*b as usize]
-            .total_cmp(&logits[*a as usize])
-            .then(a.cmp(b))
-    };
-    let k = params.top_k;
-    if k > 0 && k < cand.len() {
-        cand.select_nth_unstable_by(k - 1, order);
-        cand.truncate(k);
-    }
-    // Unnormalised weights, dense by id (zero outside the candidates).
     let t = f64::from(params.temperature);
     let max = f64::from(max);
-    for &i in &cand {
-        probs[i as usize] = ((f64::from(logits[i as usize]) - max) / t).exp();
+    let weight = |x: f32| ((f64::from(x) - max) / t).exp();
+    // Unnormalised weights, dense by id (zero outside the candidates).
+    let finite = logits.iter().filter(|&&x| x > f32::NEG_INFINITY).count();
+    let k = params.top_k;
+    let mut cand: Vec<Cand> = Vec::new();
+    if k > 0 && k < finite {
+        cand = candidates(logits);
+        cand.select_nth_unstable_by(k - 1, cut_order);
+        cand.truncate(k);
+        for c in &cand {
+            probs[c.1 as usize] = weight(c.0);
+        }
+    } else {
+        for (p, &x) in probs.iter_mut().zip(logits) {
+            *p = weight(x);
+        }
     }
     if params.top_p < 1.0 {
+        if cand.is_empty() {
+            cand = candidates(logits);
+        }
         let total: f64 = probs.iter().sum();
-        let keep = nucleus(&mut cand, &probs, order, f64::from(params.top_p) * total);
-        for &i in &cand[keep..] {
-            probs[i as usize] = 0.0;
+        let keep = nucleus(&mut cand, weight, f64::from(params.top_p) * total);
+        for c in &cand[keep..] {
+            probs[c.1 as usize] = 0.0;
         }
     }
     let kept_total: f64 = probs.iter().sum();
@@ -149,26 +151,42 @@ pub fn processed_distribution(logits: &[f32], params: &SamplingParams) -> Result
     Ok(probs)
 }
 
-/// Reorders `cand` so that its first `keep` entries are the smallest prefix, in `order`
-/// (descending weight, then id), whose weights reach `target`; returns `keep`. Sorts only a
-/// growing head of the candidates (64, 128, …), so a peaked distribution over a large
-/// vocabulary costs O(V), not O(V log V).
-fn nucleus(
-    cand: &mut [u32],
-    weights: &[f64],
-    order: impl Fn(&u32, &u32) -> std::cmp::Ordering,
-    target: f64,
-) -> usize {
+/// A candidate token: (logit, id). Kept together so sorting reads contiguous memory.
+type Cand = (f32, u32);
+
+/// The order of the top-k and top-p cuts: descending logit (= descending probability), then
+/// ascending id.
+fn cut_order(a: &Cand, b: &Cand) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
+fn candidates(logits: &[f32]) -> Vec<Cand> {
+    logits
+        .iter()
+        .enumerate()
+        .filter(|(_, &x)| x > f32::NEG_INFINITY)
+        .map(|(i, &x)| (x, i as u32))
+        .collect()
+}
+
+/// Reorders `cand` so that its first `keep` entries are the smallest prefix in [`cut_order`]
+/// whose weights reach `target`; returns `keep`. Sorts only a growing head of the candidates
+/// (64, 256, …) and the whole set once that head would pass a quarter of it, so a peaked
+/// distribution over a large vocabulary costs O(V), not O(V log V).
+fn nucleus(cand: &mut [Cand], weight: impl Fn(f32) -> f64, target: f64) -> usize {
     let n = cand.len();
     let mut m = n.min(64);
     loop {
-        if m < n {
-            cand.select_nth_unstable_by(m - 1, &order);
+        if m * 4 > n {
+            m = n;
         }
-        cand[..m].sort_unstable_by(&order);
+        if m < n {
+            cand.select_nth_unstable_by(m - 1, cut_order);
+        }
+        cand[..m].sort_unstable_by(cut_order);
         let mut cum = 0.0;
-        for (j, &i) in cand[..m].iter().enumerate() {
-            cum += weights[i as usize];
+        for (j, c) in cand[..m].iter().enumerate() {
+            cum += weight(c.0);
             if cum >= target {
                 return j + 1;
             }
@@ -176,7 +194,7 @@ fn nucleus(
         if m == n {
             return n;
         }
-        m = (2 * m).min(n);
+        m *= 4;
     }
 }
 

@@ -167,45 +167,52 @@ fn forced_drafters_are_lossless() {
         );
         let mut reference = prompt.clone();
         reference.extend(&plain.tokens);
-        let mut modes = vec![
-            Forced::AcceptAll,
-            Forced::RejectAll,
-            Forced::Random(Rng::from_seed(i as u64)),
-        ];
-        modes.extend((0..4).map(Forced::WrongAt));
-        for mode in modes {
-            let label = match &mode {
-                Forced::AcceptAll => "accept-all".to_string(),
-                Forced::RejectAll => "reject-all".to_string(),
-                Forced::WrongAt(k) => format!("wrong-at-{k}"),
-                Forced::Random(_) => "random".to_string(),
-            };
-            let mut d = ForcedDrafter {
-                reference: reference.clone(),
-                vocab: v,
-                mode,
-            };
-            let o = opts(DraftSource::Auto, DraftDepth::Fixed(4), 30);
-            let g = run_forced(&mut t, &prompt, &o, &mut d, Acceptance::Exact);
-            assert_eq!(g.tokens, plain.tokens, "{label} on prompt {prompt:?}");
-            let s = &g.stats;
-            match d.mode {
-                Forced::AcceptAll => {
-                    assert_eq!(s.accepted, s.proposed, "{label}");
-                    // 29 tokens after the first at 5 per forward (4 drafts + 1), the last cycle capped.
-                    assert_eq!(s.decode_forwards, 6, "{label}");
-                }
-                Forced::RejectAll => {
-                    assert_eq!(s.accepted, 0, "{label}");
-                    assert_eq!(s.decode_forwards, 29, "{label}");
-                }
-                Forced::WrongAt(k) => {
-                    assert_eq!(s.accepted_per_depth[k], 0, "{label}");
-                    if k > 0 {
-                        assert_eq!(s.accepted_per_depth[0], s.proposed_per_depth[0], "{label}");
+        for depth in 1..=4 {
+            let mut modes = vec![
+                Forced::AcceptAll,
+                Forced::RejectAll,
+                Forced::Random(Rng::from_seed(i as u64)),
+            ];
+            modes.extend((0..depth).map(Forced::WrongAt));
+            for mode in modes {
+                let label = match &mode {
+                    Forced::AcceptAll => format!("accept-all G={depth}"),
+                    Forced::RejectAll => format!("reject-all G={depth}"),
+                    Forced::WrongAt(k) => format!("wrong-at-{k} G={depth}"),
+                    Forced::Random(_) => format!("random G={depth}"),
+                };
+                let mut d = ForcedDrafter {
+                    reference: reference.clone(),
+                    vocab: v,
+                    mode,
+                };
+                let o = opts(DraftSource::Auto, DraftDepth::Fixed(depth), 30);
+                let g = run_forced(&mut t, &prompt, &o, &mut d, Acceptance::Exact);
+                assert_eq!(g.tokens, plain.tokens, "{label} on prompt {prompt:?}");
+                let s = &g.stats;
+                match d.mode {
+                    Forced::AcceptAll => {
+                        assert_eq!(s.accepted, s.proposed, "{label}");
+                        // 29 tokens after the first, G + 1 per forward; the depth is capped so
+                        // that the last cycle emits exactly what is left.
+                        assert_eq!(
+                            s.decode_forwards as usize,
+                            29usize.div_ceil(depth + 1),
+                            "{label}"
+                        );
                     }
+                    Forced::RejectAll => {
+                        assert_eq!(s.accepted, 0, "{label}");
+                        assert_eq!(s.decode_forwards, 29, "{label}");
+                    }
+                    Forced::WrongAt(k) => {
+                        assert_eq!(s.accepted_per_depth[k], 0, "{label}");
+                        for j in 0..k {
+                            assert_eq!(s.accepted_per_depth[j], s.proposed_per_depth[j], "{label}");
+                        }
+                    }
+                    Forced::Random(_) => {}
                 }
-                Forced::Random(_) => {}
             }
         }
     }

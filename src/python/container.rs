@@ -183,12 +183,10 @@ impl PyConvertJob {
         let result = run(py, || {
             plan.write_shard(i, &mut |n| {
                 Python::attach(|py| {
-                    let r = py
-                        .check_signals()
-                        .and_then(|_| match &progress {
-                            Some(cb) => cb.call1(py, (n,)).map(|_| ()),
-                            None => Ok(()),
-                        });
+                    let r = py.check_signals().and_then(|_| match &progress {
+                        Some(cb) => cb.call1(py, (n,)).map(|_| ()),
+                        None => Ok(()),
+                    });
                     r.map_err(|e| {
                         if let Ok(mut slot) = raised.lock() {
                             *slot = Some(e);

@@ -1,4 +1,4 @@
-"""Write a large synthetic DeepSeek-V3 BF16 checkpoint, for measuring the converter's memory.
+"""Write a large synthetic DeepSeek-V3 checkpoint (BF16 or FP8) to measure converter memory.
 
 Tensors are streamed to disk one at a time (the header is computed first), so this tool
 itself needs little memory. Values are random normals rounded to bf16.
@@ -104,21 +104,47 @@ def bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> bytes:
     return ((x + 0x7FFF + ((x >> 16) & 1)) >> 16).astype("<u2").tobytes()
 
 
-def write_shard(
-    path: Path, tensors: list[tuple[str, tuple[int, ...]]], rng: np.random.Generator
-) -> None:
-    """Stream one BF16 shard: header first, then each tensor."""
-    header, offset = {}, 0
+def fp8(rng: np.random.Generator, shape: tuple[int, ...]) -> bytes:
+    """Random finite FP8 e4m3fn bytes (0x7F and 0xFF, the NaN codes, are avoided)."""
+    b = rng.integers(0, 0x7E, size=shape, dtype=np.uint8)
+    return (b | (rng.integers(0, 2, size=shape, dtype=np.uint8) << 7)).tobytes()
+
+
+def entries(
+    tensors: list[tuple[str, tuple[int, ...]]], use_fp8: bool
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) to write: with FP8, each 2-D weight plus its block scales."""
+    out = []
     for name, shape in tensors:
-        n = int(np.prod(shape)) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        if use_fp8 and len(shape) == 2:
+            out.append((name, "F8_E4M3", shape))
+            out.append((name + "_scale_inv", "F32", (-(-shape[0] // 128), -(-shape[1] // 128))))
+        else:
+            out.append((name, "BF16", shape))
+    return out
+
+
+def write_shard(
+    path: Path, tensors: list[tuple[str, str, tuple[int, ...]]], rng: np.random.Generator
+) -> None:
+    """Stream one shard: header first, then each tensor."""
+    size = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+    header, offset = {}, 0
+    for name, dtype, shape in tensors:
+        n = int(np.prod(shape)) * size[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
-        for _, shape in tensors:
-            f.write(bf16(rng, shape))
+        for _, dtype, shape in tensors:
+            if dtype == "BF16":
+                f.write(bf16(rng, shape))
+            elif dtype == "F8_E4M3":
+                f.write(fp8(rng, shape))
+            else:
+                f.write(rng.uniform(1e-5, 1e-4, size=shape).astype("<f4").tobytes())
 
 
 def main() -> None:
@@ -127,22 +153,26 @@ def main() -> None:
     ap.add_argument("dst", type=Path)
     ap.add_argument("--gib", type=float, default=2.2, help="approximate total size in GiB")
     ap.add_argument("--shard-gib", type=float, default=0.6, help="approximate shard size in GiB")
+    ap.add_argument("--fp8", action="store_true", help="FP8 e4m3 weights with 128x128 block scales")
     args = ap.parse_args()
     # Each MoE layer holds ~0.8 GiB in bf16; choose the layer count for the target size.
-    layers = max(2, round(args.gib / 0.8) + 1)
+    layers = max(2, round(args.gib / (0.4 if args.fp8 else 0.8)) + 1)
     cfg = config(layers)
+    if args.fp8:
+        cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     args.dst.mkdir(parents=True, exist_ok=True)
     (args.dst / "config.json").write_text(json.dumps(cfg, indent=1))
     rng = np.random.default_rng(0)
     limit = int(args.shard_gib * 2**30)
-    groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    groups: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
     size = 0
-    for name, shape in shapes(cfg):
-        n = int(np.prod(shape)) * 2
+    nbytes = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+    for name, dtype, shape in entries(shapes(cfg), args.fp8):
+        n = int(np.prod(shape)) * nbytes[dtype]
         if groups[-1] and size + n > limit:
             groups.append([])
             size = 0
-        groups[-1].append((name, shape))
+        groups[-1].append((name, dtype, shape))
         size += n
     for k, g in enumerate(groups):
         path = args.dst / f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"

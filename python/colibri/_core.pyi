@@ -2,6 +2,7 @@
 
 from collections.abc import Callable
 from os import PathLike
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -24,7 +25,7 @@ class Container:
 
     def __init__(self, path: str | PathLike[str]) -> None: ...
     @property
-    def dir(self) -> str: ...
+    def dir(self) -> Path: ...
     @property
     def family(self) -> str: ...
     def names(self) -> list[str]: ...

@@ -166,6 +166,9 @@ pub struct ModelConfig {
     pub pad_token_id: Option<u32>,
 }
 
+/// Upper bound on every size field (far above any real model; keeps shape products in range).
+pub const MAX_DIM: usize = 1 << 24;
+
 /// Family-specific defaults (transformers' config classes).
 struct Defaults {
     q_lora_rank: Option<usize>,
@@ -566,6 +569,29 @@ impl ModelConfig {
                 return Err(self.bad(name, "must be > 0"));
             }
         }
+        // Bound every size so that shape products can never overflow (a hostile or corrupt
+        // config must give an error, not wrapped arithmetic).
+        for (name, v) in [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("q_lora_rank", self.q_lora_rank.unwrap_or(1)),
+            ("kv_lora_rank", self.kv_lora_rank),
+            ("qk_nope_head_dim", self.qk_nope_head_dim),
+            ("qk_rope_head_dim", self.qk_rope_head_dim),
+            ("v_head_dim", self.v_head_dim),
+            ("n_routed_experts", self.n_routed_experts),
+            ("n_shared_experts", self.n_shared_experts),
+            ("num_nextn_predict_layers", self.num_nextn_predict_layers),
+            ("index_head_dim", self.index_head_dim),
+            ("index_n_heads", self.index_n_heads),
+        ] {
+            if v > MAX_DIM {
+                return Err(self.bad(name, format!("{v} exceeds the limit of {MAX_DIM}")));
+            }
+        }
         if self.q_lora_rank == Some(0) {
             return Err(self.bad("q_lora_rank", "must be > 0 or null"));
         }
@@ -671,15 +697,16 @@ impl ModelConfig {
                 "index_head_dim and index_n_heads must be > 0",
             ));
         }
-        for id in self
+        for (field, id) in self
             .bos_token_id
             .iter()
-            .chain(&self.eos_token_ids)
-            .chain(&self.pad_token_id)
+            .map(|i| ("bos_token_id", i))
+            .chain(self.eos_token_ids.iter().map(|i| ("eos_token_id", i)))
+            .chain(self.pad_token_id.iter().map(|i| ("pad_token_id", i)))
         {
             if *id as usize >= self.vocab_size {
                 return Err(self.bad(
-                    "eos_token_id",
+                    field,
                     format!(
                         "token id {id} is outside the vocabulary ({})",
                         self.vocab_size
@@ -848,6 +875,8 @@ mod tests {
             ("first_k_dense_replace", 4.into(), "first_k_dense_replace"),
             ("eos_token_id", 999.into(), "eos_token_id"),
             ("rms_norm_eps", (-1.0).into(), "rms_norm_eps"),
+            ("bos_token_id", 256.into(), "bos_token_id"),
+            ("hidden_size", (1u64 << 40).into(), "hidden_size"),
         ];
         for (field, val, want) in cases {
             let mut v = tiny_deepseek();

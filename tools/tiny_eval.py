@@ -235,6 +235,50 @@ def greedy_acceptance(
 
 
 @torch.no_grad()
+def oracle_mtp_generate(
+    model: DeepseekV3ForCausalLM, prompts: torch.Tensor, new: int
+) -> dict[str, Any]:
+    """Tokens per main-model forward of transformers' own ``generate(use_mtp=True)``.
+
+    With one MTP layer transformers drafts one token per forward, so tokens/forward - 1
+    estimates the depth-1 greedy acceptance on the oracle side. Also checks that the output
+    equals plain greedy decoding.
+    """
+    calls = 0
+
+    def count(_m: torch.nn.Module, _a: Any) -> None:
+        nonlocal calls
+        calls += 1
+
+    tokens = 0
+    forwards = 0
+    identical = True
+    for row in prompts:
+        ids = row[None]
+        plain = model.generate(
+            input_ids=ids, max_new_tokens=new, do_sample=False, eos_token_id=None
+        )
+        calls = 0
+        hook = model.model.register_forward_pre_hook(count)
+        try:
+            g = model.generate(
+                input_ids=ids, max_new_tokens=new, do_sample=False, eos_token_id=None, use_mtp=True
+            )
+        finally:
+            hook.remove()
+        identical = identical and bool(torch.equal(plain, g))
+        tokens += g.shape[1] - ids.shape[1]
+        forwards += calls
+    return {
+        "prompts": len(prompts),
+        "new_tokens": tokens,
+        "main_forwards": forwards,
+        "tokens_per_forward": tokens / max(1, forwards),
+        "identical_to_greedy": identical,
+    }
+
+
+@torch.no_grad()
 def expert_load(
     model: DeepseekV3ForCausalLM, mtp: MtpModel, windows: torch.Tensor, bs: int
 ) -> list[dict[str, Any]]:
@@ -311,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--oracle-prompts", type=int, default=4, help="prompts for use_mtp generate")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -356,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     res["greedy_acceptance"] = greedy_acceptance(model, mtp, prompts, args.new, 3)
     print(json.dumps(res["greedy_acceptance"]), flush=True)
+    res["oracle_generate_use_mtp"] = oracle_mtp_generate(
+        model, prompts[: args.oracle_prompts], args.new
+    )
+    print(json.dumps(res["oracle_generate_use_mtp"]), flush=True)
     res["samples"] = samples(model, mtp, tok, 64)
     res["seconds"] = time.time() - t0
     (args.out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -236,7 +236,9 @@ impl ExpertStore {
                 "must be at least 1 when prefetch is on (or set prefetch to off)",
             ));
         }
-        let (files, lens) = Files::open(source.files(), opts.io)?;
+        // Free slabs kept for reuse: the demand window plus one per prefetch thread.
+        let pool_slabs = 2 * opts.io_threads.max(1) + opts.prefetch_threads + 1;
+        let (files, lens) = Files::open(source.files(), opts.io, pool_slabs)?;
         let mut locs_by_layer = Vec::with_capacity(source.num_layers());
         let mut shape = Vec::new();
         for l in 0..source.num_layers() {
@@ -366,9 +368,9 @@ impl ExpertStore {
                 let h = std::thread::Builder::new()
                     .name(format!("colibri-prefetch-{i}"))
                     .spawn(move || {
-                        while let Some((layer, id)) = q.pop() {
+                        while let Some((layer, id, hint)) = q.pop() {
                             let _ = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                                Inner::run_prefetch(&inner, layer, id)
+                                Inner::run_prefetch(&inner, layer, id, hint)
                             }));
                         }
                     })
@@ -389,6 +391,15 @@ impl ExpertStore {
         let ls = self.inner.layer(layer)?;
         ls.locs
             .get(expert)
+            .ok_or_else(|| bad_id(layer, expert, ls.locs.len()))
+    }
+
+    /// Bytes expert `expert` of `layer` is charged against the budget while resident.
+    pub fn charged_bytes(&self, layer: usize, expert: usize) -> Result<u64> {
+        let ls = self.inner.layer(layer)?;
+        ls.est
+            .get(expert)
+            .copied()
             .ok_or_else(|| bad_id(layer, expert, ls.locs.len()))
     }
 
@@ -479,7 +490,8 @@ impl ExpertStore {
     }
 
     /// Start-of-layer prediction "the experts the previous token used in this layer":
-    /// counted for recall and hinted/loaded like [`ExpertStore::prefetch`].
+    /// counted for recall and, unless prefetch is off, given a page-cache hint (never a real
+    /// load: the demand for this layer follows at once).
     pub fn hint_previous(&self, layer: usize) {
         let Ok(ls) = self.inner.layer(layer) else {
             return;
@@ -496,8 +508,8 @@ impl ExpertStore {
             budget_bytes: inner.budget,
             pin_set_bytes: inner.pin_set_bytes,
             pin_set_len: inner.pin_set_len,
-            live_owned_bytes: inner.files.gauge.live(),
-            peak_owned_bytes: inner.files.gauge.peak(),
+            live_owned_bytes: inner.files.pool.gauge.live(),
+            peak_owned_bytes: inner.files.pool.gauge.peak(),
             ..Default::default()
         };
         for (l, ls) in inner.layers.iter().enumerate() {
@@ -518,7 +530,7 @@ impl ExpertStore {
         for ls in self.inner.layers.iter().flatten() {
             ls.counters.reset();
         }
-        self.inner.files.gauge.reset_peak();
+        self.inner.files.pool.gauge.reset_peak();
     }
 
     /// Merge this session's routing counts into the history file (atomic write). A failure to
@@ -746,7 +758,7 @@ impl Inner {
                 c.prefetch_redundant.fetch_add(1, Relaxed);
                 continue;
             }
-            match q.push((layer, id)) {
+            match q.push((layer, id, who == Predictor::Previous)) {
                 Pushed::Queued => {}
                 Pushed::Duplicate => {
                     c.prefetch_redundant.fetch_add(1, Relaxed);
@@ -761,10 +773,14 @@ impl Inner {
     }
 
     /// One prefetch request, on a prefetch thread.
-    fn run_prefetch(this: &Arc<Inner>, layer: usize, id: usize) {
+    fn run_prefetch(this: &Arc<Inner>, layer: usize, id: usize, hint_only: bool) {
         let Ok(ls) = this.layer(layer) else { return };
         let c = &ls.counters;
-        match this.prefetch {
+        let mode = match this.prefetch {
+            PrefetchMode::Real if hint_only => PrefetchMode::Hint,
+            m => m,
+        };
+        match mode {
             PrefetchMode::Off => {}
             PrefetchMode::Hint => {
                 if !lock(&ls.cache).is_empty(id) {

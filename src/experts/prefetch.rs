@@ -53,7 +53,8 @@ pub(crate) enum Pushed {
     DroppedOldest(usize),
 }
 
-pub(crate) type Job = (usize, usize);
+/// (layer, expert, hint only).
+pub(crate) type Job = (usize, usize, bool);
 
 struct State {
     jobs: VecDeque<Job>,
@@ -139,15 +140,15 @@ mod tests {
     #[test]
     fn bounded_fifo_drops_oldest_and_dedupes() {
         let q = PrefetchQueue::new(2);
-        assert_eq!(q.push((1, 0)), Pushed::Queued);
-        assert_eq!(q.push((1, 0)), Pushed::Duplicate);
-        assert_eq!(q.push((1, 1)), Pushed::Queued);
-        assert_eq!(q.push((2, 5)), Pushed::DroppedOldest(1));
+        assert_eq!(q.push((1, 0, false)), Pushed::Queued);
+        assert_eq!(q.push((1, 0, false)), Pushed::Duplicate);
+        assert_eq!(q.push((1, 1, false)), Pushed::Queued);
+        assert_eq!(q.push((2, 5, true)), Pushed::DroppedOldest(1));
         assert_eq!(q.len(), 2);
-        assert_eq!(q.pop(), Some((1, 1)));
-        assert_eq!(q.pop(), Some((2, 5)));
+        assert_eq!(q.pop(), Some((1, 1, false)));
+        assert_eq!(q.pop(), Some((2, 5, true)));
         // Dropped jobs may be queued again.
-        assert_eq!(q.push((1, 0)), Pushed::Queued);
+        assert_eq!(q.push((1, 0, false)), Pushed::Queued);
     }
 
     #[test]
@@ -161,13 +162,13 @@ mod tests {
             }
             got
         });
-        q.push((0, 1));
+        q.push((0, 1, false));
         // Wait until the worker took it, then shut down while it blocks on an empty queue.
         while q.len() > 0 {
             std::thread::yield_now();
         }
         q.shutdown();
-        assert_eq!(h.join().expect("worker"), vec![(0, 1)]);
+        assert_eq!(h.join().expect("worker"), vec![(0, 1, false)]);
         assert_eq!(q.pop(), None);
     }
 

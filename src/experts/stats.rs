@@ -143,8 +143,8 @@ pub struct StoreStats {
     pub pin_set_bytes: u64,
     /// Number of experts chosen to be pinned.
     pub pin_set_len: usize,
-    /// Bytes of owned expert buffers alive right now (pread/direct slabs and copied scales),
-    /// cached or held by a caller: the real allocation, for budget accounting.
+    /// Bytes of owned expert buffers alive right now (pread/direct slabs in use or waiting in
+    /// the recycling pool, and copied scales): the real allocation, for budget accounting.
     pub live_owned_bytes: u64,
     /// Peak of `live_owned_bytes` since the store opened (or the last `reset_stats`).
     pub peak_owned_bytes: u64,

@@ -65,7 +65,7 @@ def community_formats(weights: dict[str, np.ndarray]) -> dict[str, str]:
 
 @pytest.fixture
 def community(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray], dict[str, str]]:
-    cfg = tiny_config()
+    cfg = tiny_config(kv_lora_rank=33)  # kv_b_proj: an odd I (33), stored int4 per row
     weights = random_weights(cfg, seed=1)
     fmts = community_formats(weights)
     write_community_container(tmp_path / "m", cfg, weights, fmts)

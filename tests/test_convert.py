@@ -79,7 +79,8 @@ def test_bf16_checkpoint(tmp_path: Path) -> None:
 
 
 def test_fp8_checkpoint_matches_numpy_decode(tmp_path: Path) -> None:
-    cfg = tiny_config()
+    # Odd widths (kv_lora_rank 33 → kv_b_proj has I = 33) and I = 100 (not a multiple of 64).
+    cfg = tiny_config(kv_lora_rank=33, moe_intermediate_size=100)
     # 32x32 blocks so that most weights hold several blocks; decoded = numpy's own FP8 decode.
     decoded = write_hf_checkpoint(tmp_path / "src", cfg, random_weights(cfg, seed=3), fp8_block=32)
     convert(tmp_path / "src", tmp_path / "dst", progress=False)

@@ -5,5 +5,6 @@ use criterion::criterion_main;
 
 mod bandwidth;
 mod experts;
+mod kernels;
 
-criterion_main!(bandwidth::benches, experts::benches);
+criterion_main!(bandwidth::benches, experts::benches, kernels::benches);

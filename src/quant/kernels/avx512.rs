@@ -1,7 +1,8 @@
-//! AVX-512 (F + BW) kernels: 16 f32 lanes, four accumulators per dot product (vector v → v % 4),
-//! tiles of up to four activation rows (two with a weight-row pair). Weights are dequantised
-//! exactly to f32 (no integer-activation tricks), so the result is the f32 dot product of the
-//! reference weights in this path's fixed order (see the module docs of `kernels`).
+//! AVX-512 (F + BW) kernels: 16 f32 lanes, two accumulators per dot product (vector v →
+//! v % 2), int4 decoded 64 elements per load, tiles of up to eight activation rows (four with a
+//! weight-row pair: 16 accumulators either way). Weights are dequantised exactly to f32 (no
+//! integer-activation tricks), so the result is the f32 dot product of the reference weights in
+//! this path's fixed order (see the module docs of `kernels`).
 //!
 //! Every function here needs AVX-512 F and BW; the entry points carry `#[target_feature]` and
 //! the helpers are `#[inline(always)]` into them.
@@ -18,30 +19,30 @@ use crate::quant::format::{QMatrix, QuantFormat};
 
 /// Lanes per vector.
 const L: usize = 16;
-/// Independent accumulators per dot product.
-const A: usize = 4;
-/// Elements per chunk of `A` vectors.
-const CHUNK: usize = L * A;
+/// Independent accumulators per dot product (vector v → accumulator v % A).
+const A: usize = 2;
+/// Vectors decoded together (one load of packed weights).
+const D: usize = 4;
 /// Activation rows per tile with one weight row (16 accumulators).
-const TILE: usize = 4;
+const TILE: usize = 8;
 /// Activation rows per tile with two weight rows (16 accumulators).
-const TILE_PAIR: usize = 2;
+const TILE_PAIR: usize = 4;
 
 /// A weight row as a sequence of exactly dequantised 16-lane vectors. Implementations hold raw
 /// pointers into a row whose length matches the `n` the caller iterates over.
 trait Src: Copy {
     /// Vector `v` (elements 16v .. 16v+15, all inside the row).
     unsafe fn one(self, v: usize) -> __m512;
-    /// Vectors 4c .. 4c+3 (all full).
+    /// Vectors 4c .. 4c+3 (all full; D = 4).
     #[inline(always)]
-    unsafe fn chunk(self, c: usize) -> [__m512; A] {
+    unsafe fn chunk(self, c: usize) -> [__m512; D] {
         // SAFETY: forwarded contract: vectors 4c..4c+3 are full.
         unsafe {
             [
-                self.one(A * c),
-                self.one(A * c + 1),
-                self.one(A * c + 2),
-                self.one(A * c + 3),
+                self.one(D * c),
+                self.one(D * c + 1),
+                self.one(D * c + 2),
+                self.one(D * c + 3),
             ]
         }
     }
@@ -105,7 +106,7 @@ impl Src for Int4 {
     }
 
     #[inline(always)]
-    unsafe fn chunk(self, c: usize) -> [__m512; A] {
+    unsafe fn chunk(self, c: usize) -> [__m512; D] {
         // SAFETY: vectors 4c..4c+3 are full, so bytes 32c .. 32c+32 are in the row; AVX-512 BW
         // guaranteed by the caller.
         unsafe {
@@ -116,7 +117,7 @@ impl Src for Int4 {
                 _mm512_set1_epi16(0x0F0F),
             );
             let q = _mm512_sub_epi8(u, _mm512_set1_epi8(8));
-            let v = A * c;
+            let v = D * c;
             [
                 deq(_mm512_castsi512_si128(q), self.scale(v)),
                 deq(_mm512_extracti32x4_epi32::<1>(q), self.scale(v + 1)),
@@ -235,13 +236,12 @@ impl Src for F32 {
     }
 }
 
-/// Sum of four accumulators in a fixed tree: (a0 + a1) + (a2 + a3), then halves, quarters,
-/// pairs, lanes.
+/// Sum of the accumulators in a fixed tree: a0 + a1, then halves, quarters, pairs, lanes.
 #[inline(always)]
 unsafe fn reduce(a: [__m512; A]) -> f32 {
     // SAFETY: AVX-512 F guaranteed by the caller.
     unsafe {
-        let v = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+        let v = _mm512_add_ps(a[0], a[1]);
         let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
         let h = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
         let q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
@@ -250,59 +250,82 @@ unsafe fn reduce(a: [__m512; A]) -> f32 {
     }
 }
 
-/// Dot products of `NW` weight rows with `T` activation rows of length `n`: each decoded weight
-/// vector is applied to all `T` rows. The order per (weight row, activation row) is fixed by n.
+/// Accumulate vectors `v0..v1` of `NW` weight rows against `T` activation rows of length `n`
+/// (`x[t]` points at element `v0 · L` of row t) into `acc`: vector v goes to accumulator v % A of every (weight row, activation row); the
+/// partial last vector (number n / L) has its lanes past n zero in W and X. `v0` is a multiple
+/// of D, so walking 0..n.div_ceil(L) in consecutive ranges performs exactly the same
+/// operations on every accumulator as walking it in one go.
+#[inline(always)]
+unsafe fn accumulate<S: Src, const NW: usize, const T: usize>(
+    w: [S; NW],
+    x: [*const f32; T],
+    n: usize,
+    v0: usize,
+    v1: usize,
+    acc: &mut [[[__m512; A]; T]; NW],
+) {
+    // SAFETY: the caller guarantees the CPU features, that each `x[t]` points at the
+    // elements v0·L .. min(v1·L, n) of a row and each source at a row of n elements.
+    unsafe {
+        let (nv, r) = (n / L, n % L);
+        let full = v1.min(nv);
+        let mut v = v0;
+        while v + D <= full {
+            let mut wv = [[_mm512_setzero_ps(); D]; NW];
+            for k in 0..NW {
+                wv[k] = w[k].chunk(v / D);
+            }
+            for t in 0..T {
+                for j in 0..D {
+                    let xv = _mm512_loadu_ps(x[t].add((v - v0 + j) * L));
+                    for k in 0..NW {
+                        acc[k][t][j % A] = _mm512_fmadd_ps(wv[k][j], xv, acc[k][t][j % A]);
+                    }
+                }
+            }
+            v += D;
+        }
+        while v < full {
+            let mut wv = [_mm512_setzero_ps(); NW];
+            for k in 0..NW {
+                wv[k] = w[k].one(v);
+            }
+            for t in 0..T {
+                let xv = _mm512_loadu_ps(x[t].add((v - v0) * L));
+                for k in 0..NW {
+                    acc[k][t][v % A] = _mm512_fmadd_ps(wv[k], xv, acc[k][t][v % A]);
+                }
+            }
+            v += 1;
+        }
+        if r > 0 && v1 > nv {
+            let mut wv = [_mm512_setzero_ps(); NW];
+            for k in 0..NW {
+                wv[k] = w[k].tail(nv, r);
+            }
+            for t in 0..T {
+                let xv = _mm512_maskz_loadu_ps(mask(r), x[t].add((nv - v0) * L));
+                for k in 0..NW {
+                    acc[k][t][nv % A] = _mm512_fmadd_ps(wv[k], xv, acc[k][t][nv % A]);
+                }
+            }
+        }
+    }
+}
+
+/// Dot products of `NW` weight rows with `T` activation rows of length `n` in one pass: each
+/// decoded weight vector is applied to all `T` rows. The tiles of one call after the first
+/// decode the same weight row again, from L1: memory is read once per call whatever S is.
 #[inline(always)]
 unsafe fn dot_tile<S: Src, const NW: usize, const T: usize>(
     w: [S; NW],
     x: [*const f32; T],
     n: usize,
 ) -> [[f32; T]; NW] {
-    // SAFETY: the caller guarantees AVX-512 F/BW, that each `x[t]` points at n floats and each
-    // source at a row of n elements.
+    // SAFETY: forwarded contract of `accumulate`.
     unsafe {
-        let (nv, r) = (n / L, n % L);
-        let nc = nv / A;
         let mut acc = [[[_mm512_setzero_ps(); A]; T]; NW];
-        for c in 0..nc {
-            let mut wv = [[_mm512_setzero_ps(); A]; NW];
-            for k in 0..NW {
-                wv[k] = w[k].chunk(c);
-            }
-            for t in 0..T {
-                for j in 0..A {
-                    let xv = _mm512_loadu_ps(x[t].add(c * CHUNK + j * L));
-                    for k in 0..NW {
-                        acc[k][t][j] = _mm512_fmadd_ps(wv[k][j], xv, acc[k][t][j]);
-                    }
-                }
-            }
-        }
-        for v in nc * A..nv {
-            let mut wv = [_mm512_setzero_ps(); NW];
-            for k in 0..NW {
-                wv[k] = w[k].one(v);
-            }
-            for t in 0..T {
-                let xv = _mm512_loadu_ps(x[t].add(v * L));
-                for k in 0..NW {
-                    acc[k][t][v % A] = _mm512_fmadd_ps(wv[k], xv, acc[k][t][v % A]);
-                }
-            }
-        }
-        if r > 0 {
-            let v = nv;
-            let mut wv = [_mm512_setzero_ps(); NW];
-            for k in 0..NW {
-                wv[k] = w[k].tail(v, r);
-            }
-            for t in 0..T {
-                let xv = _mm512_maskz_loadu_ps(mask(r), x[t].add(v * L));
-                for k in 0..NW {
-                    acc[k][t][v % A] = _mm512_fmadd_ps(wv[k], xv, acc[k][t][v % A]);
-                }
-            }
-        }
+        accumulate(w, x, n, 0, n.div_ceil(L), &mut acc);
         let mut y = [[0.0f32; T]; NW];
         for k in 0..NW {
             for t in 0..T {
@@ -313,8 +336,36 @@ unsafe fn dot_tile<S: Src, const NW: usize, const T: usize>(
     }
 }
 
-/// All `s` activation rows against `NW` weight rows, in tiles of `TM` rows (then one smaller
-/// tile). `out[k]` points at `s` floats for weight row k.
+/// Run `$tile!(T, t0)` over all `s` activation rows: tiles of `TM`, then one smaller tile.
+macro_rules! for_tiles {
+    ($s:expr, $tm:expr, $tile:ident) => {{
+        let (s, tm) = ($s, $tm);
+        let mut t0 = 0;
+        while s - t0 >= tm {
+            match tm {
+                8 => $tile!(8, t0),
+                4 => $tile!(4, t0),
+                3 => $tile!(3, t0),
+                2 => $tile!(2, t0),
+                _ => $tile!(1, t0),
+            }
+            t0 += tm;
+        }
+        match s - t0 {
+            0 => {}
+            1 => $tile!(1, t0),
+            2 => $tile!(2, t0),
+            3 => $tile!(3, t0),
+            4 => $tile!(4, t0),
+            5 => $tile!(5, t0),
+            6 => $tile!(6, t0),
+            _ => $tile!(7, t0),
+        }
+    }};
+}
+
+/// All `s` activation rows against `NW` weight rows, tile by tile. `out[k]` points at `s`
+/// floats for weight row k.
 #[inline(always)]
 unsafe fn tiles<S: Src, const NW: usize, const TM: usize>(
     w: [S; NW],
@@ -325,7 +376,7 @@ unsafe fn tiles<S: Src, const NW: usize, const TM: usize>(
 ) {
     // SAFETY: `x` holds s rows of n; each `out[k]` points at s writable floats.
     unsafe {
-        const { assert!(TM == 1 || TM == 2 || TM == 4) };
+        const { assert!(matches!(TM, 1..=4 | 8)) };
         let xp = x.as_ptr();
         macro_rules! tile {
             ($t:literal, $t0:expr) => {{
@@ -341,102 +392,31 @@ unsafe fn tiles<S: Src, const NW: usize, const TM: usize>(
                 }
             }};
         }
-        let mut t0 = 0;
-        while s - t0 >= TM {
-            match TM {
-                4 => tile!(4, t0),
-                2 => tile!(2, t0),
-                _ => tile!(1, t0),
-            }
-            t0 += TM;
-        }
-        match s - t0 {
-            0 => {}
-            1 => tile!(1, t0),
-            2 => tile!(2, t0),
-            _ => tile!(3, t0),
-        }
+        for_tiles!(s, TM, tile);
     }
 }
 
-/// Decode a whole row into `buf` (padded to whole vectors; lanes past n are +0).
+/// Rows `o0..o0 + rows` of `NW` matrices (`make(k, o)` is row o of matrix k) against all `s`
+/// activation rows, into `out[k]` ([rows, s]).
 #[inline(always)]
-unsafe fn fill<S: Src>(w: S, n: usize, buf: &mut [f32]) {
-    // SAFETY: `buf` holds n.div_ceil(16)·16 floats; the source holds a row of n.
-    unsafe {
-        let (nv, r) = (n / L, n % L);
-        let p = buf.as_mut_ptr();
-        for c in 0..nv / A {
-            let wv = w.chunk(c);
-            for (j, v) in wv.into_iter().enumerate() {
-                _mm512_storeu_ps(p.add(c * CHUNK + j * L), v);
-            }
-        }
-        for v in nv / A * A..nv {
-            _mm512_storeu_ps(p.add(v * L), w.one(v));
-        }
-        if r > 0 {
-            _mm512_storeu_ps(p.add(nv * L), w.tail(nv, r));
-        }
-    }
-}
-
-/// Rows `o0..o0 + out.len()/s` of one weight matrix made by `make(o)`, into `out` ([n_rows, s]).
-#[inline(always)]
-unsafe fn rows_src<S: Src>(
-    make: impl Fn(usize) -> S,
+unsafe fn rows_src<S: Src, const NW: usize, const TM: usize>(
+    make: impl Fn(usize, usize) -> S,
     n: usize,
     o0: usize,
     x: &[f32],
     s: usize,
-    out: &mut [f32],
+    out: [&mut [f32]; NW],
 ) {
     // SAFETY: forwarded from `rows`.
     unsafe {
-        if s <= TILE {
-            for (i, y) in out.chunks_exact_mut(s).enumerate() {
-                tiles::<S, 1, TILE>([make(o0 + i)], x, s, n, [y.as_mut_ptr()]);
+        for i in 0..out[0].len() / s {
+            let mut w = [make(0, o0 + i); NW];
+            let mut y = [std::ptr::null_mut(); NW];
+            for k in 0..NW {
+                w[k] = make(k, o0 + i);
+                y[k] = out[k].as_mut_ptr().add(i * s);
             }
-        } else {
-            let mut buf = vec![0.0f32; n.div_ceil(L) * L];
-            for (i, y) in out.chunks_exact_mut(s).enumerate() {
-                fill(make(o0 + i), n, &mut buf);
-                tiles::<F32, 1, TILE>([F32(buf.as_ptr())], x, s, n, [y.as_mut_ptr()]);
-            }
-        }
-    }
-}
-
-/// Like [`rows_src`] for two matrices (gate and up), sharing every activation load.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn rows_src_pair<S: Src>(
-    make_a: impl Fn(usize) -> S,
-    make_b: impl Fn(usize) -> S,
-    n: usize,
-    o0: usize,
-    x: &[f32],
-    s: usize,
-    out_a: &mut [f32],
-    out_b: &mut [f32],
-) {
-    // SAFETY: forwarded from `rows_pair`.
-    unsafe {
-        let pairs = out_a.chunks_exact_mut(s).zip(out_b.chunks_exact_mut(s));
-        if s <= TILE_PAIR {
-            for (i, (ya, yb)) in pairs.enumerate() {
-                let w = [make_a(o0 + i), make_b(o0 + i)];
-                tiles::<S, 2, TILE_PAIR>(w, x, s, n, [ya.as_mut_ptr(), yb.as_mut_ptr()]);
-            }
-        } else {
-            let mut buf_a = vec![0.0f32; n.div_ceil(L) * L];
-            let mut buf_b = vec![0.0f32; n.div_ceil(L) * L];
-            for (i, (ya, yb)) in pairs.enumerate() {
-                fill(make_a(o0 + i), n, &mut buf_a);
-                fill(make_b(o0 + i), n, &mut buf_b);
-                let w = [F32(buf_a.as_ptr()), F32(buf_b.as_ptr())];
-                tiles::<F32, 2, TILE_PAIR>(w, x, s, n, [ya.as_mut_ptr(), yb.as_mut_ptr()]);
-            }
+            tiles::<S, NW, TM>(w, x, s, n, y);
         }
     }
 }
@@ -487,7 +467,16 @@ macro_rules! with_src {
 pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, x: &[f32], s: usize, out: &mut [f32]) {
     let n = w.cols();
     // SAFETY: the caller's contract; `make` builds sources over whole rows of n elements.
-    unsafe { with_src!(w.format(), |mk| rows_src(|o| mk(w, o), n, o0, x, s, out)) }
+    unsafe {
+        with_src!(w.format(), |mk| rows_src::<_, 1, TILE>(
+            |_, o| mk(w, o),
+            n,
+            o0,
+            x,
+            s,
+            [out]
+        ))
+    }
 }
 
 /// [`rows`] for two matrices of the same shape (gate and up), sharing the activation loads.
@@ -515,15 +504,13 @@ pub(super) unsafe fn rows_pair(
             rows(b, o0, x, s, out_b);
             return;
         }
-        with_src!(a.format(), |mk| rows_src_pair(
-            |o| mk(a, o),
-            |o| mk(b, o),
+        with_src!(a.format(), |mk| rows_src::<_, 2, TILE_PAIR>(
+            |k, o| if k == 0 { mk(a, o) } else { mk(b, o) },
             n,
             o0,
             x,
             s,
-            out_a,
-            out_b
+            [out_a, out_b]
         ))
     }
 }

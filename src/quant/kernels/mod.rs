@@ -7,14 +7,16 @@
 //! `avx2`, `neon`) share one shape of computation:
 //! - a weight row is consumed as vectors of L lanes (16 for AVX-512, 8 for AVX2, 4 for NEON);
 //!   vector v is dequantised exactly (`(nibble − 8) as f32 · scale`, `q as f32 · scale`, the
-//!   bf16/f16 bits widened) and multiply-added into accumulator `v % 4` of each activation row;
-//!   the last partial vector is masked (lanes past I are zero in both W and X);
-//! - the four accumulators are summed `(a0 + a1) + (a2 + a3)`, then the lanes by a fixed tree.
+//!   bf16/f16 bits widened) and fused-multiply-added into accumulator `v % A` of each
+//!   activation row (A = 2 on x86, 4 on NEON); the last partial vector is masked (lanes past I
+//!   are zero in both W and X);
+//! - the accumulators are summed in order, then the lanes by a fixed tree.
 //!
-//! Activation rows are processed in tiles of a few rows that share each decoded weight vector.
-//! When S is larger than one tile, each weight row is first decoded into an L1-resident f32
-//! buffer (the same vectors, bit for bit) and every tile reads it from there, so the weights
-//! of one call are read from memory once whatever S is.
+//! Activation rows are processed in tiles of a few rows (8 for AVX-512, 3 for AVX2, 4 for
+//! NEON) that share each decoded weight vector; every tile runs the same instructions on its
+//! own accumulators, so the result of a row never depends on S or on its position. A weight
+//! row is read from memory by the first tile and from L1 by the others, so the weights of one
+//! call are read from memory once whatever S is.
 //!
 //! The path is chosen once at run time from the CPU's features (`COLIBRI_KERNEL` =
 //! `scalar|avx2|avx512|neon` overrides it, read once), and [`set_forced_path`] switches it for

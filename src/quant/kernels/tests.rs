@@ -154,7 +154,7 @@ fn random_shapes_match_f64_reference() {
 fn row_s_of_an_s_row_call_equals_the_one_row_call_bit_for_bit() {
     for path in KernelPath::available() {
         for (fi, &format) in formats().iter().enumerate() {
-            for &(rows, cols) in &[(3, 100), (2, 17), (1, 129), (5, 300), (2, 64)] {
+            for &(rows, cols) in &[(3, 100), (2, 17), (1, 129), (5, 300), (2, 64), (19, 2100)] {
                 let p = weights(format, rows, cols, fi as u64 + cols as u64);
                 let w = p.view();
                 let x = lcg(fi as u64 * 3 + 1, 64 * cols, 1.0);

@@ -23,20 +23,35 @@ def _raise_for_test(kind: str) -> None:
 class Container:
     """An opened model directory: shard headers parsed, shards mapped read-only."""
 
-    def __init__(self, path: str | PathLike[str]) -> None: ...
+    def __init__(self, path: str | PathLike[str]) -> None:
+        """Open ``path`` (config.json + *.safetensors); raises ``ContainerError`` /
+        ``ConfigError`` / ``ColibriFileNotFoundError``."""
     @property
-    def dir(self) -> Path: ...
+    def dir(self) -> Path:
+        """The model directory."""
     @property
-    def family(self) -> str: ...
-    def names(self) -> list[str]: ...
-    def __len__(self) -> int: ...
-    def __contains__(self, name: str) -> bool: ...
-    def info(self, name: str) -> dict[str, object]: ...
-    def format(self, name: str) -> str | None: ...
-    def expected_shape(self, name: str) -> tuple[int, int] | None: ...
-    def dequantize(self, name: str) -> npt.NDArray[np.float32]: ...
-    def vector(self, name: str) -> npt.NDArray[np.float32]: ...
-    def raw(self, name: str) -> bytes: ...
+    def family(self) -> str:
+        """``model_type`` of the config (``"deepseek_v3"`` or ``"glm_moe_dsa"``)."""
+    def names(self) -> list[str]:
+        """Every tensor name (scales ``NAME.qs`` included) in shard and offset order."""
+    def __len__(self) -> int:
+        """The number of tensors."""
+    def __contains__(self, name: str) -> bool:
+        """Whether a tensor of this name exists."""
+    def info(self, name: str) -> dict[str, object]:
+        """``name``, ``dtype``, ``shape``, ``file``, ``start``/``end`` (byte range in the
+        file), ``format`` and ``logical_shape`` (``[O, I]``) of one tensor."""
+    def format(self, name: str) -> str | None:
+        """The weight's format (``"int4_g64"``, ``"int8"``, ``"bf16"``, ...), or None for
+        tensors that are not 2-D weights."""
+    def expected_shape(self, name: str) -> tuple[int, int] | None:
+        """The logical ``[O, I]`` the config gives this name, if it is a known 2-D weight."""
+    def dequantize(self, name: str) -> npt.NDArray[np.float32]:
+        """A 2-D weight dequantised to float32 ``[O, I]`` (reference dequantiser)."""
+    def vector(self, name: str) -> npt.NDArray[np.float32]:
+        """A 1-D F32/BF16/F16 tensor as float32."""
+    def raw(self, name: str) -> bytes:
+        """The raw stored bytes of a tensor."""
 
 class ConvertJob:
     """A planned conversion; see ``colibri.convert``."""
@@ -55,12 +70,19 @@ class ConvertJob:
         indexer_bits: int = 8,
         max_shard_bytes: int = ...,
         chunk_bytes: int = ...,
-    ) -> None: ...
-    def shards(self) -> list[tuple[str, int]]: ...
-    def is_done(self, i: int) -> bool: ...
-    def write_shard(self, i: int, progress: Callable[[int], object] | None = None) -> None: ...
-    def finish(self) -> None: ...
-    def format_counts(self) -> dict[str, int]: ...
+    ) -> None:
+        """Plan converting the Hugging Face checkpoint ``src`` into a container at ``dst``."""
+    def shards(self) -> list[tuple[str, int]]:
+        """(file name, total bytes) of every planned output shard."""
+    def is_done(self, i: int) -> bool:
+        """Whether shard ``i`` already exists complete in ``dst`` (it will be skipped)."""
+    def write_shard(self, i: int, progress: Callable[[int], object] | None = None) -> None:
+        """Write shard ``i``; ``progress(n_bytes)`` is called after each tensor. Ctrl-C or an
+        exception from ``progress`` stops the write."""
+    def finish(self) -> None:
+        """Copy tokenizer/sidecar files, write config.json, and check the output opens."""
+    def format_counts(self) -> dict[str, int]:
+        """Output tensors per format name."""
 
 def decode_fp8_e4m3(raw: npt.NDArray[np.uint8]) -> npt.NDArray[np.float32]:
     """FP8 e4m3fn bytes → float32."""
@@ -71,3 +93,63 @@ def dequant_fp8_blocks(
     block: tuple[int, int] = (128, 128),
 ) -> npt.NDArray[np.float32]:
     """w = fp8 · scale_inv[o/bo, i/bi] for an FP8 [O, I] weight."""
+
+# --- the engine (src/python/engine.rs) -----------------------------------------------------
+
+class Engine:
+    """A loaded model with its expert store and decode loop. Calls are serialised by an
+    internal lock; compute runs with the GIL released. ``colibri.Model`` wraps it."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        threads: int = 0,
+        io: str = "auto",
+        ram_budget: int | None = None,
+        prefetch: str = "auto",
+        prefetch_top_k: int = 0,
+        mtp: bool = True,
+        usage_file: bool = True,
+    ) -> None:
+        """Load the model directory ``path``. ``io``: auto|mmap|pread|direct; ``prefetch``:
+        auto|off|hint|real; ``ram_budget``: expert-cache bytes (None: sized from available
+        memory); ``prefetch_top_k``: experts predicted per layer (0: the model's top-k);
+        ``usage_file``: persist routing history for the pinned set."""
+    def config_json(self) -> str:
+        """The model's ``config.json`` text."""
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the MTP head is loaded."""
+    @property
+    def max_context(self) -> int:
+        """The longest context the engine computes exactly."""
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary size (rows of the logits)."""
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """EOS token ids from the config."""
+    def logits(self, ids: list[int]) -> npt.NDArray[np.float32]:
+        """Logits of one forward over ``ids`` as a fresh sequence: float32
+        ``[len(ids), vocab]``."""
+    def generate(
+        self,
+        ids: list[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        draft: str = "auto",
+        draft_depth: int = 0,
+        stop_ids: list[int] | None = None,
+        on_tokens: Callable[[list[int]], bool] | None = None,
+    ) -> dict[str, object]:
+        """Generate after ``ids``; returns ``{"tokens", "finish_reason", "stats"}``.
+        ``draft_depth`` 0 is auto; ``stop_ids`` None uses the EOS ids; ``on_tokens`` gets
+        the tokens each forward accepted and returns False to stop. Ctrl-C raises
+        KeyboardInterrupt within one forward."""
+    def expert_stats(self) -> dict[str, object]:
+        """Expert-store counters since the last generation started: totals and per layer."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from colibri.errors import ModelNotFoundError
+from colibri.errors import ColibriFileNotFoundError, ModelNotFoundError
 
 #: Name of the model that ships inside the package.
 DEFAULT_MODEL = "tiny"
@@ -21,9 +21,7 @@ def embedded_models() -> list[str]:
     return sorted(p.name for p in _EMBEDDED_DIR.iterdir() if (p / "config.json").is_file())
 
 
-def resolve_model_dir(
-    model: str | os.PathLike[str] | None, *, revision: str | None = None
-) -> Path:
+def resolve_model_dir(model: str | os.PathLike[str] | None, *, revision: str | None = None) -> Path:
     """Return the local directory holding ``model``.
 
     ``None`` or the name of an embedded model selects the model shipped in the package; an
@@ -46,7 +44,14 @@ def resolve_model_dir(
     if path.exists():
         raise ModelNotFoundError(f"{path} is a file; colibri expects a model directory")
     owner, _, repo = name.partition("/")
-    is_repo_id = bool(owner) and bool(repo) and "/" not in repo and not name.startswith((".", "~"))
+    looks_like_path = path.is_absolute() or name.startswith((".", "~"))
+    if looks_like_path or name.count("/") > 1:
+        raise ColibriFileNotFoundError(
+            f"model directory {str(path)!r} does not exist; pass an existing model directory "
+            "(config.json, *.safetensors, tokenizer.json), a Hugging Face repo id "
+            f"(owner/name), or one of the embedded models: {', '.join(embedded_models()) or 'none'}"
+        )
+    is_repo_id = bool(owner) and bool(repo)
     if not is_repo_id:
         hint = ", ".join(embedded_models()) or "none"
         raise ModelNotFoundError(
@@ -54,6 +59,17 @@ def resolve_model_dir(
             f"(owner/name); embedded models: {hint}"
         )
     return _download(name, revision)
+
+
+def _hub_cache_dir() -> str | None:
+    """The hub cache as the environment names it now (``huggingface_hub`` reads it once, at
+    import; reading it per call lets a process change it)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return os.path.expanduser(os.environ[var])
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
+    return None
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
@@ -67,13 +83,16 @@ def _download(repo_id: str, revision: str | None) -> Path:
         local = snapshot_download(
             repo_id,
             revision=revision,
+            cache_dir=_hub_cache_dir(),
             local_files_only=offline,
             allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"],
         )
     except LocalEntryNotFoundError as e:
+        where = _hub_cache_dir() or "the default Hugging Face cache"
         raise ModelNotFoundError(
-            f"{repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set "
-            "(or the hub is unreachable); download it first or unset HF_HUB_OFFLINE"
+            f"{repo_id!r} is not in the local Hugging Face cache ({where}) and HF_HUB_OFFLINE "
+            "is set (or the hub is unreachable); download it first (e.g. `hf download "
+            f"{repo_id}`) or unset HF_HUB_OFFLINE"
         ) from e
     except HfHubHTTPError as e:
         raise ModelNotFoundError(f"cannot fetch {repo_id!r} from the Hugging Face hub: {e}") from e

@@ -51,19 +51,34 @@ class IncrementalDecoder:
 
 
 class StopMatcher:
-    """Finds the first stop string in the generated text and holds back possible prefixes."""
+    """Finds the first stop string in the generated text and holds back possible prefixes.
+
+    Example:
+        >>> m = StopMatcher(["\\n\\n", "END"])
+        >>> m.check("a\\nb"), m.safe_len("a\\nb EN")
+        (None, 4)
+        >>> m.check("ab END cd")
+        3
+    """
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
-        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._longest = max((len(s) for s in self.stops), default=0)
 
-    def check(self, text: str) -> int | None:
-        """Index in ``text`` where the earliest stop string begins, or None."""
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+    def check(self, text: str, start: int = 0) -> int | None:
+        """Index in ``text`` where the earliest stop string begins, or None. Matches that
+        begin before ``start - len(longest stop) + 1`` are not searched again."""
+        lo = max(0, start - self._longest + 1)
+        hits = [i for i in (text.find(s, lo) for s in self.stops) if i >= 0]
         return min(hits) if hits else None
 
     def safe_len(self, text: str) -> int:
-        """How much of ``text`` can be shown without risking a partial stop string."""
-        if not self.stops:
-            return len(text)
-        return max(0, len(text) - self._hold)
+        """How much of ``text`` can be shown: all of it but a tail that could still grow into
+        a stop string (the longest suffix of ``text`` that is a proper prefix of one)."""
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        return len(text) - hold

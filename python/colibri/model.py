@@ -79,12 +79,19 @@ def _check_choice(name: str, value: object, choices: Sequence[str]) -> str:
 
 def _check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgumentError(
-            f"invalid value for '{name}': {value!r}; expected an integer"
-        )
+        raise InvalidArgumentError(f"invalid value for '{name}': {value!r}; expected an integer")
     v = int(value)
     if minimum is not None and v < minimum:
         raise InvalidArgumentError(f"invalid value for '{name}': {v}; must be >= {minimum}")
+    return v
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentError(f"invalid value for '{name}': {value!r}; expected a number")
+    v = float(value)
+    if not np.isfinite(v):
+        raise InvalidArgumentError(f"invalid value for '{name}': {v}; must be a finite number")
     return v
 
 
@@ -93,11 +100,19 @@ def _parse_bytes(name: str, value: int | str | None) -> int | None:
     if value is None:
         return None
     if isinstance(value, str):
-        units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-                 "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+        units = {
+            "k": 10**3,
+            "m": 10**6,
+            "g": 10**9,
+            "t": 10**12,
+            "ki": 2**10,
+            "mi": 2**20,
+            "gi": 2**30,
+            "ti": 2**40,
+        }
         s = value.strip().lower().removesuffix("b")
         num = s.rstrip("kmgti")
-        unit = s[len(num):]
+        unit = s[len(num) :]
         try:
             return int(float(num) * units.get(unit, 1) if unit else float(num))
         except ValueError:
@@ -123,7 +138,7 @@ class Model:
             ``"real"`` (loads into the cache), or ``"auto"``.
         draft: default drafter for :meth:`generate`: ``"auto"`` (MTP when the model has a
             head, else n-gram), ``"mtp"``, ``"ngram"`` or ``"off"``.
-        draft_depth: default draft depth, 1–8, or ``"auto"`` (chosen online from measured
+        draft_depth: default draft depth, 1-8, or ``"auto"`` (chosen online from measured
             acceptance and verify cost).
         threads: compute threads, 0 for all cores.
         mtp: load the MTP head when the checkpoint has one.
@@ -174,6 +189,11 @@ class Model:
             mtp=bool(mtp),
         )
         self.config: dict[str, Any] = json.loads(self._engine.config_json())
+        # Read once: the engine's getters take its lock, which a running generation holds.
+        self._has_mtp = bool(self._engine.has_mtp)
+        self._max_context = int(self._engine.max_context)
+        self._eos_token_ids = [int(t) for t in self._engine.eos_token_ids]
+        self._vocab_size = int(self._engine.vocab_size)
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------------------- helpers
@@ -183,23 +203,25 @@ class Model:
             return 0
         d = _check_int("draft_depth", depth, minimum=1)
         if d > 8:
-            raise InvalidArgumentError(f"invalid value for 'draft_depth': {d}; must be 1..8 or 'auto'")
+            raise InvalidArgumentError(
+                f"invalid value for 'draft_depth': {d}; must be 1..8 or 'auto'"
+            )
         return d
 
     @property
     def has_mtp(self) -> bool:
         """Whether the MTP head is loaded (self-speculative drafting available)."""
-        return bool(self._engine.has_mtp)
+        return self._has_mtp
 
     @property
     def max_context(self) -> int:
         """The longest context (prompt + generated tokens) the engine computes exactly."""
-        return int(self._engine.max_context)
+        return self._max_context
 
     @property
     def eos_token_ids(self) -> list[int]:
         """Token ids that end a generation."""
-        return list(self._engine.eos_token_ids)
+        return list(self._eos_token_ids)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Tokenise ``text`` with the model's tokenizer."""
@@ -209,21 +231,45 @@ class Model:
         """Turn token ids back into text."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def _check_token(self, name: str, value: object) -> int:
+        t = _check_int(name, value, minimum=0)
+        vocab = self._vocab_size
+        if t >= vocab:
+            raise InvalidArgumentError(
+                f"invalid value for '{name}': token id {t} is outside the vocabulary "
+                f"(0..{vocab - 1})"
+            )
+        return t
+
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidArgumentError("invalid value for 'prompt': the prompt is empty")
+                raise InvalidArgumentError(
+                    "invalid value for 'prompt': the prompt is empty; pass some text or ids"
+                )
             ids = self.encode(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = [self._check_token("prompt", t) for t in prompt]
         else:
-            ids = [_check_int("prompt token", t, minimum=0) for t in prompt]
+            raise InvalidArgumentError(
+                f"invalid value for 'prompt': {type(prompt).__name__}; expected a string or a "
+                "list of token ids"
+            )
         if not ids:
-            raise InvalidArgumentError("invalid value for 'prompt': the prompt is empty")
+            raise InvalidArgumentError(
+                "invalid value for 'prompt': the prompt is empty; pass some text or ids"
+            )
         return ids
 
     # ----------------------------------------------------------------------------- logits
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits of one forward over ``ids`` as a fresh sequence: float32 ``[len(ids), vocab]``."""
         toks = self._prompt_ids(ids)
+        if len(toks) > self.max_context:
+            raise InvalidArgumentError(
+                f"invalid value for 'ids': {len(toks)} tokens exceed the context this model is "
+                f"computed exactly for ({self.max_context} tokens)"
+            )
         with self._lock:
             return self._engine.logits(toks)
 
@@ -250,6 +296,7 @@ class Model:
         stop: str | Sequence[str] | None = None,
         draft: DraftMode | None = None,
         draft_depth: int | Literal["auto"] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
         stream: bool = False,
     ) -> GenerationResult | Iterator[str]:
         """Continue ``prompt`` (text or token ids).
@@ -263,14 +310,26 @@ class Model:
             seed: makes sampling reproducible; ``None`` picks a random seed.
             stop: strings that end the generation (not included in the text).
             draft: drafter for speculative decoding (defaults to the Model's).
-            draft_depth: tokens drafted per step, 1–8 or ``"auto"``.
+            draft_depth: tokens drafted per step, 1-8 or ``"auto"``.
+            stop_token_ids: token ids that end the generation; ``None`` uses the model's
+                EOS ids, ``[]`` never stops on a token (only ``max_new_tokens`` and ``stop``).
+                The stopping token is kept in ``token_ids`` but not in ``text``.
             stream: if true, return an iterator of text chunks as tokens are accepted.
 
         Returns:
             A :class:`GenerationResult`, or with ``stream=True`` an iterator of strings.
         """
         params = self._params(
-            prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, draft, draft_depth
+            prompt,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            stop,
+            draft,
+            draft_depth,
+            stop_token_ids,
         )
         if stream:
             return self._stream(params)
@@ -287,6 +346,7 @@ class Model:
         stop: str | Sequence[str] | None,
         draft: object,
         draft_depth: object,
+        stop_token_ids: Sequence[int] | None = None,
     ) -> dict[str, Any]:
         ids = self._prompt_ids(prompt)
         n = _check_int("max_new_tokens", max_new_tokens, minimum=1)
@@ -298,28 +358,50 @@ class Model:
             top_k = int(gc.get("top_k", 0)) if sampling else 0
         if top_p is None:
             top_p = float(gc.get("top_p", 1.0)) if sampling else 1.0
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise InvalidArgumentError(f"invalid value for 'temperature': {temperature!r}")
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
-            raise InvalidArgumentError(f"invalid value for 'top_p': {top_p!r}")
-        top_k = _check_int("top_k", top_k)
+        temperature = _check_float("temperature", temperature)
+        if temperature < 0:
+            raise InvalidArgumentError(
+                f"invalid value for 'temperature': {temperature}; must be >= 0 (0 = greedy)"
+            )
+        top_p = _check_float("top_p", top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise InvalidArgumentError(
+                f"invalid value for 'top_p': {top_p}; must be in (0, 1] (1 = off)"
+            )
+        top_k = _check_int("top_k", top_k, minimum=0)
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
         seed = _check_int("seed", seed, minimum=0)
         if seed >= 2**64:
-            raise InvalidArgumentError("invalid value for 'seed': must be < 2**64")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) for s in stops):
-            raise InvalidArgumentError("invalid value for 'stop': expected a string or strings")
-        d = self.default_draft if draft is None else _check_choice("draft", draft, _DRAFT_MODES)
-        depth = (
-            self.default_draft_depth if draft_depth is None else self._check_depth(draft_depth)
-        )
-        if len(ids) + n > self.max_context:
+            raise InvalidArgumentError(f"invalid value for 'seed': {seed}; must be < 2**64")
+        if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise InvalidArgumentError(
-                f"prompt ({len(ids)} tokens) plus max_new_tokens ({n}) exceeds the context "
-                f"this model is computed exactly for ({self.max_context} tokens)"
+                f"invalid value for 'stop': {stop!r}; expected a string or a list of strings"
             )
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise InvalidArgumentError("invalid value for 'stop': expected non-empty strings")
+        if stop_token_ids is None:
+            stop_ids = self.eos_token_ids
+        else:
+            if isinstance(stop_token_ids, (str, bytes)) or not isinstance(
+                stop_token_ids, (list, tuple, set, frozenset)
+            ):
+                raise InvalidArgumentError(
+                    f"invalid value for 'stop_token_ids': {stop_token_ids!r}; expected a list "
+                    "of token ids"
+                )
+            stop_ids = [self._check_token("stop_token_ids", t) for t in stop_token_ids]
+        d = self.default_draft if draft is None else _check_choice("draft", draft, _DRAFT_MODES)
+        depth = self.default_draft_depth if draft_depth is None else self._check_depth(draft_depth)
+        if len(ids) >= self.max_context:
+            raise InvalidArgumentError(
+                f"invalid value for 'prompt': {len(ids)} tokens leave no room to generate in "
+                f"the context this model is computed exactly for ({self.max_context} tokens); "
+                "shorten the prompt"
+            )
+        # Generation ends at the context limit like at max_new_tokens (finish_reason "length").
+        n = min(n, self.max_context - len(ids))
         return {
             "ids": ids,
             "max_new_tokens": n,
@@ -330,20 +412,21 @@ class Model:
             "stops": stops,
             "draft": d,
             "draft_depth": depth,
+            "stop_ids": stop_ids,
         }
 
-    def _run(
-        self, p: Mapping[str, Any], on_text: Callable[[str], bool] | None
-    ) -> GenerationResult:
+    def _run(self, p: Mapping[str, Any], on_text: Callable[[str], bool] | None) -> GenerationResult:
         decoder = IncrementalDecoder(self.tokenizer)
         matcher = StopMatcher(p["stops"])
         shown = 0
         stopped_by_string = False
 
+        hidden = set(p["stop_ids"])
+
         def on_tokens(new_ids: list[int]) -> bool:
             nonlocal shown, stopped_by_string
-            decoder.push(new_ids)
-            cut = matcher.check(decoder.text)
+            decoder.push([t for t in new_ids if t not in hidden])
+            cut = matcher.check(decoder.text, shown)
             if cut is not None:
                 stopped_by_string = True
                 if on_text is not None and cut > shown:
@@ -368,12 +451,13 @@ class Model:
                 seed=p["seed"],
                 draft=p["draft"],
                 draft_depth=p["draft_depth"],
+                stop_ids=p["stop_ids"],
                 on_tokens=on_tokens,
             )
         tokens: list[int] = list(raw["tokens"])
         finish = str(raw["finish_reason"])
         if stopped_by_string:
-            text = decoder.text[: matcher.check(decoder.text)]
+            text = decoder.text[:shown]
             finish = "stop"
         else:
             decoder.flush()
@@ -445,8 +529,13 @@ class Model:
 
     # ----------------------------------------------------------------------------- info
     def info(self) -> dict[str, Any]:
-        """Config summary, container formats and sizes, and the memory plan."""
-        return dict(self._engine.info())
+        """Config summary, container formats and byte sizes per tensor role, and the memory
+        plan (see :func:`model_info`)."""
+        info = model_info(self.path, mtp_loaded=self.has_mtp)
+        info["memory"]["ram_budget_bytes"] = self._engine.expert_stats()["budget_bytes"]
+        info["memory"]["io_mode"] = self._engine.expert_stats()["io_mode"]
+        info["max_context"] = self.max_context
+        return info
 
     def __repr__(self) -> str:
         return f"colibri.Model({str(self.path)!r}, mtp={self.has_mtp})"
@@ -467,11 +556,130 @@ def _stats(raw: Mapping[str, Any]) -> GenerationStats:
     fields = {k: raw[k] for k in known if k in raw}
     extra = {k: v for k, v in raw.items() if k not in known}
     defaults: dict[str, Any] = {
-        "prompt_tokens": 0, "generated_tokens": 0, "forwards": 0, "tokens_per_forward": 0.0,
-        "tokens_per_second": 0.0, "prefill_seconds": 0.0, "decode_seconds": 0.0,
-        "drafts_proposed": [], "drafts_accepted": [], "acceptance_rate": 0.0,
-        "draft_seconds": 0.0, "verify_seconds": 0.0, "expert_hits": 0, "expert_misses": 0,
-        "expert_bytes_read": 0, "prefetch_recall": None,
+        "prompt_tokens": 0,
+        "generated_tokens": 0,
+        "forwards": 0,
+        "tokens_per_forward": 0.0,
+        "tokens_per_second": 0.0,
+        "prefill_seconds": 0.0,
+        "decode_seconds": 0.0,
+        "drafts_proposed": [],
+        "drafts_accepted": [],
+        "acceptance_rate": 0.0,
+        "draft_seconds": 0.0,
+        "verify_seconds": 0.0,
+        "expert_hits": 0,
+        "expert_misses": 0,
+        "expert_bytes_read": 0,
+        "prefetch_recall": None,
     }
     defaults.update(fields)
     return GenerationStats(**defaults, extra=extra)
+
+
+#: Roles of the tensors in a container, in the order ``colibri info`` prints them.
+ROLES = (
+    "embed",
+    "lm_head",
+    "attention",
+    "indexer",
+    "norms",
+    "dense_mlp",
+    "router",
+    "shared_experts",
+    "routed_experts",
+    "mtp",
+    "mtp_routed_experts",
+)
+
+
+def tensor_role(name: str, num_hidden_layers: int) -> str:
+    """The role of a tensor (a scale ``NAME.qs`` has its weight's role)."""
+    name = name.removesuffix(".qs")
+    parts = name.split(".")
+    layer = int(parts[2]) if name.startswith("model.layers.") and parts[2].isdigit() else None
+    if layer is not None and layer >= num_hidden_layers:
+        return "mtp_routed_experts" if ".mlp.experts." in name else "mtp"
+    if ".mlp.experts." in name:
+        return "routed_experts"
+    if ".mlp.shared_experts." in name:
+        return "shared_experts"
+    if ".mlp.gate." in name:
+        return "router"
+    if ".self_attn.indexer." in name:
+        return "indexer"
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "dense_mlp"
+    if "embed_tokens" in name:
+        return "embed"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    return "norms"
+
+
+def model_info(path: str | os.PathLike[str], *, mtp_loaded: bool = True) -> dict[str, Any]:
+    """Describe the model directory ``path`` without loading it for compute.
+
+    Returns a dict with ``config`` (family, layers, experts, ...), ``tensors`` (for each
+    role: ``{format: bytes}``, a weight's scales counted with it), and ``memory``:
+    ``dense_bytes`` (resident in RAM: everything but the routed experts, the MTP layer only
+    when ``mtp_loaded``), ``expert_bytes`` (routed experts, streamed from disk),
+    ``kv_bytes_per_token`` (the KV cache: the normed latent and the roped key per layer,
+    float32, plus the MTP layer's when loaded).
+    """
+    c = _core.Container(os.fspath(path))
+    cfg = json.loads((Path(c.dir) / "config.json").read_text(encoding="utf-8"))
+    n_layers = int(cfg["num_hidden_layers"])
+    names = c.names()
+    fmt_of: dict[str, str] = {}
+    for name in names:
+        t = c.info(name)
+        fmt_of[name] = t["format"] or str(t["dtype"]).lower()
+    tensors: dict[str, dict[str, int]] = {}
+    for name in names:
+        t = c.info(name)
+        size = int(t["end"]) - int(t["start"])
+        base = name.removesuffix(".qs")
+        fmt = fmt_of.get(base, fmt_of[name])
+        role = tensor_role(name, n_layers)
+        by_fmt = tensors.setdefault(role, {})
+        by_fmt[fmt] = by_fmt.get(fmt, 0) + size
+    tensors = {r: tensors[r] for r in ROLES if r in tensors}
+    total = {r: sum(v.values()) for r, v in tensors.items()}
+    has_mtp = "mtp" in total
+    expert_roles = ["routed_experts"] + (["mtp_routed_experts"] if mtp_loaded else [])
+    dense_roles = [r for r in total if r not in ("routed_experts", "mtp_routed_experts")]
+    if not mtp_loaded:
+        dense_roles = [r for r in dense_roles if r != "mtp"]
+    kv_layers = n_layers + (1 if has_mtp and mtp_loaded else 0)
+    kv_row = int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
+    summary = {
+        "model_type": cfg.get("model_type"),
+        "hidden_size": cfg.get("hidden_size"),
+        "num_hidden_layers": n_layers,
+        "first_k_dense_replace": cfg.get("first_k_dense_replace"),
+        "vocab_size": cfg.get("vocab_size"),
+        "n_routed_experts": cfg.get("n_routed_experts"),
+        "num_experts_per_tok": cfg.get("num_experts_per_tok"),
+        "n_shared_experts": cfg.get("n_shared_experts"),
+        "moe_intermediate_size": cfg.get("moe_intermediate_size"),
+        "num_attention_heads": cfg.get("num_attention_heads"),
+        "kv_lora_rank": cfg.get("kv_lora_rank"),
+        "q_lora_rank": cfg.get("q_lora_rank"),
+        "max_position_embeddings": cfg.get("max_position_embeddings"),
+        "mtp_layers": int(cfg.get("num_nextn_predict_layers") or 0),
+    }
+    return {
+        "path": str(c.dir),
+        "config": summary,
+        "tensor_count": len(names),
+        "tensors": tensors,
+        "total_bytes": sum(total.values()),
+        "memory": {
+            "dense_bytes": sum(total[r] for r in dense_roles),
+            "expert_bytes": sum(total.get(r, 0) for r in expert_roles),
+            "kv_bytes_per_token": kv_layers * kv_row * 4,
+        },
+    }

@@ -1,0 +1,612 @@
+"""The Python API (``colibri.Model``) end to end on the tiny DeepSeek-V3 fixture with a byte
+tokenizer (see conftest.py): goldens, streaming, stop strings, chat, the hub resolver,
+threads/GIL/Ctrl-C behaviour, bad input, and the ``_core`` stub."""
+
+from __future__ import annotations
+
+import _thread
+import ast
+import json
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import colibri
+import numpy as np
+import pytest
+from colibri import _core
+from colibri._text import IncrementalDecoder, StopMatcher
+from conftest import EMBEDDED_TINY, ROOT, make_test_model
+from tokenizers import Tokenizer
+
+# ----------------------------------------------------------------------------- goldens
+
+
+def test_logits_match_transformers(model: colibri.Model, golden_a: dict[str, np.ndarray]) -> None:
+    ids = [int(t) for t in golden_a["prompt_ids"]]
+    got = model.logits(ids)
+    want = golden_a["logits"]
+    assert isinstance(got, np.ndarray)
+    assert got.dtype == np.float32
+    assert got.shape == want.shape == (len(ids), 256)
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize(
+    ("draft", "depth"), [("off", 1), ("mtp", 2), ("ngram", 3), ("auto", "auto")]
+)
+def test_greedy_matches_transformers(
+    model: colibri.Model, golden_a: dict[str, np.ndarray], draft: str, depth: Any
+) -> None:
+    ids = [int(t) for t in golden_a["prompt_ids"]]
+    out = model.generate(
+        ids,
+        max_new_tokens=32,
+        temperature=0,
+        stop=None,
+        stop_token_ids=[],
+        draft=draft,
+        draft_depth=depth,
+    )
+    assert out.token_ids == [int(t) for t in golden_a["greedy_ids"]]
+    assert out.finish_reason == "length"
+    assert out.text == model.decode(out.token_ids)
+
+
+# ----------------------------------------------------------------------------- results, stats
+
+
+def test_result_and_stats(model: colibri.Model) -> None:
+    out = model.generate(
+        "The quick brown fox",
+        max_new_tokens=40,
+        temperature=0,
+        stop_token_ids=[],
+        draft="mtp",
+        draft_depth=2,
+    )
+    assert isinstance(out, colibri.GenerationResult)
+    assert str(out) == out.text
+    s = out.stats
+    assert s.prompt_tokens == len(model.encode("The quick brown fox"))
+    assert s.generated_tokens == len(out.token_ids) == 40
+    # Prefill is one forward; every decode forward emits at least one token.
+    assert 1 <= s.forwards <= s.generated_tokens
+    assert s.tokens_per_second > 0
+    assert s.prefill_seconds > 0 and s.decode_seconds > 0
+    assert len(s.drafts_proposed) == len(s.drafts_accepted) >= 2
+    assert sum(s.drafts_proposed) > 0
+    assert all(0 <= a <= p for a, p in zip(s.drafts_accepted, s.drafts_proposed, strict=True))
+    # Depth 2 drafting: nothing is ever proposed deeper than 2.
+    assert sum(s.drafts_proposed[2:]) == 0
+    assert 0.0 <= s.acceptance_rate <= 1.0
+    # Routed experts go through the expert store: 2 MoE layers x top-4 per token at least.
+    assert s.expert_hits + s.expert_misses >= 2 * 4 * s.generated_tokens
+    assert (s.expert_bytes_read > 0) == (s.expert_misses > 0)
+    assert s.prefetch_recall is not None and 0.0 <= s.prefetch_recall <= 1.0
+
+
+def test_sampling_is_seeded(model: colibri.Model) -> None:
+    kw: dict[str, Any] = {"max_new_tokens": 24, "temperature": 1.0, "top_p": 0.9, "top_k": 50}
+    a = model.generate("abc", seed=7, stop_token_ids=[], **kw)
+    b = model.generate("abc", seed=7, stop_token_ids=[], **kw)
+    c = model.generate("abc", seed=8, stop_token_ids=[], **kw)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_eos_stops_and_is_not_in_the_text(model: colibri.Model) -> None:
+    # Make the first greedy token the stop token: generation ends after one token.
+    first = model.generate("xyz", max_new_tokens=1, temperature=0, stop_token_ids=[]).token_ids
+    out = model.generate("xyz", max_new_tokens=20, temperature=0, stop_token_ids=first)
+    assert out.token_ids == first
+    assert out.finish_reason == "stop"
+    assert out.text == ""
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def test_stream_concatenation_equals_the_result(model: colibri.Model) -> None:
+    kw: dict[str, Any] = {"max_new_tokens": 120, "temperature": 0, "stop_token_ids": []}
+    full = model.generate("Once upon a time", **kw)
+    chunks = list(model.generate("Once upon a time", stream=True, **kw))
+    assert chunks and all(isinstance(c, str) and c for c in chunks)
+    assert "".join(chunks) == full.text
+    # Random bytes: the held-back incomplete sequences are real in this output.
+    assert len(chunks) < len(full.token_ids)
+
+
+def test_stream_yields_multi_token_bursts(model: colibri.Model) -> None:
+    """With drafts accepted, one verify forward hands several tokens to the callback and
+    the stream yields them as one chunk."""
+    bursts: list[int] = []
+    original = model._run
+
+    def spy(p: Any, on_text: Any) -> Any:
+        def counting(delta: str) -> bool:
+            bursts.append(len(delta))
+            return bool(on_text(delta))
+
+        return original(p, counting)
+
+    ids = list(range(65, 75)) * 6  # a repetitive prompt the n-gram drafter can exploit
+    model._run = spy  # type: ignore[method-assign]
+    try:
+        chunks = list(
+            model.generate(
+                ids,
+                stream=True,
+                max_new_tokens=150,
+                temperature=0,
+                stop_token_ids=[],
+                draft="ngram",
+                draft_depth=4,
+            )
+        )
+    finally:
+        del model._run
+    full = model.generate(
+        ids, max_new_tokens=150, temperature=0, stop_token_ids=[], draft="ngram", draft_depth=4
+    )
+    assert "".join(chunks) == full.text
+    assert sum(full.stats.drafts_accepted) > 0
+    # Fewer forwards than tokens, so some callbacks carried several tokens.
+    assert full.stats.forwards < full.stats.generated_tokens
+    assert len(chunks) <= full.stats.forwards
+
+
+def test_stream_can_be_abandoned(model: colibri.Model) -> None:
+    it = model.generate("abc", stream=True, max_new_tokens=200, stop_token_ids=[])
+    first = next(iter(it))
+    assert first
+    it.close()  # type: ignore[attr-defined]
+    # The model is free again.
+    assert model.generate("abc", max_new_tokens=3, temperature=0).token_ids
+
+
+def byte_tokenizer(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def test_incremental_decoder_splits_multibyte_chars(test_model_dir: Path) -> None:
+    tok = byte_tokenizer(test_model_dir)
+    text = "é€😀 ok ñ"
+    ids = tok.encode(text).ids
+    assert len(ids) == len(text.encode("utf-8"))  # one token per byte
+    dec = IncrementalDecoder(tok)
+    deltas = [dec.push([i]) for i in ids]
+    deltas.append(dec.flush())
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text == dec.text
+    # The 4-byte emoji appears exactly once, whole, on its last byte.
+    assert deltas[len("é€".encode()) + 3] == "😀"
+
+
+def test_incremental_decoder_on_random_bytes(test_model_dir: Path) -> None:
+    tok = byte_tokenizer(test_model_dir)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        ids = [int(i) for i in rng.integers(0, 256, size=40)]
+        dec = IncrementalDecoder(tok)
+        pieces, k = [], 0
+        while k < len(ids):
+            n = int(rng.integers(1, 4))
+            pieces.append(dec.push(ids[k : k + n]))
+            k += n
+        pieces.append(dec.flush())
+        assert "".join(pieces) == tok.decode(ids)
+
+
+# ----------------------------------------------------------------------------- stop strings
+
+
+def test_stop_matcher_holds_back_only_real_prefixes() -> None:
+    m = StopMatcher(["END", "\n\n"])
+    assert m.safe_len("abc") == 3
+    assert m.safe_len("abcE") == 3
+    assert m.safe_len("abcEN") == 3
+    assert m.safe_len("abc\n") == 3
+    assert m.safe_len("abcEX") == 5
+    assert m.check("xxENDyy\n\n") == 2
+    assert m.check("no stop here") is None
+
+
+def _stop_candidate(text: str) -> str:
+    """A two-character stop string from the middle of ``text`` (no U+FFFD)."""
+    for i in range(len(text) // 3, len(text) - 2):
+        s = text[i : i + 2]
+        if "\ufffd" not in s and text.find(s) == i:
+            return s
+    raise AssertionError(f"no stop candidate in {text!r}")
+
+
+def test_stop_strings(model: colibri.Model) -> None:
+    kw: dict[str, Any] = {"max_new_tokens": 80, "temperature": 0, "stop_token_ids": []}
+    full = model.generate("Hello", **kw).text
+    stop = _stop_candidate(full)
+    want = full[: full.index(stop)]
+    out = model.generate("Hello", stop=stop, **kw)
+    assert out.text == want
+    assert out.finish_reason == "stop"
+    # Also as one of several; and in streaming, where the stop string arrives one byte per
+    # token: its first character must never be shown.
+    out2 = model.generate("Hello", stop=["\x00never\x00", stop], **kw)
+    assert out2.text == want
+    chunks = list(model.generate("Hello", stop=[stop], stream=True, **kw))
+    # Joined chunks equal the truncated text: the stop string's first char never leaked.
+    assert "".join(chunks) == want
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+def test_chat_renders_the_template(model: colibri.Model) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi!"},
+    ]
+    eos = json.loads((model.path / "tokenizer_config.json").read_text())["eos_token"]
+    prompt = model.apply_chat_template(messages)
+    assert prompt == f"<|system|>Be brief.{eos}<|user|>Hi!{eos}<|assistant|>"
+    out = model.chat(messages, max_new_tokens=12, temperature=0)
+    ref = model.generate(
+        model.encode(prompt, add_special_tokens=False), max_new_tokens=12, temperature=0
+    )
+    assert out.token_ids == ref.token_ids
+    assert "".join(model.chat(messages, max_new_tokens=12, temperature=0, stream=True)) == out.text
+
+
+def _model_with_template(tmp_path: Path, template: str) -> colibri.Model:
+    d = make_test_model(tmp_path / "m")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return colibri.Model(d, threads=1)
+
+
+def test_chat_template_is_sandboxed(tmp_path: Path) -> None:
+    m = _model_with_template(
+        tmp_path, "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ messages }}"
+    )
+    with pytest.raises(colibri.ColibriError, match="chat template"):
+        m.chat([{"role": "user", "content": "hi"}], max_new_tokens=2)
+
+
+def test_chat_template_raise_exception(tmp_path: Path) -> None:
+    m = _model_with_template(tmp_path, "{{ raise_exception('only user turns please') }}")
+    with pytest.raises(colibri.InvalidArgumentError, match="only user turns please"):
+        m.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_tokenizer_property(model: colibri.Model) -> None:
+    assert isinstance(model.tokenizer, Tokenizer)
+    ids = model.encode("héllo")
+    assert ids == list("héllo".encode())
+    assert model.decode(ids) == "héllo"
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "model"
+    with pytest.raises(colibri.ColibriFileNotFoundError, match="does not exist") as e:
+        colibri.Model(missing)
+    assert str(missing) in str(e.value)
+    assert isinstance(e.value, FileNotFoundError)
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    with pytest.raises(colibri.ModelNotFoundError, match=r"config\.json"):
+        colibri.Model(tmp_path)
+
+
+def test_unsupported_model_type(tmp_path: Path) -> None:
+    d = make_test_model(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(colibri.UnsupportedModelError, match="llama") as e:
+        colibri.Model(d)
+    assert "deepseek_v3" in str(e.value)
+
+
+@pytest.fixture
+def offline_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """HF_HUB_OFFLINE=1, an empty hub cache in tmp, and no sockets at all."""
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"network access attempted: {args!r}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    return cache
+
+
+def test_repo_id_offline_not_cached(offline_hub: Path) -> None:
+    with pytest.raises(colibri.ModelNotFoundError, match="HF_HUB_OFFLINE") as e:
+        colibri.Model("colibri-test/not-cached")
+    assert "colibri-test/not-cached" in str(e.value)
+
+
+def test_repo_id_from_the_local_cache(offline_hub: Path, test_model_dir: Path) -> None:
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = offline_hub / "models--colibri-test--tiny-dsv3"
+    snap = repo / "snapshots" / rev
+    shutil.copytree(test_model_dir, snap)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    m = colibri.Model("colibri-test/tiny-dsv3", threads=1)
+    assert m.path.resolve() == snap.resolve()
+    ref = colibri.Model(test_model_dir, threads=1)
+    kw: dict[str, Any] = {"max_new_tokens": 8, "temperature": 0}
+    assert m.generate("hub", **kw).token_ids == ref.generate("hub", **kw).token_ids
+
+
+@pytest.mark.skipif(
+    not (EMBEDDED_TINY / "config.json").is_file(),
+    reason="the embedded model (python/colibri/models/tiny) is not built yet",
+)
+def test_default_embedded_model() -> None:
+    m = colibri.Model()
+    assert m.path.resolve() == EMBEDDED_TINY.resolve()
+    assert colibri.DEFAULT_MODEL in colibri.embedded_models()
+    out = m.generate("def add(a, b):", max_new_tokens=16, temperature=0)
+    assert out.stats.generated_tokens == len(out.token_ids) > 0
+    assert out.text == m.decode([t for t in out.token_ids if t not in m.eos_token_ids])
+
+
+# ----------------------------------------------------------------------------- behaviour
+
+
+def test_gil_is_released_during_a_forward(model: colibri.Model) -> None:
+    """A counting thread advances during long ``logits`` calls (one native call each, no
+    callbacks): if the GIL were held it would not move at all."""
+    ids = list(range(1, 250))
+    count = 0
+    stop = threading.Event()
+
+    def counter() -> None:
+        nonlocal count
+        while not stop.is_set():
+            count += 1
+
+    t = threading.Thread(target=counter)
+    t.start()
+    try:
+        during = []
+        for _ in range(3):
+            before = count
+            model.logits(ids)
+            during.append(count - before)
+        before = count
+        model.generate("abc", max_new_tokens=200, temperature=0, stop_token_ids=[])
+        gen_count = count - before
+    finally:
+        stop.set()
+        t.join()
+    assert min(during) > 1000, during
+    assert gen_count > 10_000, gen_count
+
+
+def test_keyboard_interrupt_stops_generation_and_model_stays_usable(
+    model: colibri.Model, golden_a: dict[str, np.ndarray]
+) -> None:
+    fired = threading.Event()
+    fired_at = [0.0]
+
+    def interrupt() -> None:
+        fired_at[0] = time.perf_counter()
+        fired.set()
+        _thread.interrupt_main()
+
+    timer = threading.Timer(0.15, interrupt)
+    caught_at = None
+    timer.start()
+    try:
+        # ~240 tokens: several times longer than the timer.
+        model.generate("a", max_new_tokens=250, temperature=0, stop_token_ids=[], draft="off")
+    except KeyboardInterrupt:
+        caught_at = time.perf_counter()
+    finally:
+        timer.cancel()
+    assert fired.is_set(), "generation finished before the interrupt; make it longer"
+    assert caught_at is not None, "KeyboardInterrupt was not raised"
+    assert caught_at - fired_at[0] < 0.5
+    ids = [int(t) for t in golden_a["prompt_ids"]]
+    out = model.generate(ids, max_new_tokens=32, temperature=0, stop_token_ids=[])
+    assert out.token_ids == [int(t) for t in golden_a["greedy_ids"]]
+
+
+def test_concurrent_calls_are_serialised(model: colibri.Model) -> None:
+    kw: dict[str, Any] = {"max_new_tokens": 30, "temperature": 0, "stop_token_ids": []}
+    prompts = ["alpha", "beta", "gamma", "delta"]
+    want = {p: model.generate(p, **kw).token_ids for p in prompts}
+    want_logits = model.logits([5, 6, 7])
+    results: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def work(p: str) -> None:
+        try:
+            for _ in range(2):
+                results[p] = model.generate(p, **kw).token_ids
+                np.testing.assert_array_equal(model.logits([5, 6, 7]), want_logits)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert results == want
+
+
+# ----------------------------------------------------------------------------- bad input
+
+BAD_GENERATE: list[tuple[dict[str, Any], str]] = [
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": -3}, "max_new_tokens"),
+    ({"max_new_tokens": 2.5}, "max_new_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": -0.2}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 2.0}, "top_k"),
+    ({"seed": 1.5}, "seed"),
+    ({"seed": "42"}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"draft": "eagle"}, "draft"),
+    ({"draft": None, "draft_depth": 0}, "draft_depth"),
+    ({"draft_depth": 9}, "draft_depth"),
+    ({"draft_depth": "deep"}, "draft_depth"),
+    ({"stop": 5}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [1000]}, "stop_token_ids"),
+    ({"stop_token_ids": "1"}, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "param"), BAD_GENERATE)
+def test_bad_generate_arguments(model: colibri.Model, kwargs: dict[str, Any], param: str) -> None:
+    with pytest.raises(colibri.InvalidArgumentError, match=param):
+        model.generate("hello", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ("", "empty"),
+        ([], "empty"),
+        ([1, 2, 256], "vocabulary"),
+        ([1, -2], "prompt"),
+        ([1, 2**40], "vocabulary"),
+        ([1, 2.0], "prompt"),
+        (None, "prompt"),
+        (42, "prompt"),
+        ([7] * 256, "context"),
+        ("x" * 300, "context"),
+    ],
+)
+def test_bad_prompts(model: colibri.Model, prompt: Any, match: str) -> None:
+    with pytest.raises(colibri.InvalidArgumentError, match=match):
+        model.generate(prompt, max_new_tokens=4)
+
+
+def test_bad_logits_input(model: colibri.Model) -> None:
+    with pytest.raises(colibri.InvalidArgumentError, match="context"):
+        model.logits([3] * 257)
+    with pytest.raises(colibri.InvalidArgumentError, match="empty"):
+        model.logits([])
+
+
+def test_long_generation_ends_at_the_context(model: colibri.Model) -> None:
+    out = model.generate([5] * 250, max_new_tokens=100, temperature=0, stop_token_ids=[])
+    assert out.finish_reason == "length"
+    assert len(out.token_ids) == model.max_context - 250
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"io": "turbo"}, "io"),
+        ({"prefetch": "maybe"}, "prefetch"),
+        ({"draft": "eagle"}, "draft"),
+        ({"draft_depth": 0}, "draft_depth"),
+        ({"threads": -1}, "threads"),
+        ({"threads": 1.5}, "threads"),
+        ({"ram_budget": "lots"}, "ram_budget"),
+        ({"ram_budget": -5}, "ram_budget"),
+    ],
+)
+def test_bad_model_options(test_model_dir: Path, kwargs: dict[str, Any], param: str) -> None:
+    with pytest.raises(colibri.InvalidArgumentError, match=param):
+        colibri.Model(test_model_dir, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"io": "pread", "prefetch": "off"},
+        {"io": "mmap", "prefetch": "real", "ram_budget": "200KB"},
+        {"mtp": False, "draft": "ngram", "draft_depth": 3},
+    ],
+)
+def test_model_options_keep_the_output(
+    test_model_dir: Path, model: colibri.Model, kwargs: dict[str, Any]
+) -> None:
+    m = colibri.Model(test_model_dir, threads=1, **kwargs)
+    if kwargs.get("mtp") is False:
+        assert not m.has_mtp
+    kw: dict[str, Any] = {"max_new_tokens": 20, "temperature": 0, "stop_token_ids": []}
+    assert m.generate("opts", **kw).token_ids == model.generate("opts", **kw).token_ids
+
+
+def test_info(model: colibri.Model) -> None:
+    info = model.info()
+    cfg = json.loads((model.path / "config.json").read_text())
+    assert info["config"]["model_type"] == "deepseek_v3"
+    assert info["config"]["num_hidden_layers"] == cfg["num_hidden_layers"]
+    size = (model.path / "model.safetensors").stat().st_size
+    # Every tensor byte is counted once; the rest of the file is the header.
+    assert 0 < size - info["total_bytes"] < 64 * 1024
+    # The fixture is F32: each routed expert matrix is moe_inter x hidden floats.
+    routed = info["tensors"]["routed_experts"]
+    n_moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    per_expert = 3 * cfg["moe_intermediate_size"] * cfg["hidden_size"] * 4
+    assert routed == {"f32": n_moe * cfg["n_routed_experts"] * per_expert}
+    mem = info["memory"]
+    mtp_experts = cfg["n_routed_experts"] * per_expert
+    assert mem["expert_bytes"] == routed["f32"] + mtp_experts
+    assert mem["dense_bytes"] + mem["expert_bytes"] == info["total_bytes"]
+    kv_row = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    assert mem["kv_bytes_per_token"] == (cfg["num_hidden_layers"] + 1) * kv_row
+
+
+# ----------------------------------------------------------------------------- the stub
+
+
+def _stub_names() -> tuple[set[str], dict[str, set[str]]]:
+    tree = ast.parse((ROOT / "python" / "colibri" / "_core.pyi").read_text())
+    names: set[str] = set()
+    classes: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        if isinstance(node, ast.ClassDef):
+            classes[node.name] = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+    return names, classes
+
+
+def test_core_stub_matches_the_binary() -> None:
+    stub, classes = _stub_names()
+    runtime = {n for n in dir(_core) if not (n.startswith("__") and n.endswith("__"))}
+    runtime.add("__version__")
+    stub_public = {n for n in stub if not (n.startswith("__") and n != "__version__")}
+    assert runtime == stub_public
+    for cls_name, members in classes.items():
+        cls = getattr(_core, cls_name)
+        real = {n for n in vars(cls) if not n.startswith("_")}
+        real |= {n for n in ("__len__", "__contains__") if n in vars(cls)}
+        stubbed = {n for n in members if not n.startswith("_")}
+        stubbed |= {n for n in ("__len__", "__contains__") if n in members}
+        assert real == stubbed, cls_name

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import platform
 import re
-import tomllib
 from pathlib import Path
 
-import pytest
-
 import colibri
+import pytest
+import tomllib
 from colibri import _core
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from colibri import __version__, build_info
 
@@ -28,33 +29,35 @@ def _size(text: str) -> int:
         "ti": 2**40,
     }
     t = text.strip().lower().removesuffix("b")
-    for suffix in sorted(units, key=len, reverse=True):
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * units[suffix])
-    return int(t)
+    try:
+        for suffix in sorted(units, key=len, reverse=True):
+            if t.endswith(suffix):
+                return int(float(t[: -len(suffix)]) * units[suffix])
+        return int(t)
+    except ValueError:
+        from colibri.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            f"invalid size {text!r}; use bytes or a unit, e.g. 4GiB or 500MB"
+        ) from None
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from colibri.convert import convert
-    from colibri.errors import ColibriError
 
-    try:
-        report = convert(
-            args.src,
-            args.dst,
-            expert_bits=args.expert_bits,
-            group_size=args.group_size,
-            dense_bits=args.dense_bits,
-            mtp_bits=args.mtp_bits,
-            embed_bits=args.embed_bits,
-            lm_head_bits=args.lm_head_bits,
-            indexer_bits=args.indexer_bits,
-            max_shard_size=_size(args.max_shard_size),
-            progress=not args.quiet,
-        )
-    except ColibriError as e:
-        print(f"colibri convert: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    report = convert(
+        args.src,
+        args.dst,
+        expert_bits=args.expert_bits,
+        group_size=args.group_size,
+        dense_bits=args.dense_bits,
+        mtp_bits=args.mtp_bits,
+        embed_bits=args.embed_bits,
+        lm_head_bits=args.lm_head_bits,
+        indexer_bits=args.indexer_bits,
+        max_shard_size=_size(args.max_shard_size),
+        progress=not args.quiet,
+    )
     formats = ", ".join(f"{k}: {v}" for k, v in sorted(report.formats.items()))
     print(
         f"wrote {report.shards_written} shard(s), skipped {report.shards_skipped} already "
@@ -98,6 +101,335 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.set_defaults(func=_cmd_convert)
 
 
+# ----------------------------------------------------------------------------- model commands
+
+
+def _human(n: float) -> str:
+    """Bytes for people: ``1.5 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help="model directory, Hugging Face repo id (owner/name), or embedded model name "
+        "(default: the embedded model)",
+    )
+    g.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    g.add_argument("--threads", type=int, default=0, help="compute threads, 0 = all cores")
+    g.add_argument(
+        "--io",
+        default="auto",
+        choices=["auto", "mmap", "pread", "direct"],
+        help="how experts are read from disk (default auto)",
+    )
+    g.add_argument(
+        "--prefetch",
+        default="auto",
+        choices=["auto", "off", "hint", "real"],
+        help="router-lookahead prefetch of experts (default auto)",
+    )
+    g.add_argument(
+        "--ram-budget",
+        default=None,
+        help="bytes the expert cache may hold, e.g. 8GB (default: from available memory)",
+    )
+    g.add_argument("--no-mtp", action="store_true", help="do not load the MTP head")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser, *, max_new_tokens: int = 128) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument(
+        "-n",
+        "--max-new-tokens",
+        type=int,
+        default=max_new_tokens,
+        help=f"at most this many new tokens (default {max_new_tokens})",
+    )
+    g.add_argument(
+        "-t",
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: generation_config.json, greedy if it does not sample)",
+    )
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument(
+        "--stop", action="append", default=None, help="stop string (repeatable)", metavar="TEXT"
+    )
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS tokens")
+    g.add_argument(
+        "--draft",
+        default="auto",
+        choices=["auto", "mtp", "ngram", "off"],
+        help="speculative drafter (default auto: MTP when the model has it)",
+    )
+    g.add_argument(
+        "--draft-depth", default="auto", help="draft tokens per step, 1-8 or auto (default auto)"
+    )
+
+
+def _depth(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        from colibri.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            f"invalid value for 'draft_depth': {text!r}; expected 1-8 or 'auto'"
+        ) from None
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from colibri.model import Model
+
+    return Model(
+        args.model,
+        revision=args.revision,
+        ram_budget=args.ram_budget,
+        io=args.io,
+        prefetch=args.prefetch,
+        draft=getattr(args, "draft", "auto"),
+        draft_depth=_depth(getattr(args, "draft_depth", "auto")),
+        threads=args.threads,
+        mtp=not args.no_mtp,
+    )
+
+
+def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop,
+        "draft": args.draft,
+        "draft_depth": _depth(args.draft_depth),
+        "stop_token_ids": [] if args.ignore_eos else None,
+    }
+
+
+def _stats_line(s: Any) -> str:
+    acc = sum(s.drafts_accepted)
+    prop = sum(s.drafts_proposed)
+    recall = "-" if s.prefetch_recall is None else f"{s.prefetch_recall:.0%}"
+    return (
+        f"{s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s, {s.forwards} forwards "
+        f"({s.tokens_per_forward:.2f} tok/fwd), drafts {acc}/{prop} accepted, experts "
+        f"{s.expert_hits} hits / {s.expert_misses} misses / {_human(s.expert_bytes_read)} "
+        f"read, prefetch recall {recall}"
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    m = _load(args)
+    kwargs = _gen_kwargs(args)
+    stream = sys.stdout.isatty() if args.stream is None else args.stream
+    if args.json:
+        out = m.generate(prompt, **kwargs)
+        print(json.dumps(_result_json(out), indent=2, ensure_ascii=False))
+        return 0
+    if stream:
+        for chunk in m.generate(prompt, stream=True, **kwargs):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+    out = m.generate(prompt, **kwargs)
+    print(out.text)
+    if args.verbose:
+        print(_stats_line(out.stats), file=sys.stderr)
+    return 0
+
+
+def _result_json(out: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "stats": asdict(out.stats),
+    }
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    m = _load(args)
+    kwargs = _gen_kwargs(args)
+    tty = sys.stdin.isatty()
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[dict[str, str]] = list(system)
+    if tty:
+        print("colibri chat: /reset clears the conversation, /exit (or Ctrl-D) quits.")
+    while True:
+        if tty:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        if text.strip() == "/exit":
+            break
+        if text.strip() == "/reset":
+            messages = list(system)
+            print("(conversation cleared)")
+            continue
+        messages.append({"role": "user", "content": text})
+        reply: list[str] = []
+        try:
+            for chunk in m.chat(messages, stream=True, **kwargs):
+                reply.append(chunk)
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            sys.stdout.write(" [interrupted]")
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from colibri._hub import resolve_model_dir
+    from colibri.model import model_info
+
+    path = resolve_model_dir(args.model, revision=args.revision)
+    info = model_info(path, mtp_loaded=not args.no_mtp)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"model: {info['path']}")
+    print("config:")
+    for k, v in info["config"].items():
+        print(f"  {k}: {v}")
+    print(f"tensors: {info['tensor_count']} ({_human(info['total_bytes'])})")
+    for role, by_fmt in info["tensors"].items():
+        fmts = ", ".join(f"{f} {_human(b)}" for f, b in sorted(by_fmt.items()))
+        print(f"  {role}: {fmts}")
+    mem = info["memory"]
+    print("memory plan:")
+    print(f"  dense weights resident in RAM: {_human(mem['dense_bytes'])}")
+    print(f"  routed experts streamed from disk: {_human(mem['expert_bytes'])}")
+    print(f"  KV cache per token: {_human(mem['kv_bytes_per_token'])}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    m = _load(args)
+    modes = args.compare or ["off", m.default_draft]
+    modes = list(dict.fromkeys(modes))
+    report: dict[str, Any] = {"model": str(m.path), "runs": args.runs, "modes": {}}
+    for mode in modes:
+        runs = []
+        for i in range(args.runs + args.warmup):
+            kw = _gen_kwargs(args)
+            kw["draft"] = mode
+            out = m.generate(args.prompt, **kw)
+            if i >= args.warmup:
+                runs.append(out.stats)
+        tps = sorted(s.tokens_per_second for s in runs)
+        med = tps[len(tps) // 2]
+        proposed = sum(sum(s.drafts_proposed) for s in runs)
+        accepted = sum(sum(s.drafts_accepted) for s in runs)
+        row = {
+            "tokens_per_second_median": med,
+            "tokens_per_second": tps,
+            "generated_tokens": sum(s.generated_tokens for s in runs),
+            "forwards": sum(s.forwards for s in runs),
+            "tokens_per_forward": sum(s.tokens_per_forward for s in runs) / len(runs),
+            "drafts_proposed": proposed,
+            "drafts_accepted": accepted,
+            "expert_hits": sum(s.expert_hits for s in runs),
+            "expert_misses": sum(s.expert_misses for s in runs),
+            "expert_bytes_read": sum(s.expert_bytes_read for s in runs),
+        }
+        report["modes"][mode] = row
+        if not args.json:
+            print(
+                f"draft={mode:<6} {med:8.1f} tok/s (median of {len(runs)}), "
+                f"{row['tokens_per_forward']:.2f} tok/fwd, drafts {accepted}/{proposed}, "
+                f"experts {row['expert_hits']} hits / {row['expert_misses']} misses"
+            )
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+def _add_model_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("generate", help="continue a prompt", description="Continue a prompt.")
+    p.add_argument("prompt", nargs="?", help="the prompt; '-' or absent reads stdin")
+    _add_model_options(p)
+    _add_sampling_options(p)
+    p.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="print text as it is generated (default: on when stdout is a terminal)",
+    )
+    p.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="print stats to stderr")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser(
+        "chat",
+        help="interactive chat (reads lines from stdin)",
+        description="Chat with the model using its chat template. Each stdin line is a user "
+        "turn; /reset clears the conversation, /exit quits.",
+    )
+    _add_model_options(p)
+    _add_sampling_options(p, max_new_tokens=256)
+    p.add_argument("--system", default=None, help="a system message")
+    p.set_defaults(func=_cmd_chat)
+
+    p = sub.add_parser(
+        "info",
+        help="config summary, tensor formats and sizes, memory plan",
+        description="Describe a model: config, bytes per tensor role and format, and the "
+        "memory plan (dense weights in RAM, experts on disk, KV cache per token).",
+    )
+    _add_model_options(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser(
+        "bench",
+        help="tokens/s and stats over several runs, draft on vs off",
+        description="Generate from a prompt several times per draft mode and report the "
+        "median tokens/s and the speculation and expert-store stats.",
+    )
+    _add_model_options(p)
+    _add_sampling_options(p, max_new_tokens=64)
+    p.add_argument("--prompt", default="The capital of France is", help="the prompt")
+    p.add_argument("--runs", type=int, default=3, help="measured runs per mode (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured runs first (default 1)")
+    p.add_argument(
+        "--compare",
+        action="append",
+        choices=["auto", "mtp", "ngram", "off"],
+        help="draft modes to compare (repeatable; default: off and --draft)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="colibri",
@@ -107,18 +439,33 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("version", help="print version, CPU features and build facts")
     p.set_defaults(func=_cmd_version)
+    _add_model_commands(sub)
     _add_convert(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``colibri`` console script."""
+    """Entry point of the ``colibri`` console script.
+
+    A :class:`colibri.ColibriError` prints ``error: <message>`` to stderr and returns 1;
+    Ctrl-C returns 130.
+    """
+    from colibri.errors import ColibriError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ColibriError as e:
+        sys.stdout.flush()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import json
 import shutil
 import socket
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -398,30 +397,61 @@ def test_gil_is_released_during_a_forward(model: colibri.Model) -> None:
     assert gen_count > 10_000, gen_count
 
 
+class _EngineSpy:
+    """Wraps ``_core.Engine`` to watch the per-forward callbacks of ``generate``."""
+
+    def __init__(self, engine: Any, after: int, started: threading.Event) -> None:
+        self._engine = engine
+        self._after = after
+        self._started = started
+        self.fired = threading.Event()
+        self.calls_after_fire = 0
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def generate(self, ids: list[int], *, on_tokens: Any, **kw: Any) -> Any:
+        def wrapped(toks: list[int]) -> bool:
+            self.calls += 1
+            if self.fired.is_set():
+                self.calls_after_fire += 1
+            if self.calls == self._after:
+                self._started.set()
+            return bool(on_tokens(toks))
+
+        return self._engine.generate(ids, on_tokens=wrapped, **kw)
+
+
 def test_keyboard_interrupt_stops_generation_and_model_stays_usable(
     model: colibri.Model, golden_a: dict[str, np.ndarray]
 ) -> None:
-    fired = threading.Event()
-    fired_at = [0.0]
+    """Ctrl-C (``interrupt_main``) arrives once generation is 5 forwards in; the engine
+    must stop within one more forward, raise KeyboardInterrupt, and stay usable."""
+    started = threading.Event()
+    spy = _EngineSpy(model._engine, 5, started)
 
     def interrupt() -> None:
-        fired_at[0] = time.perf_counter()
-        fired.set()
-        _thread.interrupt_main()
+        if started.wait(10):
+            spy.fired.set()
+            _thread.interrupt_main()
 
-    timer = threading.Timer(0.15, interrupt)
-    caught_at = None
+    real_engine = model._engine
+    model._engine = spy
+    timer = threading.Thread(target=interrupt)
     timer.start()
+    raised = False
     try:
-        # ~240 tokens: several times longer than the timer.
         model.generate("a", max_new_tokens=250, temperature=0, stop_token_ids=[], draft="off")
     except KeyboardInterrupt:
-        caught_at = time.perf_counter()
+        raised = True
     finally:
-        timer.cancel()
-    assert fired.is_set(), "generation finished before the interrupt; make it longer"
-    assert caught_at is not None, "KeyboardInterrupt was not raised"
-    assert caught_at - fired_at[0] < 0.5
+        model._engine = real_engine
+        timer.join()
+    assert spy.fired.is_set()
+    assert raised, "KeyboardInterrupt was not raised"
+    assert spy.calls < 200, "generation ran to the end"
+    assert spy.calls_after_fire <= 1, spy.calls_after_fire
     ids = [int(t) for t in golden_a["prompt_ids"]]
     out = model.generate(ids, max_new_tokens=32, temperature=0, stop_token_ids=[])
     assert out.token_ids == [int(t) for t in golden_a["greedy_ids"]]

@@ -125,12 +125,12 @@ def test_stream_yields_multi_token_bursts(model: colibri.Model) -> None:
     bursts: list[int] = []
     original = model._run
 
-    def spy(p: Any, on_text: Any) -> Any:
+    def spy(p: Any, on_text: Any, cancel: Any = None) -> Any:
         def counting(delta: str) -> bool:
             bursts.append(len(delta))
             return bool(on_text(delta))
 
-        return original(p, counting)
+        return original(p, counting, cancel)
 
     ids = list(range(65, 75)) * 6  # a repetitive prompt the n-gram drafter can exploit
     model._run = spy  # type: ignore[method-assign]
@@ -158,13 +158,44 @@ def test_stream_yields_multi_token_bursts(model: colibri.Model) -> None:
     assert len(chunks) <= full.stats.forwards
 
 
+def test_stream_result_after_exhaustion(model: colibri.Model) -> None:
+    kw: dict[str, Any] = {"max_new_tokens": 50, "temperature": 0, "draft": "mtp"}
+    full = model.generate("stream result", **kw)
+    stream = model.generate("stream result", stream=True, **kw)
+    assert isinstance(stream, colibri.model.GenerationStream)
+    assert stream.result is None
+    text = "".join(stream)
+    assert stream.result is not None
+    assert stream.result.text == text == full.text
+    assert stream.result.token_ids == full.token_ids
+    assert stream.result.finish_reason == full.finish_reason
+    assert stream.result.stats.generated_tokens == full.stats.generated_tokens
+    assert list(stream) == []  # exhausted stays exhausted
+
+
 def test_stream_can_be_abandoned(model: colibri.Model) -> None:
-    it = model.generate("abc", stream=True, max_new_tokens=200, stop_token_ids=[])
-    first = next(iter(it))
-    assert first
-    it.close()  # type: ignore[attr-defined]
+    with model.generate("abc", stream=True, max_new_tokens=200, stop_token_ids=[]) as it:
+        first = next(it)
+        assert first
+    # Closing stopped the engine early and left the partial result.
+    assert it.result is not None
+    assert it.result.finish_reason == "cancelled"
+    assert len(it.result.token_ids) < 200
+    assert it.result.text.startswith(first)
     # The model is free again.
     assert model.generate("abc", max_new_tokens=3, temperature=0).token_ids
+
+
+def test_stream_errors_reach_the_consumer(model: colibri.Model) -> None:
+    def boom(p: Any, on_text: Any, cancel: Any = None) -> Any:
+        raise colibri.InternalError("boom")
+
+    model._run = boom  # type: ignore[method-assign]
+    try:
+        with pytest.raises(colibri.InternalError, match="boom"):
+            list(model.generate("abc", stream=True, max_new_tokens=4))
+    finally:
+        del model._run
 
 
 def byte_tokenizer(model_dir: Path) -> Tokenizer:

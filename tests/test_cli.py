@@ -69,8 +69,10 @@ def test_generate_stream_and_stdin(
     base = ["-m", str(test_model_dir), "-n", "40", "-t", "0", "--ignore-eos"]
     want = model.generate("Tell me", max_new_tokens=40, temperature=0, stop_token_ids=[]).text
     capsys.readouterr()
-    assert main(["generate", "Tell me", *base, "--stream"]) == 0
-    assert capsys.readouterr().out == want + "\n"
+    assert main(["generate", "Tell me", *base, "--stream", "-v"]) == 0
+    out = capsys.readouterr()
+    assert out.out == want + "\n"
+    assert out.err.startswith("40 tokens, ") and "tok/s" in out.err and "forwards" in out.err
     assert main(["generate", "Tell me", *base, "--no-stream"]) == 0
     assert capsys.readouterr().out == want + "\n"
     monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me"))

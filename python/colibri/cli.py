@@ -245,14 +245,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(_result_json(out), indent=2, ensure_ascii=False))
         return 0
     if stream:
-        for chunk in m.generate(prompt, stream=True, **kwargs):
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
+        chunks = m.generate(prompt, stream=True, **kwargs)
+        with chunks:
+            for chunk in chunks:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
         sys.stdout.write("\n")
-        return 0
-    out = m.generate(prompt, **kwargs)
-    print(out.text)
-    if args.verbose:
+        out = chunks.result
+    else:
+        out = m.generate(prompt, **kwargs)
+        print(out.text)
+    if args.verbose and out is not None:
         print(_stats_line(out.stats), file=sys.stderr)
     return 0
 
@@ -295,10 +298,11 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": text})
         reply: list[str] = []
         try:
-            for chunk in m.chat(messages, stream=True, **kwargs):
-                reply.append(chunk)
-                sys.stdout.write(chunk)
-                sys.stdout.flush()
+            with m.chat(messages, stream=True, **kwargs) as chunks:
+                for chunk in chunks:
+                    reply.append(chunk)
+                    sys.stdout.write(chunk)
+                    sys.stdout.flush()
         except KeyboardInterrupt:
             sys.stdout.write(" [interrupted]")
         sys.stdout.write("\n")

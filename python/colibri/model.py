@@ -122,6 +122,103 @@ def _parse_bytes(name: str, value: int | str | None) -> int | None:
     return _check_int(name, value, minimum=0)
 
 
+class _Finished:
+    def __init__(self, result: GenerationResult | None, error: BaseException | None) -> None:
+        self.result = result
+        self.error = error
+
+
+class GenerationStream(Iterator[str]):
+    """The text of a generation, chunk by chunk, as the engine accepts tokens.
+
+    Iterate it for ``str`` chunks (several tokens' worth when drafts are accepted; never a
+    partial UTF-8 character or a possible start of a stop string). Once exhausted,
+    :attr:`result` holds the :class:`GenerationResult` (text, token ids, stats). Generation
+    starts at the first ``next()`` and runs on a worker thread; :meth:`close` (or leaving a
+    ``with`` block, or Ctrl-C while waiting) stops it within one forward, and :attr:`result`
+    then describes the partial generation (``finish_reason == "cancelled"``).
+    """
+
+    def __init__(
+        self, run: Callable[[Callable[[str], bool], threading.Event], GenerationResult]
+    ) -> None:
+        self._run = run
+        self._queue: queue.Queue[str | _Finished] = queue.Queue()
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._finished = False
+        #: The complete result, set when the stream is exhausted or closed.
+        self.result: GenerationResult | None = None
+
+    def _start(self) -> None:
+        def on_text(delta: str) -> bool:
+            self._queue.put(delta)
+            return not self._cancel.is_set()
+
+        def worker() -> None:
+            try:
+                self._queue.put(_Finished(self._run(on_text, self._cancel), None))
+            except BaseException as e:  # handed to the consumer
+                self._queue.put(_Finished(None, e))
+
+        self._thread = threading.Thread(target=worker, name="colibri-generate", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> str:
+        if self._finished:
+            raise StopIteration
+        if self._thread is None:
+            self._start()
+        while True:
+            try:
+                item = self._queue.get()
+            except BaseException:  # KeyboardInterrupt while waiting: stop the engine too
+                self.close()
+                raise
+            if isinstance(item, str):
+                if item:
+                    return item
+                continue
+            self._finish(item)
+            raise StopIteration
+
+    def _finish(self, item: _Finished) -> None:
+        self._finished = True
+        if self._thread is not None:
+            self._thread.join()
+        if item.error is not None:
+            raise item.error
+        self.result = item.result
+
+    def close(self) -> None:
+        """Stop the generation (within one forward) and wait for the engine to be free."""
+        if self._finished:
+            return
+        self._cancel.set()
+        if self._thread is None:
+            self._finished = True
+            return
+        while True:
+            item = self._queue.get()
+            if isinstance(item, _Finished):
+                if isinstance(item.error, Exception):
+                    item.error = None  # the consumer asked to stop; errors after it are moot
+                self._finish(item)
+                return
+
+    def __enter__(self) -> GenerationStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self._cancel.set()
+
+
 class Model:
     """A Mixture-of-Experts language model run by colibri.
 
@@ -282,7 +379,7 @@ class Model:
     @overload
     def generate(
         self, prompt: str | Sequence[int], *, stream: Literal[True], **kwargs: Any
-    ) -> Iterator[str]: ...
+    ) -> GenerationStream: ...
 
     def generate(
         self,
@@ -298,7 +395,7 @@ class Model:
         draft_depth: int | Literal["auto"] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         stream: bool = False,
-    ) -> GenerationResult | Iterator[str]:
+    ) -> GenerationResult | GenerationStream:
         """Continue ``prompt`` (text or token ids).
 
         Args:
@@ -314,10 +411,11 @@ class Model:
             stop_token_ids: token ids that end the generation; ``None`` uses the model's
                 EOS ids, ``[]`` never stops on a token (only ``max_new_tokens`` and ``stop``).
                 The stopping token is kept in ``token_ids`` but not in ``text``.
-            stream: if true, return an iterator of text chunks as tokens are accepted.
+            stream: if true, return a :class:`GenerationStream`: an iterator of text chunks
+                yielded as tokens are accepted, whose ``result`` is set once it is exhausted.
 
         Returns:
-            A :class:`GenerationResult`, or with ``stream=True`` an iterator of strings.
+            A :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`.
         """
         params = self._params(
             prompt,
@@ -332,7 +430,7 @@ class Model:
             stop_token_ids,
         )
         if stream:
-            return self._stream(params)
+            return GenerationStream(lambda on_text, cancel: self._run(params, on_text, cancel))
         return self._run(params, on_text=None)
 
     def _params(
@@ -415,7 +513,12 @@ class Model:
             "stop_ids": stop_ids,
         }
 
-    def _run(self, p: Mapping[str, Any], on_text: Callable[[str], bool] | None) -> GenerationResult:
+    def _run(
+        self,
+        p: Mapping[str, Any],
+        on_text: Callable[[str], bool] | None,
+        cancel: threading.Event | None = None,
+    ) -> GenerationResult:
         decoder = IncrementalDecoder(self.tokenizer)
         matcher = StopMatcher(p["stops"])
         shown = 0
@@ -425,6 +528,8 @@ class Model:
 
         def on_tokens(new_ids: list[int]) -> bool:
             nonlocal shown, stopped_by_string
+            if cancel is not None and cancel.is_set():
+                return False
             decoder.push([t for t in new_ids if t not in hidden])
             cut = matcher.check(decoder.text, shown)
             if cut is not None:
@@ -471,39 +576,6 @@ class Model:
             stats=_stats(raw["stats"]),
         )
 
-    def _stream(self, p: Mapping[str, Any]) -> Iterator[str]:
-        chunks: queue.Queue[object] = queue.Queue()
-        cancelled = threading.Event()
-        done = object()
-
-        def on_text(delta: str) -> bool:
-            chunks.put(delta)
-            return not cancelled.is_set()
-
-        def worker() -> None:
-            try:
-                self._run(p, on_text)
-            except BaseException as e:  # forwarded to the consumer
-                chunks.put(e)
-            finally:
-                chunks.put(done)
-
-        thread = threading.Thread(target=worker, name="colibri-generate", daemon=True)
-        thread.start()
-        try:
-            while True:
-                item = chunks.get()
-                if item is done:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                assert isinstance(item, str)
-                if item:
-                    yield item
-        finally:
-            cancelled.set()
-            thread.join()
-
     # ----------------------------------------------------------------------------- chat
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
@@ -516,7 +588,7 @@ class Model:
 
     def chat(
         self, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, **kwargs: Any
-    ) -> GenerationResult | Iterator[str]:
+    ) -> GenerationResult | GenerationStream:
         """Generate the assistant's reply to ``messages`` (``[{"role": ..., "content": ...}]``).
 
         Accepts the keyword arguments of :meth:`generate`.

@@ -4,10 +4,10 @@ threads/GIL/Ctrl-C behaviour, bad input, and the ``_core`` stub."""
 
 from __future__ import annotations
 
-import _thread
 import ast
 import json
 import shutil
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -428,6 +428,11 @@ def test_gil_is_released_during_a_forward(model: colibri.Model) -> None:
     assert gen_count > 10_000, gen_count
 
 
+def ctrl_c() -> None:
+    """What Ctrl-C does: SIGINT to the main thread (interrupting a blocking wait there)."""
+    signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+
 class _EngineSpy:
     """Wraps ``_core.Engine`` to watch the per-forward callbacks of ``generate``."""
 
@@ -457,7 +462,7 @@ class _EngineSpy:
 def test_keyboard_interrupt_stops_generation_and_model_stays_usable(
     model: colibri.Model, golden_a: dict[str, np.ndarray]
 ) -> None:
-    """Ctrl-C (``interrupt_main``) arrives once generation is 5 forwards in; the engine
+    """Ctrl-C (SIGINT) arrives once generation is 5 forwards in; the engine
     must stop within one more forward, raise KeyboardInterrupt, and stay usable."""
     started = threading.Event()
     spy = _EngineSpy(model._engine, 5, started)
@@ -465,7 +470,7 @@ def test_keyboard_interrupt_stops_generation_and_model_stays_usable(
     def interrupt() -> None:
         if started.wait(10):
             spy.fired.set()
-            _thread.interrupt_main()
+            ctrl_c()
 
     real_engine = model._engine
     model._engine = spy
@@ -486,6 +491,39 @@ def test_keyboard_interrupt_stops_generation_and_model_stays_usable(
     ids = [int(t) for t in golden_a["prompt_ids"]]
     out = model.generate(ids, max_new_tokens=32, temperature=0, stop_token_ids=[])
     assert out.token_ids == [int(t) for t in golden_a["greedy_ids"]]
+
+
+def test_keyboard_interrupt_while_streaming(model: colibri.Model) -> None:
+    """Ctrl-C reaches the consumer (main thread) while the engine runs on the worker; the
+    stream stops the engine within one forward and keeps the partial result."""
+    started = threading.Event()
+    spy = _EngineSpy(model._engine, 5, started)
+
+    def interrupt() -> None:
+        if started.wait(10):
+            spy.fired.set()
+            ctrl_c()
+
+    real_engine = model._engine
+    model._engine = spy
+    timer = threading.Thread(target=interrupt)
+    timer.start()
+    stream = model.generate("a", max_new_tokens=250, stream=True, stop_token_ids=[], draft="off")
+    raised = False
+    try:
+        with stream:
+            for _ in stream:
+                pass
+    except KeyboardInterrupt:
+        raised = True
+    finally:
+        model._engine = real_engine
+        timer.join()
+    assert raised
+    assert stream.result is not None and stream.result.finish_reason == "cancelled"
+    assert spy.calls_after_fire <= 2, spy.calls_after_fire
+    assert len(stream.result.token_ids) < 200
+    assert model.generate("a", max_new_tokens=4, temperature=0).token_ids
 
 
 def test_concurrent_calls_are_serialised(model: colibri.Model) -> None:

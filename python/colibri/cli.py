@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from colibri import __version__, build_info
 
@@ -178,7 +178,7 @@ def _add_sampling_options(p: argparse.ArgumentParser, *, max_new_tokens: int = 1
     )
 
 
-def _depth(text: str) -> int | str:
+def _depth(text: str) -> int | Literal["auto"]:
     if text == "auto":
         return "auto"
     try:

@@ -373,12 +373,36 @@ class Model:
     # ----------------------------------------------------------------------------- generate
     @overload
     def generate(
-        self, prompt: str | Sequence[int], *, stream: Literal[False] = False, **kwargs: Any
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int = ...,
+        temperature: float | None = ...,
+        top_k: int | None = ...,
+        top_p: float | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        draft: DraftMode | None = ...,
+        draft_depth: int | Literal["auto"] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        stream: Literal[False] = False,
     ) -> GenerationResult: ...
 
     @overload
     def generate(
-        self, prompt: str | Sequence[int], *, stream: Literal[True], **kwargs: Any
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int = ...,
+        temperature: float | None = ...,
+        top_k: int | None = ...,
+        top_p: float | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        draft: DraftMode | None = ...,
+        draft_depth: int | Literal["auto"] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        stream: Literal[True],
     ) -> GenerationStream: ...
 
     def generate(
@@ -547,7 +571,7 @@ class Model:
             return True
 
         with self._lock:
-            raw = self._engine.generate(
+            raw: dict[str, Any] = self._engine.generate(
                 p["ids"],
                 max_new_tokens=p["max_new_tokens"],
                 temperature=p["temperature"],
@@ -596,8 +620,10 @@ class Model:
         prompt = self.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.encode(prompt, add_special_tokens=False)
         if stream:
-            return self.generate(ids, stream=True, **kwargs)
-        return self.generate(ids, **kwargs)
+            chunks: GenerationStream = self.generate(ids, stream=True, **kwargs)
+            return chunks
+        result: GenerationResult = self.generate(ids, **kwargs)
+        return result
 
     # ----------------------------------------------------------------------------- info
     def info(self) -> dict[str, Any]:
@@ -706,12 +732,11 @@ def model_info(path: str | os.PathLike[str], *, mtp_loaded: bool = True) -> dict
     n_layers = int(cfg["num_hidden_layers"])
     names = c.names()
     fmt_of: dict[str, str] = {}
-    for name in names:
-        t = c.info(name)
-        fmt_of[name] = t["format"] or str(t["dtype"]).lower()
+    infos: dict[str, dict[str, Any]] = {name: c.info(name) for name in names}
+    for name, t in infos.items():
+        fmt_of[name] = str(t["format"] or t["dtype"]).lower()
     tensors: dict[str, dict[str, int]] = {}
-    for name in names:
-        t = c.info(name)
+    for name, t in infos.items():
         size = int(t["end"]) - int(t["start"])
         base = name.removesuffix(".qs")
         fmt = fmt_of.get(base, fmt_of[name])

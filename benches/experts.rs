@@ -156,6 +156,70 @@ fn cold_loads(c: &mut Criterion) {
         })
     });
 
+    // Interleaved table (only for an explicit container): raw and random iterations
+    // alternate, each on bytes the previous iterations did not read, so slow drifts in machine
+    // load and caches below the VM hit both sides alike.
+    if std::env::var_os("COLIBRI_SYNTH_DIR").is_some() {
+        let rounds = 5;
+        let read_file = |i: usize| {
+            let mut buf = vec![0u8; 8 << 20];
+            let p = &files[i % files.len()];
+            let mut f = std::fs::File::open(p).expect("open");
+            let mut left = bytes as usize;
+            let t = Instant::now();
+            while left > 0 {
+                let want = buf.len().min(left);
+                let n = f.read(&mut buf[..want]).expect("read");
+                if n == 0 {
+                    break;
+                }
+                left -= n;
+            }
+            (bytes as usize - left) as f64 / t.elapsed().as_secs_f64()
+        };
+        eprintln!("\nexperts_cold interleaved ({rounds} rounds, {per_iter} experts = {bytes} bytes per side, GiB/s):");
+        eprintln!("| mode | random experts | raw sequential | ratio |");
+        eprintln!("|---|---|---|---|");
+        let mut k = 7usize;
+        for (io, threads) in [
+            (IoMode::Pread, 1),
+            (IoMode::Pread, 4),
+            (IoMode::Direct, 1),
+            (IoMode::Direct, 4),
+            (IoMode::Mmap, 4),
+        ] {
+            let store = open(io, threads);
+            let (mut r_s, mut m_s) = (Vec::new(), Vec::new());
+            for _ in 0..rounds {
+                k += 1;
+                drop_all();
+                r_s.push(read_file(k));
+                let calls = pick(&layers, &mut Rng(k as u64 * 0x2545_f491), per_iter);
+                store.drop_page_cache();
+                let t = Instant::now();
+                for (l, ids) in &calls {
+                    store
+                        .with_experts(*l, ids, &mut |_, v| {
+                            black_box(v.down.data()[0]);
+                            Ok(())
+                        })
+                        .expect("load");
+                }
+                m_s.push(bytes as f64 / t.elapsed().as_secs_f64());
+            }
+            let med = |v: &mut Vec<f64>| {
+                v.sort_by(|a, b| a.total_cmp(b));
+                v[v.len() / 2] / (1u64 << 30) as f64
+            };
+            let (m, r) = (med(&mut m_s), med(&mut r_s));
+            eprintln!(
+                "| {}, {threads} thread(s) | {m:.2} | {r:.2} | {:.0}% |",
+                io.name(),
+                100.0 * m / r
+            );
+        }
+    }
+
     let mut seed = 0x5eed_u64;
     for (io, threads) in [
         (IoMode::Pread, 1),

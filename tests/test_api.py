@@ -526,6 +526,17 @@ def test_keyboard_interrupt_while_streaming(model: colibri.Model) -> None:
     assert model.generate("a", max_new_tokens=4, temperature=0).token_ids
 
 
+def test_properties_do_not_wait_for_a_running_generation(model: colibri.Model) -> None:
+    """The engine holds its lock for a whole generation; Model's properties and info() must
+    not need it (they would block holding the GIL that the generation's callbacks need)."""
+    with model.generate("busy", stream=True, max_new_tokens=200, stop_token_ids=[]) as s:
+        next(s)
+        assert model.max_context == 256
+        assert model.has_mtp
+        assert model.eos_token_ids == [1]
+        assert model.info()["config"]["vocab_size"] == 256
+
+
 def test_concurrent_calls_are_serialised(model: colibri.Model) -> None:
     kw: dict[str, Any] = {"max_new_tokens": 30, "temperature": 0, "stop_token_ids": []}
     prompts = ["alpha", "beta", "gamma", "delta"]

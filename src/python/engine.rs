@@ -24,13 +24,29 @@ pub struct PyEngine {
     model: Mutex<Model>,
     store: Arc<ExpertStore>,
     config_json: String,
+    // Fixed at load, so reading them never waits for a running generation.
+    has_mtp: bool,
+    max_context: usize,
+    vocab_size: usize,
+    eos_token_ids: Vec<u32>,
 }
 
 impl PyEngine {
-    fn lock(&self) -> PyResult<MutexGuard<'_, Model>> {
-        self.model
-            .lock()
-            .map_err(|_| to_py_err(Error::Internal("engine lock poisoned".into())))
+    /// Take the model lock without holding the GIL while waiting: a running generation's
+    /// callback needs the GIL, so blocking on the mutex with it held would deadlock.
+    fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, Model>> {
+        loop {
+            match self.model.try_lock() {
+                Ok(guard) => return Ok(guard),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    py.detach(|| std::thread::sleep(std::time::Duration::from_micros(200)));
+                    py.check_signals()?;
+                }
+                Err(std::sync::TryLockError::Poisoned(_)) => {
+                    return Err(to_py_err(Error::Internal("engine lock poisoned".into())))
+                }
+            }
+        }
     }
 }
 
@@ -96,6 +112,10 @@ impl PyEngine {
             };
             let model = Model::load_with_experts(container, &opts, store.clone())?;
             Ok(PyEngine {
+                has_mtp: model.has_mtp(),
+                max_context: model.max_exact_context(),
+                vocab_size: model.config().vocab_size,
+                eos_token_ids: model.config().eos_token_ids.clone(),
                 model: Mutex::new(model),
                 store,
                 config_json,
@@ -109,28 +129,28 @@ impl PyEngine {
     }
 
     #[getter]
-    fn has_mtp(&self) -> PyResult<bool> {
-        Ok(self.lock()?.has_mtp())
+    fn has_mtp(&self) -> bool {
+        self.has_mtp
     }
 
     #[getter]
-    fn max_context(&self) -> PyResult<usize> {
-        Ok(self.lock()?.max_exact_context())
+    fn max_context(&self) -> usize {
+        self.max_context
     }
 
     #[getter]
-    fn vocab_size(&self) -> PyResult<usize> {
-        Ok(self.lock()?.config().vocab_size)
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
     }
 
     #[getter]
-    fn eos_token_ids(&self) -> PyResult<Vec<u32>> {
-        Ok(self.lock()?.config().eos_token_ids.clone())
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.eos_token_ids.clone()
     }
 
     /// Logits of one forward over `ids` as a fresh sequence: float32 [len(ids), vocab].
     fn logits<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
-        let mut model = self.lock()?;
+        let mut model = self.lock(py)?;
         let vocab = model.config().vocab_size;
         let m: &mut Model = &mut model;
         let logits = run(py, || {
@@ -168,7 +188,7 @@ impl PyEngine {
         } else {
             DraftDepth::Fixed(draft_depth)
         };
-        let mut model = self.lock()?;
+        let mut model = self.lock(py)?;
         let opts = GenerateOptions {
             max_new_tokens,
             sampling: SamplingParams {

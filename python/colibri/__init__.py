@@ -22,7 +22,7 @@ from colibri.errors import (
     NonFiniteWeightError,
     UnsupportedModelError,
 )
-from colibri.model import GenerationResult, GenerationStats, Model
+from colibri.model import GenerationResult, GenerationStats, GenerationStream, Model
 
 __version__: str = _core.__version__
 
@@ -36,6 +36,7 @@ __all__ = [
     "ContainerError",
     "GenerationResult",
     "GenerationStats",
+    "GenerationStream",
     "InternalError",
     "InvalidArgumentError",
     "MissingTensorError",

@@ -319,6 +319,7 @@ pub fn write(dir: &Path, spec: &SynthSpec) -> Result<StaticSource> {
     }
     if spec.dense {
         write_dense(dir, spec)?;
+        write_tokenizer(dir, spec.vocab_size)?;
     }
     Ok(StaticSource {
         dir: dir.to_path_buf(),
@@ -431,4 +432,36 @@ fn write_dense(dir: &Path, spec: &SynthSpec) -> Result<()> {
         .into_inner()
         .map_err(|e| Error::io(&path, e.into_error()))?;
     file.sync_all().map_err(|e| Error::io(&path, e))
+}
+
+/// A word-level `tokenizer.json` for the synthetic vocabulary: `<s>` (0, bos), `</s>` (1,
+/// eos), `<unk>` (2) and `t3` … `t{vocab-1}`, split on whitespace — enough for the Python
+/// API to encode prompts like "t5 t17 t300" and decode ids.
+fn write_tokenizer(dir: &Path, vocab: usize) -> Result<()> {
+    let mut v = serde_json::Map::new();
+    for i in 0..vocab {
+        let tok = match i {
+            0 => "<s>".to_string(),
+            1 => "</s>".to_string(),
+            2 => "<unk>".to_string(),
+            _ => format!("t{i}"),
+        };
+        v.insert(tok, serde_json::Value::from(i));
+    }
+    let tj = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": v, "unk_token": "<unk>"}
+    });
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, tj.to_string()).map_err(|e| Error::io(&path, e))?;
+    let cfg = serde_json::json!({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"});
+    let path = dir.join("tokenizer_config.json");
+    std::fs::write(&path, cfg.to_string()).map_err(|e| Error::io(&path, e))
 }

@@ -615,4 +615,10 @@ fn synthetic_model_with_dense_part_opens_as_a_complete_container() {
     );
     let mtp = c.weight("model.layers.3.eh_proj.weight").expect("eh_proj");
     assert_eq!(mtp.format(), QuantFormat::Int8PerRow);
+    let tok: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(d.path().join("tokenizer.json")).expect("tok"),
+    )
+    .expect("json");
+    assert_eq!(tok["model"]["vocab"]["t255"], 255);
+    assert_eq!(tok["model"]["vocab"]["</s>"], 1);
 }

@@ -139,6 +139,11 @@ pub struct StoreOptions {
     pub guard_tokens: u64,
     /// Read and save the routing history in the model directory. Default true.
     pub usage_file: bool,
+    /// Real prefetch only pays when most predictions are right (a wrong one costs a full
+    /// expert read of disk bandwidth; a right one saves at most one): below this running
+    /// precision of a layer's router lookahead, its real prefetches are skipped
+    /// (`prefetch_gated`) until the predictions improve. 0 disables the gate. Default 0.5.
+    pub prefetch_min_precision: f64,
 }
 
 impl Default for StoreOptions {
@@ -153,6 +158,7 @@ impl Default for StoreOptions {
             prefetch_queue: 64,
             guard_tokens: 1,
             usage_file: true,
+            prefetch_min_precision: 0.5,
         }
     }
 }
@@ -183,7 +189,13 @@ struct Predictions {
     previous: Vec<bool>,
     hinted: Vec<bool>,
     last: Vec<usize>,
+    /// Running precision of the router lookahead in this layer (EWMA of |predicted ∩
+    /// routed| / |predicted| per call), starting optimistic at 1.
+    precision: f64,
 }
+
+/// Weight of the latest call in the running precision.
+const PRECISION_ALPHA: f64 = 0.25;
 
 struct LayerState {
     locs: Vec<ExpertLoc>,
@@ -202,6 +214,7 @@ struct Inner {
     io: IoPool,
     queue: Option<Arc<PrefetchQueue>>,
     prefetch: PrefetchMode,
+    min_precision: f64,
     /// Demand loads a call keeps outstanding (bounds its transient memory).
     window: usize,
     fingerprint: String,
@@ -337,6 +350,7 @@ impl ExpertStore {
                             previous: vec![false; n],
                             hinted: vec![false; n],
                             last: Vec::new(),
+                            precision: 1.0,
                         }),
                         locs,
                     }
@@ -352,6 +366,7 @@ impl ExpertStore {
             io,
             queue,
             prefetch: opts.prefetch,
+            min_precision: opts.prefetch_min_precision,
             window: (2 * opts.io_threads).max(2),
             fingerprint,
             usage_path,
@@ -676,6 +691,10 @@ impl Inner {
         p.router.fill(false);
         p.previous.fill(false);
         p.hinted.fill(false);
+        if n_router > 0 {
+            let now = hr as f64 / n_router as f64;
+            p.precision = (1.0 - PRECISION_ALPHA) * p.precision + PRECISION_ALPHA * now;
+        }
         p.last = ids.to_vec();
     }
 
@@ -741,7 +760,7 @@ impl Inner {
     fn predict(&self, layer: usize, ids: &[usize], who: Predictor) {
         let Ok(ls) = self.layer(layer) else { return };
         let n = ls.locs.len();
-        {
+        let precision = {
             let mut p = lock(&ls.pred);
             let set = match who {
                 Predictor::Router => &mut p.router,
@@ -750,9 +769,18 @@ impl Inner {
             for &id in ids.iter().filter(|&&i| i < n) {
                 set[id] = true;
             }
-        }
+            p.precision
+        };
         let Some(q) = &self.queue else { return };
         let c = &ls.counters;
+        if self.prefetch == PrefetchMode::Real
+            && who == Predictor::Router
+            && precision < self.min_precision
+        {
+            c.prefetch_gated
+                .fetch_add(ids.iter().filter(|&&i| i < n).count() as u64, Relaxed);
+            return;
+        }
         for &id in ids.iter().filter(|&&i| i < n) {
             if !lock(&ls.cache).is_empty(id) {
                 c.prefetch_redundant.fetch_add(1, Relaxed);

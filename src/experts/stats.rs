@@ -68,6 +68,9 @@ counters! {
     prefetch_wasted,
     /// Real prefetches refused by the eviction guard (no victim less valuable than the newcomer).
     prefetch_guarded,
+    /// Real prefetch requests skipped because the layer's running prediction precision is
+    /// below `prefetch_min_precision`.
+    prefetch_gated,
     /// Prefetch requests dropped because the bounded queue was full (oldest dropped first).
     prefetch_dropped,
     /// Prefetch requests for experts already resident or in flight (nothing to do).

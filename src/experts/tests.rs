@@ -622,3 +622,42 @@ fn synthetic_model_with_dense_part_opens_as_a_complete_container() {
     assert_eq!(tok["model"]["vocab"]["t255"], 255);
     assert_eq!(tok["model"]["vocab"]["</s>"], 1);
 }
+
+#[test]
+fn real_prefetch_is_gated_while_predictions_are_poor() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    let o = StoreOptions {
+        prefetch: PrefetchMode::Real,
+        ..opts(IoMode::Pread, 1 << 30)
+    };
+    let store = ExpertStore::open_source(src.clone(), o).expect("open");
+    let mut ok = |_: usize, _: &ExpertView<'_>| Ok(());
+    let gated = |s: &ExpertStore| s.stats().total.prefetch_gated;
+    // Wrong predictions: precision 1 → 0.75 → 0.56 → 0.42 (< 0.5) after three calls.
+    for _ in 0..3 {
+        assert_eq!(gated(&store), 0);
+        store.prefetch(1, &[7]);
+        store.with_experts(1, &[0], &mut ok).expect("call");
+    }
+    store.prefetch(1, &[6]);
+    assert_eq!(gated(&store), 1, "gated while the predictor is poor");
+    // Predictions still count for recall, so a right one lifts precision over the gate.
+    store.with_experts(1, &[6], &mut ok).expect("call");
+    store.prefetch(1, &[5]);
+    assert_eq!(gated(&store), 1, "open again");
+    let s = store.stats().total;
+    assert_eq!((s.recalled_router, s.routed_router), (1, 4));
+    // The gate is off at 0.
+    let o = StoreOptions {
+        prefetch: PrefetchMode::Real,
+        prefetch_min_precision: 0.0,
+        ..opts(IoMode::Pread, 1 << 30)
+    };
+    let store = ExpertStore::open_source(src, o).expect("open");
+    for _ in 0..5 {
+        store.prefetch(1, &[7]);
+        store.with_experts(1, &[0], &mut ok).expect("call");
+    }
+    assert_eq!(gated(&store), 0);
+}

@@ -1,9 +1,11 @@
 //! Dequant-matmul kernels at GLM-5.2 shapes, with 2 threads, reported as GB/s of weight bytes
-//! (data + scales): compare with the `bandwidth` group of the same run.
+//! (data + scales): compare with the `bandwidth` group of the same run. Each bench cycles
+//! through copies of its matrix (≥ 128 MiB in all) so the weights come from DRAM.
 //!
 //! - `kernels/<format>/<name OxI>/S<s>`: the dispatched path, S = 1, 4, 8.
 //! - `kernel_paths/int4_g64/expert_gate_OxI/S1/<path>`: every available path, A/B.
 //! - `expert_ffn/int4_g64/S<s>`: the fused expert (gate, up, down), bytes of all three.
+//! - `kernel_l2/...`: one thread on an L2-resident matrix: the kernels' compute ceiling.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -21,6 +23,15 @@ const SHAPES: [(&str, usize, usize); 4] = [
 ];
 
 const THREADS: usize = 2;
+
+/// Each bench cycles through enough copies of its matrix to exceed this, so the weights come
+/// from DRAM as in decode (where every layer's weights are cold), not from the 32 MiB L3.
+const WORKING_SET: usize = 128 << 20;
+
+/// How many copies of a matrix of `bytes` make up the working set (1..=16).
+fn copies(bytes: usize) -> usize {
+    WORKING_SET.div_ceil(bytes.max(1)).clamp(1, 16)
+}
 
 /// Deterministic pseudo-random bytes.
 fn bytes(seed: u64, n: usize) -> Vec<u8> {
@@ -139,18 +150,24 @@ fn matmul_shapes(c: &mut Criterion) {
         QuantFormat::Bf16,
     ] {
         for (i, &(name, rows, cols)) in SHAPES.iter().enumerate() {
-            let m = Owned::new(format, rows, cols, i as u64);
-            let w = m.view();
-            g.throughput(Throughput::Bytes(w.stream_bytes() as u64));
+            let first = Owned::new(format, rows, cols, i as u64);
+            let n = copies(first.view().stream_bytes());
+            let mats: Vec<Owned> = std::iter::once(first)
+                .chain((1..n).map(|c| Owned::new(format, rows, cols, (i + 100 * c) as u64)))
+                .collect();
+            let views: Vec<QMatrix<'_>> = mats.iter().map(Owned::view).collect();
+            g.throughput(Throughput::Bytes(views[0].stream_bytes() as u64));
             for s in [1, 4, 8] {
                 let x = activations(s, cols);
                 let mut y = vec![0.0f32; s * rows];
-                kernels::matmul(&w, &x, s, &mut y, Some(&pool)).expect("matmul");
-                check(path, &m, &x, s, &y);
+                kernels::matmul(&views[0], &x, s, &mut y, Some(&pool)).expect("matmul");
+                check(path, &mats[0], &x, s, &y);
+                let mut it = 0usize;
                 g.bench_function(format!("{format}/{name}_{rows}x{cols}/S{s}"), |b| {
                     b.iter(|| {
-                        kernels::matmul(&w, black_box(&x), s, &mut y, Some(&pool))
-                            .expect("matmul");
+                        it += 1;
+                        let w = &views[it % views.len()];
+                        kernels::matmul(w, black_box(&x), s, &mut y, Some(&pool)).expect("matmul");
                         black_box(&y);
                     })
                 });
@@ -166,21 +183,56 @@ fn paths(c: &mut Criterion) {
     short(&mut g);
     let format = QuantFormat::Int4Grouped { group_size: 64 };
     let (name, rows, cols) = SHAPES[0];
-    let m = Owned::new(format, rows, cols, 0);
-    let w = m.view();
-    g.throughput(Throughput::Bytes(w.stream_bytes() as u64));
+    let mats: Vec<Owned> = (0..copies(format.data_bytes(rows, cols).unwrap_or(1)))
+        .map(|c| Owned::new(format, rows, cols, 100 * c as u64))
+        .collect();
+    let views: Vec<QMatrix<'_>> = mats.iter().map(Owned::view).collect();
+    g.throughput(Throughput::Bytes(views[0].stream_bytes() as u64));
     let x = activations(1, cols);
     for path in KernelPath::available() {
         let mut y = vec![0.0f32; rows];
-        kernels::matmul_with(path, &w, &x, 1, &mut y, Some(&pool)).expect("matmul");
-        check(path, &m, &x, 1, &y);
+        kernels::matmul_with(path, &views[0], &x, 1, &mut y, Some(&pool)).expect("matmul");
+        check(path, &mats[0], &x, 1, &y);
+        let mut it = 0usize;
         g.bench_function(format!("{format}/{name}_{rows}x{cols}/S1/{path}"), |b| {
             b.iter(|| {
-                kernels::matmul_with(path, &w, black_box(&x), 1, &mut y, Some(&pool))
+                it += 1;
+                let w = &views[it % views.len()];
+                kernels::matmul_with(path, w, black_box(&x), 1, &mut y, Some(&pool))
                     .expect("matmul");
                 black_box(&y);
             })
         });
+    }
+    g.finish();
+}
+
+/// The kernels' own ceiling: one thread, a 768 KiB int4 matrix that stays in L2, so no DRAM
+/// in the way. Compare with the DRAM-bound numbers above to see which limit a result hit.
+fn in_cache(c: &mut Criterion) {
+    let mut g = c.benchmark_group("kernel_l2");
+    short(&mut g);
+    let format = QuantFormat::Int4Grouped { group_size: 64 };
+    let (rows, cols) = (256, 6144);
+    let m = Owned::new(format, rows, cols, 5);
+    let w = m.view();
+    g.throughput(Throughput::Bytes(w.stream_bytes() as u64));
+    for path in KernelPath::available() {
+        if path == KernelPath::Scalar {
+            continue;
+        }
+        for s in [1, 4, 8] {
+            let x = activations(s, cols);
+            let mut y = vec![0.0f32; s * rows];
+            kernels::matmul_with(path, &w, &x, s, &mut y, None).expect("matmul");
+            check(path, &m, &x, s, &y);
+            g.bench_function(format!("{format}/{rows}x{cols}/S{s}/1thread/{path}"), |b| {
+                b.iter(|| {
+                    kernels::matmul_with(path, &w, black_box(&x), s, &mut y, None).expect("matmul");
+                    black_box(&y);
+                })
+            });
+        }
     }
     g.finish();
 }
@@ -191,21 +243,32 @@ fn expert(c: &mut Criterion) {
     short(&mut g);
     let format = QuantFormat::Int4Grouped { group_size: 64 };
     let (f, h) = (2048, 6144);
-    let (gate, up, down) = (
-        Owned::new(format, f, h, 11),
-        Owned::new(format, f, h, 12),
-        Owned::new(format, h, f, 13),
-    );
-    let (gv, uv, dv) = (gate.view(), up.view(), down.view());
-    let total = gv.stream_bytes() + uv.stream_bytes() + dv.stream_bytes();
+    let n = copies(21_233_664);
+    let experts: Vec<[Owned; 3]> = (0..n as u64)
+        .map(|c| {
+            [
+                Owned::new(format, f, h, 11 + 100 * c),
+                Owned::new(format, f, h, 12 + 100 * c),
+                Owned::new(format, h, f, 13 + 100 * c),
+            ]
+        })
+        .collect();
+    let views: Vec<[QMatrix<'_>; 3]> = experts
+        .iter()
+        .map(|[g, u, d]| [g.view(), u.view(), d.view()])
+        .collect();
+    let total: usize = views[0].iter().map(QMatrix::stream_bytes).sum();
     assert_eq!(total, 21_233_664, "DESIGN §3: a GLM-5.2 expert at gs64");
     g.throughput(Throughput::Bytes(total as u64));
     for s in [1, 4, 8] {
         let x = activations(s, h);
         let mut out = vec![0.0f32; s * h];
+        let mut it = 0usize;
         g.bench_function(format!("{format}/{f}x{h}/S{s}"), |b| {
             b.iter(|| {
-                kernels::expert_ffn(&gv, &uv, &dv, black_box(&x), s, &mut out, Some(&pool))
+                it += 1;
+                let [gv, uv, dv] = &views[it % views.len()];
+                kernels::expert_ffn(gv, uv, dv, black_box(&x), s, &mut out, Some(&pool))
                     .expect("expert");
                 black_box(&out);
             })
@@ -214,4 +277,4 @@ fn expert(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, paths, matmul_shapes, expert);
+criterion_group!(benches, paths, matmul_shapes, expert, in_cache);

@@ -6,6 +6,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 mod container;
 mod engine;
+mod kernels;
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -117,5 +118,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_raise_for_test, m)?)?;
     m.add_class::<engine::PyEngine>()?;
     container::register(m)?;
+    kernels::register(m)?;
     Ok(())
 }

@@ -153,3 +153,28 @@ class Engine:
         KeyboardInterrupt within one forward."""
     def expert_stats(self) -> dict[str, object]:
         """Expert-store counters since the last generation started: totals and per layer."""
+
+# --- kernels (src/python/kernels.rs) ---------------------------------------------------
+
+def kernel_path() -> str:
+    """The dequant-matmul kernel path calls use now: "scalar", "avx2", "avx512" or "neon"."""
+
+def kernel_paths() -> list[str]:
+    """The kernel paths this machine can run."""
+
+def set_kernel_path(path: str | None) -> None:
+    """Force every later call onto ``path`` (None: ``COLIBRI_KERNEL`` or auto-detection);
+    a path this CPU cannot run raises InvalidArgumentError."""
+
+def _matmul(
+    format: str,
+    rows: int,
+    cols: int,
+    data: npt.NDArray[np.uint8],
+    scales: npt.NDArray[np.float32],
+    x: npt.NDArray[np.float32],
+    path: str | None = None,
+    threads: int = 1,
+) -> npt.NDArray[np.float32]:
+    """``x @ W.T`` for a packed ``[rows, cols]`` weight in ``format`` (e.g. "int4_g64"):
+    float32 ``[S, rows]``. For tests."""

@@ -190,12 +190,15 @@ struct Predictions {
     hinted: Vec<bool>,
     last: Vec<usize>,
     /// Running precision of the router lookahead in this layer (EWMA of |predicted ∩
-    /// routed| / |predicted| per call), starting optimistic at 1.
+    /// routed| / |predicted| per call), starting at `PRECISION_START`.
     precision: f64,
 }
 
 /// Weight of the latest call in the running precision.
 const PRECISION_ALPHA: f64 = 0.25;
+/// Starting precision: at the default gate, so one poor call closes it and one good call
+/// opens it (short generations cannot afford a long learning phase).
+const PRECISION_START: f64 = 0.5;
 
 struct LayerState {
     locs: Vec<ExpertLoc>,
@@ -350,7 +353,7 @@ impl ExpertStore {
                             previous: vec![false; n],
                             hinted: vec![false; n],
                             last: Vec::new(),
-                            precision: 1.0,
+                            precision: PRECISION_START,
                         }),
                         locs,
                     }

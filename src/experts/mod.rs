@@ -139,10 +139,11 @@ pub struct StoreOptions {
     pub guard_tokens: u64,
     /// Read and save the routing history in the model directory. Default true.
     pub usage_file: bool,
-    /// Real prefetch only pays when most predictions are right (a wrong one costs a full
-    /// expert read of disk bandwidth; a right one saves at most one): below this running
-    /// precision of a layer's router lookahead, its real prefetches are skipped
-    /// (`prefetch_gated`) until the predictions improve. 0 disables the gate. Default 0.5.
+    /// Prefetching only pays when most predictions are right (a wrong one costs a full
+    /// expert read of disk bandwidth, a hint included; a right one saves at most one): below
+    /// this running precision of a predictor in a layer, its prefetches/hints there are
+    /// skipped (`prefetch_gated`) until its predictions improve. 0 disables the gate.
+    /// Default 0.5.
     pub prefetch_min_precision: f64,
 }
 
@@ -179,8 +180,8 @@ pub fn auto_budget() -> u64 {
 /// Which predictor made a prediction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Predictor {
-    Router,
-    Previous,
+    Router = 0,
+    Previous = 1,
 }
 
 /// Predictions for a layer's next call, and its latest routing.
@@ -189,9 +190,9 @@ struct Predictions {
     previous: Vec<bool>,
     hinted: Vec<bool>,
     last: Vec<usize>,
-    /// Running precision of the router lookahead in this layer (EWMA of |predicted ∩
-    /// routed| / |predicted| per call), starting at `PRECISION_START`.
-    precision: f64,
+    /// Running precision of each predictor in this layer (EWMA of |predicted ∩ routed| /
+    /// |predicted| per call), starting at `PRECISION_START`: [router, previous].
+    precision: [f64; 2],
 }
 
 /// Weight of the latest call in the running precision.
@@ -353,7 +354,7 @@ impl ExpertStore {
                             previous: vec![false; n],
                             hinted: vec![false; n],
                             last: Vec::new(),
-                            precision: PRECISION_START,
+                            precision: [PRECISION_START; 2],
                         }),
                         locs,
                     }
@@ -694,9 +695,11 @@ impl Inner {
         p.router.fill(false);
         p.previous.fill(false);
         p.hinted.fill(false);
-        if n_router > 0 {
-            let now = hr as f64 / n_router as f64;
-            p.precision = (1.0 - PRECISION_ALPHA) * p.precision + PRECISION_ALPHA * now;
+        for (i, (hits, n)) in [(hr, n_router), (hp, n_prev)].into_iter().enumerate() {
+            if n > 0 {
+                let now = hits as f64 / n as f64;
+                p.precision[i] = (1.0 - PRECISION_ALPHA) * p.precision[i] + PRECISION_ALPHA * now;
+            }
         }
         p.last = ids.to_vec();
     }
@@ -772,14 +775,11 @@ impl Inner {
             for &id in ids.iter().filter(|&&i| i < n) {
                 set[id] = true;
             }
-            p.precision
+            p.precision[who as usize]
         };
         let Some(q) = &self.queue else { return };
         let c = &ls.counters;
-        if self.prefetch == PrefetchMode::Real
-            && who == Predictor::Router
-            && precision < self.min_precision
-        {
+        if precision < self.min_precision {
             c.prefetch_gated
                 .fetch_add(ids.iter().filter(|&&i| i < n).count() as u64, Relaxed);
             return;

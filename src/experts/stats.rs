@@ -68,8 +68,8 @@ counters! {
     prefetch_wasted,
     /// Real prefetches refused by the eviction guard (no victim less valuable than the newcomer).
     prefetch_guarded,
-    /// Real prefetch requests skipped because the layer's running prediction precision is
-    /// below `prefetch_min_precision`.
+    /// Prefetch/hint requests skipped because the predictor's running precision in this
+    /// layer is below `prefetch_min_precision`.
     prefetch_gated,
     /// Prefetch requests dropped because the bounded queue was full (oldest dropped first).
     prefetch_dropped,

@@ -453,10 +453,7 @@ fn transpose(src: &[f32], rows: usize, s: usize, dst: &mut [f32]) {
 /// `m = ceil(2^32 / (gs / lanes))`, exact while `v · gs / lanes < 2^32`, which `cols < MAX_COLS` (2^26) guarantees for
 /// lanes ≥ 4 and gs ≤ 256.
 /// Per-row formats use `m = 0` (every vector in group 0).
-#[cfg_attr(
-    not(any(target_arch = "x86_64", target_arch = "aarch64")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn group_magic(format: crate::quant::QuantFormat, lanes: usize) -> u64 {
     match format {
         crate::quant::QuantFormat::Int4Grouped { group_size } => {

@@ -1,6 +1,6 @@
 //! AVX-512 (F + BW) kernels: 16 f32 lanes, two accumulators per dot product (vector v →
-//! v % 2), int4 decoded 64 elements per load, tiles of up to eight activation rows (four with a
-//! weight-row pair: 16 accumulators either way). Weights are dequantised exactly to f32 (no
+//! v % 2), int4 decoded 64 elements per load, tiles of two weight rows × up to four activation
+//! rows (an odd last weight row: one × up to eight; 16 accumulators either way). Weights are dequantised exactly to f32 (no
 //! integer-activation tricks), so the result is the f32 dot product of the reference weights in
 //! this path's fixed order (see the module docs of `kernels`).
 //!
@@ -467,15 +467,35 @@ macro_rules! with_src {
 pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, x: &[f32], s: usize, out: &mut [f32]) {
     let n = w.cols();
     // SAFETY: the caller's contract; `make` builds sources over whole rows of n elements.
+    unsafe { with_src!(w.format(), |mk| rows_paired(|o| mk(w, o), n, o0, x, s, out)) }
+}
+
+/// Rows `o0..o0 + out.len()/s`, two weight rows at a time (tiles of 2 × `TILE_PAIR`; an odd
+/// last row alone in tiles of `TILE`): every activation vector loaded feeds two FMAs, which
+/// measured 25–35% faster than one row × 8 at S = 2..8 (no change at S = 1). Each dot
+/// product is computed exactly as in [`dot_tile`], whatever the pairing.
+#[inline(always)]
+unsafe fn rows_paired<S: Src>(
+    make: impl Fn(usize) -> S,
+    n: usize,
+    o0: usize,
+    x: &[f32],
+    s: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: forwarded from `rows`: `out` holds [rows, s] for rows o0.. that exist.
     unsafe {
-        with_src!(w.format(), |mk| rows_src::<_, 1, TILE>(
-            |_, o| mk(w, o),
-            n,
-            o0,
-            x,
-            s,
-            [out]
-        ))
+        let rows = out.len() / s;
+        let y = out.as_mut_ptr();
+        let mut i = 0;
+        while i + 2 <= rows {
+            let w = [make(o0 + i), make(o0 + i + 1)];
+            tiles::<S, 2, TILE_PAIR>(w, x, s, n, [y.add(i * s), y.add((i + 1) * s)]);
+            i += 2;
+        }
+        if i < rows {
+            tiles::<S, 1, TILE>([make(o0 + i)], x, s, n, [y.add(i * s)]);
+        }
     }
 }
 

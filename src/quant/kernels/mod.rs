@@ -12,8 +12,8 @@
 //!   are zero in both W and X);
 //! - the accumulators are summed in order, then the lanes by a fixed tree.
 //!
-//! Activation rows are processed in tiles of a few rows (8 for AVX-512, 3 for AVX2, 4 for
-//! NEON) that share each decoded weight vector; every tile runs the same instructions on its
+//! Activation rows are processed in tiles of a few rows (AVX-512: 4, for two weight rows at
+//! once; AVX2: 3; NEON: 4) that share each decoded weight vector; every tile runs the same instructions on its
 //! own accumulators, so the result of a row never depends on S or on its position. A weight
 //! row is read from memory by the first tile and from L1 by the others, so the weights of one
 //! call are read from memory once whatever S is.

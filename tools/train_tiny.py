@@ -495,6 +495,8 @@ def export_hf(
     # ``rope_parameters`` (transformers accepts both; readers of the official layout need these).
     cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
     cfg["rope_scaling"] = None
+    cfg["scoring_func"] = "sigmoid"
+    cfg["topk_method"] = "noaux_tc"
     for key in (
         "_name_or_path",
         "id2label",

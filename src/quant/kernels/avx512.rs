@@ -48,6 +48,9 @@ trait Src: Copy {
     }
     /// The last, partial vector `v` holding `r` (1..16) elements; lanes ≥ r are +0.
     unsafe fn tail(self, v: usize, r: usize) -> __m512;
+    /// Hint the cache about the bytes some way ahead of vector `v` (no effect on results).
+    #[inline(always)]
+    fn prefetch(self, _v: usize) {}
 }
 
 #[inline(always)]
@@ -95,7 +98,22 @@ unsafe fn deq(q: __m128i, scale: __m512) -> __m512 {
     unsafe { _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale) }
 }
 
+/// How far ahead of the vector being decoded int4 data is prefetched: a single core streaming
+/// int4 from DRAM went from 6.8 to 10 GB/s with it (the decode work keeps the core from
+/// running far enough ahead on its own).
+const INT4_PREFETCH_BYTES: usize = 1024;
+
 impl Src for Int4 {
+    #[inline(always)]
+    fn prefetch(self, v: usize) {
+        // SAFETY: a prefetch never faults, whatever the address (hence `wrapping_add`).
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(
+                self.data.wrapping_add(v * 8 + INT4_PREFETCH_BYTES) as *const i8
+            )
+        };
+    }
+
     #[inline(always)]
     unsafe fn one(self, v: usize) -> __m512 {
         // SAFETY: vector v is full, so bytes 8v .. 8v+8 are in the row.
@@ -273,6 +291,7 @@ unsafe fn accumulate<S: Src, const NW: usize, const T: usize>(
         while v + D <= full {
             let mut wv = [[_mm512_setzero_ps(); D]; NW];
             for k in 0..NW {
+                w[k].prefetch(v);
                 wv[k] = w[k].chunk(v / D);
             }
             for t in 0..T {

@@ -18,6 +18,8 @@ pub mod stats;
 mod mock;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_real;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

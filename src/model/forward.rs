@@ -80,7 +80,8 @@ impl Layer {
         Ok(())
     }
 
-    /// Feed-forward half: `x += FFN(post_attention_layernorm(x))`.
+    /// Feed-forward half: `x += FFN(post_attention_layernorm(x))`. `resident` is
+    /// [`Layer::resident_ffn`]'s output when the router lookahead already computed it.
     fn feed_forward(
         &self,
         x: &mut [f32],
@@ -88,16 +89,36 @@ impl Layer {
         eps: f32,
         experts: &dyn ExpertSource,
         pool: Option<&rayon::ThreadPool>,
+        resident: Option<Vec<f32>>,
     ) -> Result<()> {
         let h = rmsnorm(x, &self.post_attention_layernorm, eps);
-        let y = match &self.ffn {
-            Ffn::Dense(mlp) => mlp.forward(&h, s, pool)?,
-            Ffn::Moe(moe) => moe.forward(&h, s, experts, pool)?,
+        let y = match (&self.ffn, resident) {
+            (Ffn::Dense(_), Some(y)) => y,
+            (Ffn::Dense(mlp), None) => mlp.forward(&h, s, pool)?,
+            (Ffn::Moe(moe), resident) => moe.forward(&h, s, experts, pool, resident)?,
         };
         for (v, d) in x.iter_mut().zip(&y) {
             *v += d;
         }
         Ok(())
+    }
+
+    /// The resident part of this layer's feed-forward on `x` (after attention): the whole
+    /// output of a dense layer, or the shared experts' output of a MoE layer. The router
+    /// lookahead adds it to the residual: it is what the next layer will see, minus the
+    /// routed experts.
+    fn resident_ffn(
+        &self,
+        x: &[f32],
+        s: usize,
+        eps: f32,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<Option<Vec<f32>>> {
+        let h = rmsnorm(x, &self.post_attention_layernorm, eps);
+        match &self.ffn {
+            Ffn::Dense(mlp) => mlp.forward(&h, s, pool).map(Some),
+            Ffn::Moe(moe) => moe.shared_output(&h, s, pool),
+        }
     }
 
     /// Router lookahead for this layer: its router applied to `x` (another layer's residual
@@ -404,15 +425,25 @@ impl Model {
             for (i, (layer, kv)) in self.layers.iter().zip(self.kv.iter_mut()).enumerate() {
                 self.experts.begin_layer(i);
                 layer.attend(&mut x, s, start, start, kv, &self.rope, eps, pool)?;
-                // Router lookahead: predict layer i+1's experts from this residual so their
-                // loads overlap this layer's feed-forward.
+                // Router lookahead: predict layer i+1's experts from this residual plus this
+                // layer's resident feed-forward output, so their loads overlap this layer's
+                // routed experts. The resident output is reused, not recomputed.
+                let mut resident_out = None;
                 if let (Some(next), true) = (self.layers.get(i + 1), top_k > 0) {
-                    let ids = next.predict(&x, s, top_k, eps, pool)?;
+                    let resident = layer.resident_ffn(&x, s, eps, pool)?;
+                    let ids = match &resident {
+                        Some(y) => {
+                            let ahead: Vec<f32> = x.iter().zip(y).map(|(a, b)| a + b).collect();
+                            next.predict(&ahead, s, top_k, eps, pool)?
+                        }
+                        None => next.predict(&x, s, top_k, eps, pool)?,
+                    };
                     if !ids.is_empty() {
                         self.experts.prefetch(i + 1, &ids);
                     }
+                    resident_out = resident;
                 }
-                layer.feed_forward(&mut x, s, eps, &*self.experts, pool)?;
+                layer.feed_forward(&mut x, s, eps, &*self.experts, pool, resident_out)?;
             }
             Ok(())
         })();
@@ -483,7 +514,10 @@ impl Model {
                 eps,
                 pool,
             )
-            .and_then(|()| mtp.layer.feed_forward(&mut z, s, eps, &*self.experts, pool));
+            .and_then(|()| {
+                mtp.layer
+                    .feed_forward(&mut z, s, eps, &*self.experts, pool, None)
+            });
         if let Err(err) = run {
             let (kl, rd) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
             self.mtp_kv.truncate(start, kl, rd);

@@ -273,12 +273,16 @@ impl Moe {
     /// MoE over `s` rows of normed `h`: route every row, fetch the union of chosen experts once,
     /// run each on the rows that chose it, and sum per row in ascending expert order (so the
     /// result does not depend on the order experts arrive in).
+    ///
+    /// `shared_out` is the shared experts' output for `h` when the caller already computed it
+    /// (the router lookahead uses it); it is computed here otherwise.
     pub fn forward(
         &self,
         h: &[f32],
         s: usize,
         experts: &dyn ExpertSource,
         pool: Option<&rayon::ThreadPool>,
+        shared_out: Option<Vec<f32>>,
     ) -> Result<Vec<f32>> {
         let hidden = h.len() / s.max(1);
         let routing = self.router.route(h, s, self.router.top_k, pool)?;
@@ -322,12 +326,28 @@ impl Moe {
                 }
             }
         }
-        if let Some(shared) = &self.shared {
-            let y = shared.forward(h, s, pool)?;
+        let shared_out = match shared_out {
+            Some(y) => Some(y),
+            None => self.shared_output(h, s, pool)?,
+        };
+        if let Some(y) = shared_out {
             for (a, b) in out.iter_mut().zip(&y) {
                 *a += b;
             }
         }
         Ok(out)
+    }
+
+    /// The shared experts' output for `h` ([s, hidden]); `None` without shared experts.
+    pub fn shared_output(
+        &self,
+        h: &[f32],
+        s: usize,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<Option<Vec<f32>>> {
+        self.shared
+            .as_ref()
+            .map(|m| m.forward(h, s, pool))
+            .transpose()
     }
 }

@@ -1,6 +1,7 @@
 //! The forward pass against transformers' goldens (tests/fixtures/*, made by
 //! tools/make_fixtures.py): prefill and token-by-token logits, greedy continuation, chunked
-//! prefill, the MTP head (depth 1 and chained), and KV accounting.
+//! prefill, the MTP head (depth 1 and chained), KV accounting, and the default int4/int8
+//! container against transformers running the same dequantised weights.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -24,7 +25,11 @@ struct Golden {
 
 impl Golden {
     fn load(name: &str) -> Golden {
-        let bytes = std::fs::read(fixture_dir(name).join("golden.safetensors")).unwrap();
+        Golden::load_file(name, "golden.safetensors")
+    }
+    /// Another golden file of the fixture (e.g. `golden_int4.safetensors`).
+    fn load_file(name: &str, file: &str) -> Golden {
+        let bytes = std::fs::read(fixture_dir(name).join(file)).unwrap();
         let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
         let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
         let data = &bytes[8 + n..];
@@ -314,5 +319,88 @@ fn output_is_identical_across_expert_sources_and_prefetch_modes() {
                 }
             }
         }
+    }
+}
+
+/// Mean over rows of KL(p‖q) in nats, p = softmax(want), q = softmax(got), rows of `v`.
+fn mean_kl(want: &[f32], got: &[f32], v: usize) -> f64 {
+    let log_softmax = |row: &[f32]| -> Vec<f64> {
+        let m = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
+        let z = row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+        row.iter().map(|&x| x as f64 - m - z).collect()
+    };
+    let rows = want.len() / v;
+    let mut total = 0.0;
+    for r in 0..rows {
+        let lp = log_softmax(&want[r * v..(r + 1) * v]);
+        let lq = log_softmax(&got[r * v..(r + 1) * v]);
+        total += lp
+            .iter()
+            .zip(&lq)
+            .map(|(a, b)| a.exp() * (a - b))
+            .sum::<f64>();
+    }
+    total / rows as f64
+}
+
+/// Fraction of rows of `v` logits whose argmax agrees.
+fn top1_agreement(a: &[f32], b: &[f32], v: usize) -> f64 {
+    let rows = a.len() / v;
+    let same = (0..rows)
+        .filter(|&r| argmax(&a[r * v..(r + 1) * v]) == argmax(&b[r * v..(r + 1) * v]))
+        .count();
+    same as f64 / rows as f64
+}
+
+/// The default `colibri convert` container (int4-g64 experts/attention/MLPs, int8 embed,
+/// LM head, MTP and indexer) against transformers running the same dequantised weights
+/// (`golden_int4.safetensors`), teacher-forced over prompt + greedy continuation.
+#[test]
+fn default_quantized_container_matches_transformers_on_dequantized_weights() {
+    use colibri::convert::{convert, ConvertOptions};
+    for name in FIXTURES {
+        let g = Golden::load(name);
+        let q = Golden::load_file(name, "golden_int4.safetensors");
+        let ids = q.ids("int4_ids");
+        let (shape, want) = q.f32("int4_logits");
+        let prompt = g.ids("prompt_ids");
+        let greedy = g.ids("greedy_ids");
+        let mut forced = prompt.clone();
+        forced.extend(&greedy[..greedy.len() - 1]);
+        assert_eq!(ids, forced, "{name}: golden_int4 ids");
+        assert_eq!(shape, [ids.len(), shape[1]]);
+
+        let tmp = tempfile::tempdir().unwrap();
+        let (src, dst) = (tmp.path().join("src"), tmp.path().join("dst"));
+        std::fs::create_dir(&src).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture_dir(name).join(f), src.join(f)).unwrap();
+        }
+        convert(&src, &dst, &ConvertOptions::default()).unwrap();
+        let c = Arc::new(Container::open(&dst).unwrap());
+        let mut m = Model::load(c, &ModelOptions::default()).unwrap();
+        let got = m.step(&ids, 0, true).unwrap().logits;
+        let v = m.config().vocab_size;
+        assert_eq!(v, shape[1]);
+
+        let agree = top1_agreement(&got, &want, v);
+        let err = rel_err(&got, &want);
+        let kl = mean_kl(&want, &got, v);
+        // The quantisation effect itself: the same container against the float32 goldens.
+        let (_, f32_prompt) = g.f32("logits");
+        let (_, f32_greedy) = g.f32("greedy_logits");
+        let mut f32_want = f32_prompt;
+        f32_want.extend(&f32_greedy[v..]);
+        eprintln!(
+            "{name}: int4 container vs transformers on dequantised weights: top-1 {:.1}% over \
+             {} positions, max rel err {err:.2e}, mean KL {kl:.2e} nats; vs float32 goldens: \
+             top-1 {:.1}%, mean KL {:.3} nats",
+            100.0 * agree,
+            ids.len(),
+            100.0 * top1_agreement(&got, &f32_want, v),
+            mean_kl(&f32_want, &got, v),
+        );
+        assert!(agree >= 0.95, "{name}: top-1 agreement {agree}");
+        assert!(err <= 1e-3, "{name}: logits rel err {err}");
     }
 }

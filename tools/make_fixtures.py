@@ -6,12 +6,15 @@ Tests and CI never import it; they read the committed files under ``tests/fixtur
 
 For every fixture it writes ``<out>/<name>/config.json``, ``model.safetensors`` (F32, the
 official per-expert tensor names, MTP layer at index ``num_hidden_layers``) and
-``golden.safetensors`` (prompt, prefill logits, greedy continuation, MTP drafts). Every
-number is computed by transformers' own modules; docs/fixtures.md documents each tensor.
+``golden.safetensors`` (prompt, prefill logits, greedy continuation, MTP drafts), and
+``golden_int4.safetensors`` (transformers' logits on the dequantised weights of the default
+``colibri convert`` container). Every number is computed by transformers' own modules;
+docs/fixtures.md documents each tensor.
 
 Usage::
 
     /opt/devvenv/bin/python tools/make_fixtures.py --out tests/fixtures
+    /opt/devvenv/bin/python tools/make_fixtures.py --out tests/fixtures --quantized-goldens
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import argparse
 import copy
 import json
 import math
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1095,6 +1100,94 @@ def build_candidate(spec: FixtureSpec, seed: int) -> Candidate:
     return Candidate(seed, model, mtp_layer, prompt, golden, mtp, hidden_normed, notes, problems)
 
 
+# --------------------------------------------------------------------------------------
+# quantised goldens: transformers on the dequantised default container
+
+
+INT4_GROUP = 64
+MIN_SCALE = np.float32(1e-8)
+
+
+def default_format(name: str, shape: tuple[int, ...], n_layers: int) -> str:
+    """The format ``colibri convert`` gives a tensor with its default options.
+
+    docs/container.md's role table: the router gate and every vector stay f32; the whole
+    MTP layer (index >= ``num_hidden_layers``), the embedding, the LM head and the GLM
+    indexer projections are int8 per row; every other matrix (routed and shared experts,
+    attention, dense MLPs) is int4 in groups of 64.
+    """
+    if len(shape) != 2 or name.endswith("mlp.gate.weight"):
+        return "f32"
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return "int8"
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"] and int(parts[2]) >= n_layers:
+        return "int8"
+    if ".self_attn.indexer." in name:
+        return "int8"
+    return f"int4_g{INT4_GROUP}"
+
+
+def fake_quantize(w: np.ndarray, fmt: str) -> np.ndarray:
+    """Quantise then dequantise a float32 [O, I] matrix exactly as DESIGN §3 (float32).
+
+    Per row (int8) or per group of ``INT4_GROUP`` columns (int4; one group when I <= 64,
+    which is what the per-row int4 layout computes): s = max(absmax / qmax, 1e-8),
+    q = clip(round_half_even(w / s), -qmax - 1, qmax), value q * s.
+    """
+    if fmt == "f32":
+        return w
+    w = np.asarray(w, dtype=np.float32)
+    qmax, gs = (np.float32(127), w.shape[1]) if fmt == "int8" else (np.float32(7), INT4_GROUP)
+    out = np.empty_like(w)
+    for start in range(0, w.shape[1], gs):
+        block = w[:, start : start + gs]
+        s = np.maximum(np.abs(block).max(axis=1) / qmax, MIN_SCALE).astype(np.float32)[:, None]
+        q = np.clip(np.rint(block / s), -qmax - 1, qmax)
+        out[:, start : start + gs] = q * s
+    return out
+
+
+@torch.no_grad()
+def write_quantized_golden(spec: FixtureSpec, fixture_dir: Path) -> None:
+    """Write ``golden_int4.safetensors``: transformers' logits on the default container.
+
+    Reads the fixture's ``config.json``, ``model.safetensors`` and ``golden.safetensors``,
+    replaces every weight by its dequantised default-container value, loads that into
+    transformers and records float32 logits over ``prompt_ids + greedy_ids[:-1]`` (one
+    teacher-forced forward). The other fixture files are left untouched.
+    """
+    cfg = json.loads((fixture_dir / "config.json").read_text())
+    n_layers = int(cfg["num_hidden_layers"])
+    weights = np_load_file(str(fixture_dir / "model.safetensors"))
+    golden = load_file(str(fixture_dir / "golden.safetensors"))
+    counts: dict[str, int] = {}
+    deq: dict[str, torch.Tensor] = {}
+    for name in sorted(weights):
+        fmt = default_format(name, weights[name].shape, n_layers)
+        counts[fmt] = counts.get(fmt, 0) + 1
+        deq[name] = torch.from_numpy(np.ascontiguousarray(fake_quantize(weights[name], fmt)))
+    ids = torch.cat([golden["prompt_ids"], golden["greedy_ids"][:-1]])
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(fixture_dir / "config.json", Path(tmp) / "config.json")
+        save_tensors(deq, Path(tmp) / "model.safetensors")
+        model = model_class(spec).from_pretrained(
+            tmp, dtype=torch.float32, attn_implementation="eager"
+        )
+    model.eval()
+    for name, tensor in official_state_dict(model, bool(cfg["tie_word_embeddings"])).items():
+        assert torch.equal(tensor, deq[name]), f"{name}: loaded weight is not the dequantised one"
+    logits, _ = prefill(model, ids)
+    save_tensors({"int4_ids": ids, "int4_logits": logits}, fixture_dir / "golden_int4.safetensors")
+    f32 = torch.cat([golden["logits"], golden["greedy_logits"][1:]])
+    agree = (logits.argmax(-1) == f32.argmax(-1)).float().mean().item()
+    size = (fixture_dir / "golden_int4.safetensors").stat().st_size
+    print(
+        f"wrote {fixture_dir / 'golden_int4.safetensors'} ({size} B; formats {counts}); "
+        f"top-1 agreement with the float32 goldens {agree:.1%}"
+    )
+
+
 def make_fixture(spec: FixtureSpec, out_root: Path, index: int) -> None:
     """Build, write and verify one fixture directory.
 
@@ -1156,6 +1249,7 @@ def make_fixture(spec: FixtureSpec, out_root: Path, index: int) -> None:
     print(f"  numpy float64 reference (docs/fixtures.md) max|d| over all goldens: {worst:.2e}")
     for note in cand.notes:
         print(f"  {note}")
+    write_quantized_golden(spec, fixture_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1163,6 +1257,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("tests/fixtures"))
     parser.add_argument("--only", nargs="*", default=None, help="fixture names to build")
+    parser.add_argument(
+        "--quantized-goldens",
+        action="store_true",
+        help="only (re)write golden_int4.safetensors from the fixtures already under --out",
+    )
     args = parser.parse_args(argv)
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()
@@ -1171,7 +1270,10 @@ def main(argv: list[str] | None = None) -> int:
     for index, spec in enumerate(SPECS):
         if args.only and spec.name not in args.only:
             continue
-        make_fixture(spec, args.out, index)
+        if args.quantized_goldens:
+            write_quantized_golden(spec, args.out / spec.name)
+        else:
+            make_fixture(spec, args.out, index)
     return 0
 
 

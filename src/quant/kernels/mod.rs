@@ -128,22 +128,24 @@ impl KernelPath {
         if self.is_available() {
             Ok(self)
         } else {
-            Err(Error::invalid(
-                "kernel path",
-                format!(
-                    "kernel path '{}' needs CPU features this machine ({}, features [{}]) lacks; \
-                     available: {}",
-                    self.name(),
-                    crate::cpu::arch(),
-                    crate::cpu::features().names().join(", "),
-                    KernelPath::available()
-                        .iter()
-                        .map(|p| p.name())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            ))
+            Err(Error::invalid("kernel path", self.unavailable()))
         }
+    }
+
+    /// Why this path cannot run here.
+    fn unavailable(self) -> String {
+        format!(
+            "kernel path '{}' needs CPU features this machine ({}, features [{}]) lacks; \
+             available: {}",
+            self.name(),
+            crate::cpu::arch(),
+            crate::cpu::features().names().join(", "),
+            KernelPath::available()
+                .iter()
+                .map(|p| p.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
     }
 }
 
@@ -161,9 +163,17 @@ fn parse_override(value: Option<&str>) -> std::result::Result<Option<KernelPath>
     match value.map(str::trim) {
         None | Some("") => Ok(None),
         Some(v) => {
-            let p = KernelPath::parse(v).map_err(|e| format!("COLIBRI_KERNEL: {e}"))?;
-            p.require().map_err(|e| format!("COLIBRI_KERNEL: {e}"))?;
-            Ok(Some(p))
+            let p = KernelPath::ALL
+                .into_iter()
+                .find(|p| p.name() == v.to_ascii_lowercase())
+                .ok_or_else(|| {
+                    format!("unknown kernel path '{v}'; expected scalar, avx2, avx512 or neon")
+                })?;
+            if p.is_available() {
+                Ok(Some(p))
+            } else {
+                Err(p.unavailable())
+            }
         }
     }
 }

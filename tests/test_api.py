@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -429,6 +430,17 @@ def test_gil_is_released_during_a_forward(model: colibri.Model) -> None:
 def ctrl_c() -> None:
     """What Ctrl-C does: SIGINT to the main thread (interrupting a blocking wait there)."""
     signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+
+@pytest.fixture(autouse=True)
+def _python_sigint_handler() -> Iterator[None]:
+    """Python's own Ctrl-C handler, as in an interactive session. A process started in the
+    background (CI, nohup) inherits SIGINT ignored, and Python then keeps it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _EngineSpy:

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from tokenizers import Tokenizer
-
 from colibri import _core
+from tokenizers import Tokenizer
 
 PROMPTS = ["def ", "import ", "class ", "    return ", "if __name__", "for i in "]
 
@@ -30,8 +29,9 @@ def main() -> None:
         sums: dict[str, dict[int, list[int]]] = {"router": {}, "previous": {}}
         for i, prompt in enumerate(PROMPTS):
             ids = tok.encode(prompt).ids
-            e.generate(ids, max_new_tokens=args.tokens, temperature=1.0, seed=i,
-                       draft="off", stop_ids=[])
+            e.generate(
+                ids, max_new_tokens=args.tokens, temperature=1.0, seed=i, draft="off", stop_ids=[]
+            )
             for layer, st in e.expert_stats()["layers"].items():
                 for name in ("router", "previous"):
                     acc = sums[name].setdefault(int(layer), [0, 0])

@@ -151,6 +151,8 @@ class Engine:
         ``draft_depth`` 0 is auto; ``stop_ids`` None uses the EOS ids; ``on_tokens`` gets
         the tokens each forward accepted and returns False to stop. Ctrl-C raises
         KeyboardInterrupt within one forward."""
+    def drop_page_cache(self) -> None:
+        """Evict the model's expert bytes from the OS page cache (cold-start benchmarks)."""
     def expert_stats(self) -> dict[str, object]:
         """Expert-store counters since the last generation started: totals and per layer."""
 

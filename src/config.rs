@@ -598,7 +598,7 @@ impl ModelConfig {
         if u32::try_from(self.vocab_size).is_err() {
             return Err(self.bad("vocab_size", "must fit in 32 bits"));
         }
-        if self.qk_rope_head_dim % 2 != 0 {
+        if !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(self.bad(
                 "qk_rope_head_dim",
                 format!(
@@ -616,7 +616,7 @@ impl ModelConfig {
                 ),
             ));
         }
-        if self.n_routed_experts % self.n_group != 0 {
+        if !self.n_routed_experts.is_multiple_of(self.n_group) {
             return Err(self.bad(
                 "n_group",
                 format!(

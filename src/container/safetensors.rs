@@ -311,7 +311,7 @@ pub fn write_header(tensors: &[TensorSpec], metadata: &BTreeMap<String, String>)
         offset += n;
     }
     let mut json = Value::Object(obj).to_string().into_bytes();
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }
     let mut out = Vec::with_capacity(8 + json.len());

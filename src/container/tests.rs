@@ -314,7 +314,11 @@ fn corrupted_bytes_never_panic() {
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             // Mostly in the header, where structure lives.
-            let limit = if x % 4 == 0 { bad.len() } else { 8 + 200 };
+            let limit = if x.is_multiple_of(4) {
+                bad.len()
+            } else {
+                8 + 200
+            };
             let pos = (x >> 33) as usize % limit.min(bad.len());
             bad[pos] = (x >> 20) as u8;
         }

@@ -297,7 +297,7 @@ impl DepthController {
             return 0;
         }
         let best = self.best(cap);
-        if self.decisions % Self::EXPLORE_EVERY != 0 {
+        if !self.decisions.is_multiple_of(Self::EXPLORE_EVERY) {
             return best;
         }
         let deeper = (self.decisions / Self::EXPLORE_EVERY) % 2 == 1;

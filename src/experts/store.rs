@@ -430,7 +430,7 @@ impl Files {
     /// the slabs (alignment slack included), plus scales that must be copied to be aligned.
     pub fn expected_bytes(&self, loc: &ExpertLoc) -> u64 {
         let misaligned = |r: ByteRange, base: u64| {
-            if (r.offset - base) % 4 != 0 || cfg!(target_endian = "big") {
+            if !(r.offset - base).is_multiple_of(4) || cfg!(target_endian = "big") {
                 r.len
             } else {
                 0

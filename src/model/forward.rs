@@ -258,7 +258,7 @@ impl Model {
         experts: Arc<dyn ExpertSource>,
     ) -> Result<Self> {
         let cfg = container.config().clone();
-        if cfg.qk_rope_head_dim > 512 || cfg.qk_rope_head_dim % 2 != 0 {
+        if cfg.qk_rope_head_dim > 512 || !cfg.qk_rope_head_dim.is_multiple_of(2) {
             return Err(Error::Unsupported(format!(
                 "qk_rope_head_dim = {} (colibri supports even values up to 512)",
                 cfg.qk_rope_head_dim

@@ -9,7 +9,6 @@
 //!
 //! The AVX-512 intrinsics are stable since Rust 1.89, above the crate's declared MSRV (1.85):
 //! building this crate needs 1.89 until `rust-version` is raised.
-#![allow(clippy::incompatible_msrv)]
 
 use std::arch::x86_64::*;
 use std::ptr;

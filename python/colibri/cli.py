@@ -18,28 +18,9 @@ def _cmd_version(_: argparse.Namespace) -> int:
 
 def _size(text: str) -> int:
     """Parse a byte size such as ``4GiB``, ``500MB`` or ``1048576``."""
-    units = {
-        "k": 10**3,
-        "m": 10**6,
-        "g": 10**9,
-        "t": 10**12,
-        "ki": 2**10,
-        "mi": 2**20,
-        "gi": 2**30,
-        "ti": 2**40,
-    }
-    t = text.strip().lower().removesuffix("b")
-    try:
-        for suffix in sorted(units, key=len, reverse=True):
-            if t.endswith(suffix):
-                return int(float(t[: -len(suffix)]) * units[suffix])
-        return int(t)
-    except ValueError:
-        from colibri.errors import InvalidArgumentError
+    from colibri.model import parse_size
 
-        raise InvalidArgumentError(
-            f"invalid size {text!r}; use bytes or a unit, e.g. 4GiB or 500MB"
-        ) from None
+    return parse_size("size", text)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:

@@ -95,30 +95,44 @@ def _check_float(name: str, value: object) -> float:
     return v
 
 
+_SIZE_UNITS = {
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
+
+
+def parse_size(name: str, text: str) -> int:
+    """Parse a byte size such as ``"4GiB"``, ``"500MB"`` or ``"1048576"`` for parameter
+    ``name``; anything else is an :class:`InvalidArgumentError`."""
+    t = text.strip().lower().removesuffix("b")
+    try:
+        for suffix in sorted(_SIZE_UNITS, key=len, reverse=True):
+            if t.endswith(suffix):
+                value = int(float(t[: -len(suffix)]) * _SIZE_UNITS[suffix])
+                break
+        else:
+            value = int(t)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"invalid value for '{name}': {text!r}; use bytes or a unit, e.g. '8GB', '512MiB'"
+        ) from None
+    if value < 0:
+        raise InvalidArgumentError(f"invalid value for '{name}': {text!r}; must be >= 0")
+    return value
+
+
 def _parse_bytes(name: str, value: int | str | None) -> int | None:
     """``None``, an int of bytes, or a string like ``"8GB"`` / ``"512MiB"``."""
     if value is None:
         return None
     if isinstance(value, str):
-        units = {
-            "k": 10**3,
-            "m": 10**6,
-            "g": 10**9,
-            "t": 10**12,
-            "ki": 2**10,
-            "mi": 2**20,
-            "gi": 2**30,
-            "ti": 2**40,
-        }
-        s = value.strip().lower().removesuffix("b")
-        num = s.rstrip("kmgti")
-        unit = s[len(num) :]
-        try:
-            return int(float(num) * units.get(unit, 1) if unit else float(num))
-        except ValueError:
-            raise InvalidArgumentError(
-                f"invalid value for '{name}': {value!r}; use bytes or e.g. '8GB', '512MiB'"
-            ) from None
+        return parse_size(name, value)
     return _check_int(name, value, minimum=0)
 
 

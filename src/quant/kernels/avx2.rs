@@ -344,34 +344,6 @@ unsafe fn dot_tile<S: Src, const NW: usize, const T: usize>(
     }
 }
 
-/// Run `$tile!(T, t0)` over all `s` activation rows: tiles of `TM`, then one smaller tile.
-macro_rules! for_tiles {
-    ($s:expr, $tm:expr, $tile:ident) => {{
-        let (s, tm) = ($s, $tm);
-        let mut t0 = 0;
-        while s - t0 >= tm {
-            match tm {
-                8 => $tile!(8, t0),
-                4 => $tile!(4, t0),
-                3 => $tile!(3, t0),
-                2 => $tile!(2, t0),
-                _ => $tile!(1, t0),
-            }
-            t0 += tm;
-        }
-        match s - t0 {
-            0 => {}
-            1 => $tile!(1, t0),
-            2 => $tile!(2, t0),
-            3 => $tile!(3, t0),
-            4 => $tile!(4, t0),
-            5 => $tile!(5, t0),
-            6 => $tile!(6, t0),
-            _ => $tile!(7, t0),
-        }
-    }};
-}
-
 /// All `s` activation rows against `NW` weight rows, tile by tile. `out[k]` points at `s`
 /// floats for weight row k.
 #[inline(always)]
@@ -427,43 +399,6 @@ unsafe fn rows_src<S: Src, const NW: usize, const TM: usize>(
             tiles::<S, NW, TM>(w, x, s, n, y);
         }
     }
-}
-
-/// Expand `$body` with `$mk` bound to a closure `|w, o| -> Src` for row o of a matrix `w` in
-/// format `$fmt` (one instantiation of `$body` per source type).
-macro_rules! with_src {
-    ($fmt:expr, |$mk:ident| $body:expr) => {{
-        match $fmt {
-            QuantFormat::F32 => {
-                let $mk = |w: &QMatrix<'_>, o: usize| F32(w.row_data(o).as_ptr() as *const f32);
-                $body
-            }
-            QuantFormat::Bf16 => {
-                let $mk = |w: &QMatrix<'_>, o: usize| Bf16(w.row_data(o).as_ptr());
-                $body
-            }
-            QuantFormat::F16 => {
-                let $mk = |w: &QMatrix<'_>, o: usize| F16(w.row_data(o).as_ptr());
-                $body
-            }
-            QuantFormat::Int8PerRow => {
-                let $mk = |w: &QMatrix<'_>, o: usize| Int8 {
-                    data: w.row_data(o).as_ptr(),
-                    scale: w.row_scales(o)[0],
-                };
-                $body
-            }
-            f @ (QuantFormat::Int4PerRow | QuantFormat::Int4Grouped { .. }) => {
-                let magic = group_magic(f, L);
-                let $mk = move |w: &QMatrix<'_>, o: usize| Int4 {
-                    data: w.row_data(o).as_ptr(),
-                    scales: w.row_scales(o).as_ptr(),
-                    magic,
-                };
-                $body
-            }
-        }
-    }};
 }
 
 /// `out[i·s + t] = W[o0 + i] · x_t` for the rows `o0..o0 + out.len()/s`.

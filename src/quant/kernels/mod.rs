@@ -25,6 +25,10 @@
 pub mod scalar;
 
 #[cfg(target_arch = "x86_64")]
+#[macro_use]
+mod tiling;
+
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;

@@ -1,5 +1,7 @@
-//! The machine's own limit: multi-threaded streaming read of a ≥ 1 GiB buffer. Kernel and
-//! I/O benches report their GB/s as a fraction of this.
+//! The machine's own limits: multi-threaded streaming read of a ≥ 1 GiB buffer (kernel and
+//! I/O benches report their GB/s as a fraction of it), and the f32 FMA ceiling of the
+//! selected kernel path on 2 threads (`compute/fma_peak_2threads`, in GFLOP/s: kernel calls
+//! with S > 1 do 2·S flops per weight, so their cost is judged against it).
 
 use std::hint::black_box;
 
@@ -33,4 +35,33 @@ fn streaming_read(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, streaming_read);
+fn fma_peak(c: &mut Criterion) {
+    let path = colibri::quant::kernels::selected_path();
+    const ITERS: usize = 1 << 20;
+    let Some((flops, _)) = colibri::quant::kernels::fma_peak_probe(path, 1, 1.0) else {
+        eprintln!("compute: no FMA probe for path {path}");
+        return;
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .expect("thread pool");
+    let mut g = c.benchmark_group("compute");
+    // Elements = flops: criterion's "elem/s" reads as flop/s.
+    g.throughput(Throughput::Elements((2 * flops * ITERS) as u64));
+    g.sample_size(10);
+    g.bench_function(format!("fma_peak_2threads/{path}"), |b| {
+        b.iter(|| {
+            let (x, y) = pool.install(|| {
+                rayon::join(
+                    || colibri::quant::kernels::fma_peak_probe(path, ITERS, black_box(1.0)),
+                    || colibri::quant::kernels::fma_peak_probe(path, ITERS, black_box(2.0)),
+                )
+            });
+            black_box((x, y))
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, streaming_read, fma_peak);

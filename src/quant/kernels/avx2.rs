@@ -457,3 +457,33 @@ pub(super) unsafe fn rows_pair(
         ))
     }
 }
+
+/// Independent FMA chains of [`fma_peak`]: 12 × 4 cycles of latency covers two FMA pipes.
+const PEAK_CHAINS: usize = 12;
+
+/// `iters` rounds of [`PEAK_CHAINS`] independent 8-lane FMAs: the f32 FMA ceiling on this
+/// path, for benches.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn fma_peak(iters: usize, seed: f32) -> f32 {
+    let mut acc = [_mm256_set1_ps(seed); PEAK_CHAINS];
+    let (a, b) = (_mm256_set1_ps(0.999_99), _mm256_set1_ps(1e-7));
+    for _ in 0..iters {
+        for c in acc.iter_mut() {
+            *c = _mm256_fmadd_ps(*c, a, b);
+        }
+    }
+    let mut out = [0.0f32; L];
+    let mut sum = _mm256_setzero_ps();
+    for c in acc {
+        sum = _mm256_add_ps(sum, c);
+    }
+    // SAFETY: `out` holds L floats.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), sum) };
+    out.iter().sum()
+}
+
+/// Flops per iteration of [`fma_peak`].
+pub(super) const PEAK_FLOPS_PER_ITER: usize = PEAK_CHAINS * 2 * L;

@@ -1,14 +1,16 @@
 //! AVX-512 (F + BW) kernels: 16 f32 lanes, two accumulators per dot product (vector v →
-//! v % 2), int4 decoded 64 elements per load, tiles of two weight rows × up to four activation
-//! rows (an odd last weight row: one × up to eight; 16 accumulators either way). Weights are dequantised exactly to f32 (no
-//! integer-activation tricks), so the result is the f32 dot product of the reference weights in
-//! this path's fixed order (see the module docs of `kernels`).
+//! v % 2), tiles of two weight rows × up to four activation rows (an odd last weight row: one
+//! × up to eight; 16 accumulators either way). Int4 whose groups are whole 32-element blocks
+//! (gs a multiple of 32, or per row; the DESIGN default gs64 among them) is decoded through a
+//! 16-entry table per group (`vpermps`, [`Int4Lut`]) against activations rearranged once per
+//! call into even/odd halves of each block; gs 16 and 48 use the shift-and-convert decode
+//! ([`Int4`]). Weights are dequantised exactly to f32 (no integer-activation tricks), so the
+//! result is the f32 dot product of the reference weights in this path's fixed order (see the
+//! module docs of `kernels`).
 //!
 //! Every function here needs AVX-512 F and BW; the entry points carry `#[target_feature]` and
-//! the helpers are `#[inline(always)]` into them.
-//!
-//! The AVX-512 intrinsics are stable since Rust 1.89, above the crate's declared MSRV (1.85):
-//! building this crate needs 1.89 until `rust-version` is raised.
+//! the helpers are `#[inline(always)]` into them (the intrinsics need Rust 1.89, the crate's
+//! MSRV).
 
 use std::arch::x86_64::*;
 use std::ptr;
@@ -32,21 +34,29 @@ const TILE_PAIR: usize = 4;
 trait Src: Copy {
     /// Vector `v` (elements 16v .. 16v+15, all inside the row).
     unsafe fn one(self, v: usize) -> __m512;
-    /// Vectors 4c .. 4c+3 (all full; D = 4).
+    /// Vectors 2p and 2p+1 (both whole).
     #[inline(always)]
-    unsafe fn chunk(self, c: usize) -> [__m512; D] {
-        // SAFETY: forwarded contract: vectors 4c..4c+3 are full.
-        unsafe {
-            [
-                self.one(D * c),
-                self.one(D * c + 1),
-                self.one(D * c + 2),
-                self.one(D * c + 3),
-            ]
-        }
+    unsafe fn pair(self, p: usize) -> [__m512; 2] {
+        // SAFETY: forwarded contract: vectors 2p and 2p+1 are whole.
+        unsafe { [self.one(2 * p), self.one(2 * p + 1)] }
     }
-    /// The last, partial vector `v` holding `r` (1..16) elements; lanes ≥ r are +0.
-    unsafe fn tail(self, v: usize, r: usize) -> __m512;
+    /// Vectors `0..whole(n)` of a row of n elements are whole (every lane an element).
+    #[inline(always)]
+    fn whole(n: usize) -> usize {
+        n / L
+    }
+    /// A row of n elements is vectors `0..vectors(n)`; those from `whole(n)` on are partial.
+    #[inline(always)]
+    fn vectors(n: usize) -> usize {
+        n.div_ceil(L)
+    }
+    /// The lanes of partial vector v that hold elements, in W and in X alike.
+    #[inline(always)]
+    fn tail_mask(n: usize, _v: usize) -> __mmask16 {
+        mask(n % L)
+    }
+    /// Partial vector `v` of a row of `n` elements; lanes outside `tail_mask` are +0.
+    unsafe fn tail(self, v: usize, n: usize) -> __m512;
     /// Hint the cache about the bytes some way ahead of vector `v` (no effect on results).
     #[inline(always)]
     fn prefetch(self, _v: usize) {}
@@ -99,8 +109,18 @@ unsafe fn deq(q: __m128i, scale: __m512) -> __m512 {
 
 /// How far ahead of the vector being decoded int4 data is prefetched: a single core streaming
 /// int4 from DRAM went from 6.8 to 10 GB/s with it (the decode work keeps the core from
-/// running far enough ahead on its own).
-const INT4_PREFETCH_BYTES: usize = 1024;
+/// running far enough ahead on its own). With the table decode the core runs faster, and
+/// 1 KiB ahead left int4 at S = 1 at 18 GiB/s of a measured 53; 8 KiB (about the bytes two
+/// cores consume in one DRAM latency) took it to 30–36 (see [`int4_prefetch_distance`]).
+const INT4_PREFETCH_BYTES: usize = 8192;
+
+/// The prefetch distance for int4 rows of `row_bytes` read `rows_per_pass` at a time side by
+/// side: at least [`INT4_PREFETCH_BYTES`], and at least one pass, so that a prefetch from row
+/// k lands in the rows of the next pass rather than in a row being read now (o_proj, 8 KiB
+/// rows read in pairs, went from 21 to 30 GiB/s with it).
+fn int4_prefetch_distance(row_bytes: usize, rows_per_pass: usize) -> usize {
+    INT4_PREFETCH_BYTES.max(row_bytes * rows_per_pass)
+}
 
 impl Src for Int4 {
     #[inline(always)]
@@ -123,35 +143,151 @@ impl Src for Int4 {
     }
 
     #[inline(always)]
-    unsafe fn chunk(self, c: usize) -> [__m512; D] {
-        // SAFETY: vectors 4c..4c+3 are full, so bytes 32c .. 32c+32 are in the row; AVX-512 BW
-        // guaranteed by the caller.
-        unsafe {
-            let b = _mm256_loadu_si256(self.data.add(c * 32) as *const __m256i);
-            let t = _mm512_cvtepu8_epi16(b);
-            let u = _mm512_and_si512(
-                _mm512_or_si512(t, _mm512_slli_epi16::<4>(t)),
-                _mm512_set1_epi16(0x0F0F),
-            );
-            let q = _mm512_sub_epi8(u, _mm512_set1_epi8(8));
-            let v = D * c;
-            [
-                deq(_mm512_castsi512_si128(q), self.scale(v)),
-                deq(_mm512_extracti32x4_epi32::<1>(q), self.scale(v + 1)),
-                deq(_mm512_extracti32x4_epi32::<2>(q), self.scale(v + 2)),
-                deq(_mm512_extracti32x4_epi32::<3>(q), self.scale(v + 3)),
-            ]
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn tail(self, v: usize, r: usize) -> __m512 {
+    unsafe fn tail(self, v: usize, n: usize) -> __m512 {
+        let r = n % L;
         // SAFETY: the row ends ceil(r/2) bytes after byte 8v; padding nibbles read as 8 (0).
         unsafe {
             let mut buf = [0x88u8; 16];
             ptr::copy_nonoverlapping(self.data.add(v * 8), buf.as_mut_ptr(), r.div_ceil(2));
             let b = _mm_loadu_si128(buf.as_ptr() as *const __m128i);
             _mm512_maskz_mov_ps(mask(r), deq(nibbles8(b), self.scale(v)))
+        }
+    }
+}
+
+/// int4 with a nibble → weight table (`vpermps`): the layout every int4 format whose groups
+/// are whole 32-element blocks (gs a multiple of 32, or per row) uses on this path. Block b
+/// (elements 32b .. 32b+31, bytes 16b .. 16b+15) is two vectors: 2b holds its even elements
+/// (the low nibbles of the 16 bytes), 2b+1 its odd ones (the high nibbles), matching the
+/// activations in the [`super::XLayout::Pairs32`] layout. The table entry for nibble k is
+/// `(k − 8) as f32 · scale`, the reference dequantisation itself, so the weights are exact;
+/// decoding costs one zero-extend per block and one permute per vector (the shift-and-convert
+/// decode of [`Int4`] costs three times as many instructions, and int4 at S = 1 was bound by
+/// them).
+#[derive(Clone, Copy)]
+struct Int4Lut {
+    data: *const u8,
+    scales: *const f32,
+    /// Block b is in group `(b · magic) >> 32` (0 for per-row scales).
+    magic: u64,
+    /// Prefetch distance in bytes.
+    ahead: usize,
+}
+
+/// `[-8, -7, …, 7]`: nibble k → k − 8.
+#[inline(always)]
+unsafe fn nibble_values() -> __m512 {
+    // SAFETY: AVX-512 F guaranteed by the caller.
+    unsafe {
+        _mm512_setr_ps(
+            -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
+        )
+    }
+}
+
+impl Int4Lut {
+    /// A row: `data` holds its ceil(n/2) bytes, `scales` its groups; `gs` is the group size
+    /// (a multiple of 32), 0 for per-row; `ahead` the prefetch distance in bytes.
+    #[inline(always)]
+    fn new(data: *const u8, scales: *const f32, gs: usize, ahead: usize) -> Self {
+        let magic = if gs == 0 {
+            0
+        } else {
+            (1u64 << 32).div_ceil((gs / 32) as u64)
+        };
+        Int4Lut {
+            data,
+            scales,
+            magic,
+            ahead,
+        }
+    }
+
+    /// The table of block b's group.
+    #[inline(always)]
+    unsafe fn table(self, b: usize) -> __m512 {
+        // SAFETY: `magic` maps every block of the row to its group, < scales_per_row.
+        unsafe {
+            let g = ((b as u64 * self.magic) >> 32) as usize;
+            _mm512_mul_ps(nibble_values(), _mm512_set1_ps(*self.scales.add(g)))
+        }
+    }
+
+    /// Block b's bytes, one per 32-bit lane (the nibbles in bits 0..8).
+    #[inline(always)]
+    unsafe fn bytes(self, b: usize) -> __m512i {
+        // SAFETY: block b < full: its 16 bytes are in the row.
+        unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(self.data.add(16 * b) as *const __m128i)) }
+    }
+
+    /// Even and odd vectors of a full block with table `t` (`vpermps` reads index bits 0..4).
+    #[inline(always)]
+    unsafe fn decode(q: __m512i, t: __m512) -> [__m512; 2] {
+        // SAFETY: AVX-512 F guaranteed by the caller.
+        unsafe {
+            [
+                _mm512_permutexvar_ps(q, t),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), t),
+            ]
+        }
+    }
+}
+
+impl Src for Int4Lut {
+    #[inline(always)]
+    fn whole(n: usize) -> usize {
+        2 * (n / 32)
+    }
+
+    #[inline(always)]
+    fn vectors(n: usize) -> usize {
+        2 * n.div_ceil(32)
+    }
+
+    #[inline(always)]
+    fn tail_mask(n: usize, v: usize) -> __mmask16 {
+        // Even lane i is element 2i of the block, odd lane i element 2i + 1.
+        let rem = n % 32;
+        mask(if v.is_multiple_of(2) { rem.div_ceil(2) } else { rem / 2 })
+    }
+
+    #[inline(always)]
+    fn prefetch(self, v: usize) {
+        // SAFETY: a prefetch never faults, whatever the address (hence `wrapping_add`).
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(self.data.wrapping_add(v * 8 + self.ahead) as *const i8)
+        };
+    }
+
+    #[inline(always)]
+    unsafe fn one(self, v: usize) -> __m512 {
+        // SAFETY: forwarded: vector v is whole, so block v/2 is.
+        unsafe { Self::decode(self.bytes(v / 2), self.table(v / 2))[v % 2] }
+    }
+
+    #[inline(always)]
+    unsafe fn pair(self, p: usize) -> [__m512; 2] {
+        // SAFETY: forwarded: vectors 2p and 2p+1 are whole, so block p is.
+        unsafe { Self::decode(self.bytes(p), self.table(p)) }
+    }
+
+    #[inline(always)]
+    unsafe fn tail(self, v: usize, n: usize) -> __m512 {
+        // SAFETY: block v/2 is the partial last one: the row has ceil((n % 32)/2) of its bytes;
+        // padding nibbles read as 8 (weight 0) and are masked off anyway.
+        unsafe {
+            let b = v / 2;
+            let mut buf = [0x88u8; 16];
+            ptr::copy_nonoverlapping(
+                self.data.add(16 * b),
+                buf.as_mut_ptr(),
+                (n % 32).div_ceil(2),
+            );
+            let mut q = _mm512_cvtepu8_epi32(_mm_loadu_si128(buf.as_ptr() as *const __m128i));
+            if v % 2 == 1 {
+                q = _mm512_srli_epi32::<4>(q);
+            }
+            _mm512_maskz_permutexvar_ps(Self::tail_mask(n, v), q, self.table(b))
         }
     }
 }
@@ -174,7 +310,8 @@ impl Src for Int8 {
     }
 
     #[inline(always)]
-    unsafe fn tail(self, v: usize, r: usize) -> __m512 {
+    unsafe fn tail(self, v: usize, n: usize) -> __m512 {
+        let r = n % L;
         // SAFETY: the row ends r bytes after byte 16v.
         unsafe {
             let mut buf = [0u8; 16];
@@ -203,7 +340,8 @@ impl Src for Bf16 {
     }
 
     #[inline(always)]
-    unsafe fn tail(self, v: usize, r: usize) -> __m512 {
+    unsafe fn tail(self, v: usize, n: usize) -> __m512 {
+        let r = n % L;
         // SAFETY: the row ends 2r bytes after byte 32v.
         unsafe {
             let mut buf = [0u8; 2 * L];
@@ -225,7 +363,8 @@ impl Src for F16 {
     }
 
     #[inline(always)]
-    unsafe fn tail(self, v: usize, r: usize) -> __m512 {
+    unsafe fn tail(self, v: usize, n: usize) -> __m512 {
+        let r = n % L;
         // SAFETY: the row ends 2r bytes after byte 32v.
         unsafe {
             let mut buf = [0u8; 2 * L];
@@ -267,11 +406,12 @@ unsafe fn reduce(a: [__m512; A]) -> f32 {
     }
 }
 
-/// Accumulate vectors `v0..v1` of `NW` weight rows against `T` activation rows of length `n`
-/// (`x[t]` points at element `v0 · L` of row t) into `acc`: vector v goes to accumulator v % A of every (weight row, activation row); the
-/// partial last vector (number n / L) has its lanes past n zero in W and X. `v0` is a multiple
-/// of D, so walking 0..n.div_ceil(L) in consecutive ranges performs exactly the same
-/// operations on every accumulator as walking it in one go.
+/// Accumulate vectors `v0..v1` of `NW` weight rows against `T` activation rows of `n` elements
+/// (`x[t]` points at vector `v0` of row t) into `acc`: vector v goes to accumulator v % A of
+/// every (weight row, activation row); the partial vectors at the end (from `S::whole(n)`)
+/// have the lanes outside `S::tail_mask` zero in W and X. `v0` is a multiple of D, so walking
+/// `0..S::vectors(n)` in consecutive ranges performs exactly the same operations on every
+/// accumulator as walking it in one go.
 #[inline(always)]
 unsafe fn accumulate<S: Src, const NW: usize, const T: usize>(
     w: [S; NW],
@@ -284,20 +424,27 @@ unsafe fn accumulate<S: Src, const NW: usize, const T: usize>(
     // SAFETY: the caller guarantees the CPU features, that each `x[t]` points at the
     // elements v0·L .. min(v1·L, n) of a row and each source at a row of n elements.
     unsafe {
-        let (nv, r) = (n / L, n % L);
-        let full = v1.min(nv);
+        let (whole, total) = (S::whole(n), S::vectors(n));
+        let full = v1.min(whole);
         let mut v = v0;
         while v + D <= full {
-            let mut wv = [[_mm512_setzero_ps(); D]; NW];
-            for k in 0..NW {
-                w[k].prefetch(v);
-                wv[k] = w[k].chunk(v / D);
+            for src in &w {
+                src.prefetch(v);
             }
-            for t in 0..T {
-                for j in 0..D {
-                    let xv = _mm512_loadu_ps(x[t].add((v - v0 + j) * L));
-                    for k in 0..NW {
-                        acc[k][t][j % A] = _mm512_fmadd_ps(wv[k][j], xv, acc[k][t][j % A]);
+            // Two vectors at a time: fewer decoded vectors live at once (register pressure at
+            // T = 4, NW = 2).
+            for h in 0..D / 2 {
+                let u = v + 2 * h;
+                let mut wv = [[_mm512_setzero_ps(); 2]; NW];
+                for k in 0..NW {
+                    wv[k] = w[k].pair(u / 2);
+                }
+                for t in 0..T {
+                    for j in 0..2 {
+                        let xv = _mm512_loadu_ps(x[t].add((u - v0 + j) * L));
+                        for k in 0..NW {
+                            acc[k][t][j % A] = _mm512_fmadd_ps(wv[k][j], xv, acc[k][t][j % A]);
+                        }
                     }
                 }
             }
@@ -316,17 +463,20 @@ unsafe fn accumulate<S: Src, const NW: usize, const T: usize>(
             }
             v += 1;
         }
-        if r > 0 && v1 > nv {
+        v = v.max(whole);
+        while v < v1.min(total) {
             let mut wv = [_mm512_setzero_ps(); NW];
             for k in 0..NW {
-                wv[k] = w[k].tail(nv, r);
+                wv[k] = w[k].tail(v, n);
             }
+            let m = S::tail_mask(n, v);
             for t in 0..T {
-                let xv = _mm512_maskz_loadu_ps(mask(r), x[t].add((nv - v0) * L));
+                let xv = _mm512_maskz_loadu_ps(m, x[t].add((v - v0) * L));
                 for k in 0..NW {
-                    acc[k][t][nv % A] = _mm512_fmadd_ps(wv[k], xv, acc[k][t][nv % A]);
+                    acc[k][t][v % A] = _mm512_fmadd_ps(wv[k], xv, acc[k][t][v % A]);
                 }
             }
+            v += 1;
         }
     }
 }
@@ -343,7 +493,7 @@ unsafe fn dot_tile<S: Src, const NW: usize, const T: usize>(
     // SAFETY: forwarded contract of `accumulate`.
     unsafe {
         let mut acc = [[[_mm512_setzero_ps(); A]; T]; NW];
-        accumulate(w, x, n, 0, n.div_ceil(L), &mut acc);
+        accumulate(w, x, n, 0, S::vectors(n), &mut acc);
         let mut y = [[0.0f32; T]; NW];
         for k in 0..NW {
             for t in 0..T {
@@ -354,7 +504,8 @@ unsafe fn dot_tile<S: Src, const NW: usize, const T: usize>(
     }
 }
 
-/// All `s` activation rows against `NW` weight rows, tile by tile. `out[k]` points at `s`
+/// All `s` activation rows against `NW` weight rows of `n` elements (as the source walks
+/// them), tile by tile. Activation row t starts at `x[t · x.len()/s]`. `out[k]` points at `s`
 /// floats for weight row k.
 #[inline(always)]
 unsafe fn tiles<S: Src, const NW: usize, const TM: usize>(
@@ -364,15 +515,16 @@ unsafe fn tiles<S: Src, const NW: usize, const TM: usize>(
     n: usize,
     out: [*mut f32; NW],
 ) {
-    // SAFETY: `x` holds s rows of n; each `out[k]` points at s writable floats.
+    // SAFETY: `x` holds s rows of at least n; each `out[k]` points at s writable floats.
     unsafe {
         const { assert!(matches!(TM, 1..=4 | 8)) };
         let xp = x.as_ptr();
+        let stride = x.len() / s;
         macro_rules! tile {
             ($t:literal, $t0:expr) => {{
                 let mut xs = [xp; $t];
                 for (i, p) in xs.iter_mut().enumerate() {
-                    *p = xp.add(($t0 + i) * n);
+                    *p = xp.add(($t0 + i) * stride);
                 }
                 let y = dot_tile::<S, NW, $t>(w, xs, n);
                 for k in 0..NW {
@@ -416,11 +568,48 @@ unsafe fn rows_src<S: Src, const NW: usize, const TM: usize>(
 /// # Safety
 /// The CPU supports AVX-512 F and BW; `x.len() == s · w.cols()`, `s > 0`,
 /// `out.len()` is a multiple of s and `o0 + out.len()/s <= w.rows()`.
+/// The activations are in the layout [`x_layout`] gives for `w`'s format.
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, x: &[f32], s: usize, out: &mut [f32]) {
     let n = w.cols();
     // SAFETY: the caller's contract; `make` builds sources over whole rows of n elements.
-    unsafe { with_src!(w.format(), |mk| rows_paired(|o| mk(w, o), n, o0, x, s, out)) }
+    unsafe {
+        match lut_group(w.format()) {
+            Some(gs) => {
+                let ahead = int4_prefetch_distance(w.format().row_bytes(n), 2);
+                let mk = |o| Int4Lut::new(row_ptr(w, o), scales_ptr(w, o), gs, ahead);
+                rows_paired(mk, n, o0, x, s, out)
+            }
+            None => with_src!(w.format(), |mk| rows_paired(|o| mk(w, o), n, o0, x, s, out)),
+        }
+    }
+}
+
+fn row_ptr(w: &QMatrix<'_>, o: usize) -> *const u8 {
+    w.row_data(o).as_ptr()
+}
+
+fn scales_ptr(w: &QMatrix<'_>, o: usize) -> *const f32 {
+    w.row_scales(o).as_ptr()
+}
+
+/// The group size of an int4 format this path decodes with a table ([`Int4Lut`]; 0 = per
+/// row), `None` for every other format (gs 16 and 48 split a 32-element block).
+fn lut_group(format: QuantFormat) -> Option<usize> {
+    match format {
+        QuantFormat::Int4PerRow => Some(0),
+        QuantFormat::Int4Grouped { group_size } if group_size % 32 == 0 => Some(group_size),
+        _ => None,
+    }
+}
+
+/// How this path wants the activations of a matmul with weights in `format`.
+pub(super) fn x_layout(format: QuantFormat) -> super::XLayout {
+    if lut_group(format).is_some() {
+        super::XLayout::Pairs32
+    } else {
+        super::XLayout::Rows
+    }
 }
 
 /// Rows `o0..o0 + out.len()/s`, two weight rows at a time (tiles of 2 × `TILE_PAIR`; an odd
@@ -477,6 +666,14 @@ pub(super) unsafe fn rows_pair(
             rows(b, o0, x, s, out_b);
             return;
         }
+        if let Some(gs) = lut_group(a.format()) {
+            let pick = |k: usize| if k == 0 { a } else { b };
+            // One row of each matrix per pass.
+            let ahead = int4_prefetch_distance(a.format().row_bytes(n), 1);
+            let out = [out_a, out_b];
+            let mk = |k, o| Int4Lut::new(row_ptr(pick(k), o), scales_ptr(pick(k), o), gs, ahead);
+            return rows_src::<_, 2, TILE_PAIR>(mk, n, o0, x, s, out);
+        }
         with_src!(a.format(), |mk| rows_src::<_, 2, TILE_PAIR>(
             |k, o| if k == 0 { mk(a, o) } else { mk(b, o) },
             n,
@@ -487,3 +684,30 @@ pub(super) unsafe fn rows_pair(
         ))
     }
 }
+
+/// Independent FMA chains of [`fma_peak`]: 12 × 4 cycles of latency covers two FMA pipes.
+const PEAK_CHAINS: usize = 12;
+
+/// `iters` rounds of [`PEAK_CHAINS`] independent 16-lane FMAs (`iters · 12 · 32` flops): the
+/// machine's f32 FMA ceiling on this path, for benches to report the kernels against.
+///
+/// # Safety
+/// The CPU supports AVX-512 F.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn fma_peak(iters: usize, seed: f32) -> f32 {
+    let mut acc = [_mm512_set1_ps(seed); PEAK_CHAINS];
+    let (a, b) = (_mm512_set1_ps(0.999_99), _mm512_set1_ps(1e-7));
+    for _ in 0..iters {
+        for c in acc.iter_mut() {
+            *c = _mm512_fmadd_ps(*c, a, b);
+        }
+    }
+    let mut sum = _mm512_setzero_ps();
+    for c in acc {
+        sum = _mm512_add_ps(sum, c);
+    }
+    _mm512_reduce_add_ps(sum)
+}
+
+/// Flops per iteration of [`fma_peak`].
+pub(super) const PEAK_FLOPS_PER_ITER: usize = PEAK_CHAINS * 2 * L;

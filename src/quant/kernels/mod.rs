@@ -9,7 +9,9 @@
 //!   vector v is dequantised exactly (`(nibble − 8) as f32 · scale`, `q as f32 · scale`, the
 //!   bf16/f16 bits widened) and fused-multiply-added into accumulator `v % A` of each
 //!   activation row (A = 2 on x86, 4 on NEON); the last partial vector is masked (lanes past I
-//!   are zero in both W and X);
+//!   are zero in both W and X); AVX-512 walks int4 (gs a multiple of 32, or per row) as the
+//!   even then the odd elements of each 32-element block, with the activations rearranged to
+//!   match once per call ([`XLayout`]) — still one fixed order per format and I;
 //! - the accumulators are summed in order, then the lanes by a fixed tree.
 //!
 //! Activation rows are processed in tiles of a few rows (AVX-512: 4, for two weight rows at
@@ -285,6 +287,8 @@ pub fn matmul_with(
         return Ok(());
     }
     let row_bytes = w.format().row_bytes(w.cols());
+    let x = XLayout::of(path, w.format()).arrange(x, s, w.cols());
+    let x = &x[..];
     if s == 1 {
         // Y^T == Y: the chunks write straight into y.
         for_row_chunks(w.rows(), 1, row_bytes, pool, y, |o0, out| {
@@ -298,6 +302,82 @@ pub fn matmul_with(
         transpose(&yt, w.rows(), s, y);
     }
     Ok(())
+}
+
+/// How a path wants the activations of a call laid out (chosen by path and weight format,
+/// never by S, so every S computes the same function).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum XLayout {
+    /// Row-major [S, I], as given.
+    Rows,
+    /// Each row in blocks of 32 elements, each block its 16 even elements then its 16 odd
+    /// ones, the last block zero-padded: [S, 32·ceil(I/32)]. Int4 decoded by table on
+    /// AVX-512 (a block's low nibbles, then its high ones).
+    Pairs32,
+}
+
+impl XLayout {
+    fn of(path: KernelPath, format: crate::quant::QuantFormat) -> XLayout {
+        match path {
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx512 => avx512::x_layout(format),
+            _ => {
+                let _ = format;
+                XLayout::Rows
+            }
+        }
+    }
+
+    /// `x` ([s, n] row-major) in this layout: borrowed as is, or rearranged (O(S·I), small
+    /// next to the O·I weights of the call).
+    fn arrange(self, x: &[f32], s: usize, n: usize) -> std::borrow::Cow<'_, [f32]> {
+        match self {
+            XLayout::Rows => std::borrow::Cow::Borrowed(x),
+            XLayout::Pairs32 => {
+                let n32 = n.div_ceil(32) * 32;
+                let mut out = vec![0.0f32; s * n32];
+                for (src, dst) in x
+                    .chunks_exact(n.max(1))
+                    .zip(out.chunks_exact_mut(n32.max(1)))
+                {
+                    for (b, blk) in dst.chunks_exact_mut(32).enumerate() {
+                        let base = 32 * b;
+                        for i in 0..16 {
+                            blk[i] = src.get(base + 2 * i).copied().unwrap_or(0.0);
+                            blk[16 + i] = src.get(base + 2 * i + 1).copied().unwrap_or(0.0);
+                        }
+                    }
+                }
+                std::borrow::Cow::Owned(out)
+            }
+        }
+    }
+}
+
+/// The f32 FMA ceiling of `path` on this thread: runs `iters` rounds of independent vector
+/// FMAs and returns (flops done, a value to keep the work alive). Benches divide the flops by
+/// the time to put the kernels' S > 1 cost against the machine's compute limit. `None` for
+/// paths without a probe (scalar, NEON) or that this CPU cannot run.
+pub fn fma_peak_probe(path: KernelPath, iters: usize, seed: f32) -> Option<(usize, f32)> {
+    if !path.is_available() {
+        return None;
+    }
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512 F is present (checked above).
+        KernelPath::Avx512 => Some((iters * avx512::PEAK_FLOPS_PER_ITER, unsafe {
+            avx512::fma_peak(iters, seed)
+        })),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 and FMA are present (checked above).
+        KernelPath::Avx2 => Some((iters * avx2::PEAK_FLOPS_PER_ITER, unsafe {
+            avx2::fma_peak(iters, seed)
+        })),
+        _ => {
+            let _ = seed;
+            None
+        }
+    }
 }
 
 /// silu(v) = v / (1 + e^(−v)) in f32: one scalar function for every path.
@@ -360,9 +440,27 @@ pub fn expert_ffn_with(
     // hT[f, s] = silu(gate_f · x_s) · (up_f · x_s), computed per chunk of F rows.
     let mut ht = vec![0.0f32; f * s];
     let row_bytes = gate.format().row_bytes(h) + up.format().row_bytes(h);
+    let (layout_g, layout_u) = (
+        XLayout::of(path, gate.format()),
+        XLayout::of(path, up.format()),
+    );
+    let xg = layout_g.arrange(x, s, h);
+    let xu = if layout_u == layout_g {
+        None
+    } else {
+        Some(layout_u.arrange(x, s, h))
+    };
     for_row_chunks(f, s, row_bytes, pool, &mut ht, |o0, out_h| {
         let mut u = vec![0.0f32; out_h.len()];
-        rows_pair(path, gate, up, o0, x, s, out_h, &mut u);
+        match &xu {
+            None => rows_pair(path, gate, up, o0, &xg, s, out_h, &mut u),
+            // Layouts differ only when the formats do: one matrix at a time, each with its own
+            // activations (the same arithmetic per dot product).
+            Some(xu) => {
+                rows(path, gate, o0, &xg, s, out_h);
+                rows(path, up, o0, xu, s, &mut u);
+            }
+        }
         for (g, u) in out_h.iter_mut().zip(&u) {
             *g = silu(*g) * u;
         }

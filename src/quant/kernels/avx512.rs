@@ -248,7 +248,11 @@ impl Src for Int4Lut {
     fn tail_mask(n: usize, v: usize) -> __mmask16 {
         // Even lane i is element 2i of the block, odd lane i element 2i + 1.
         let rem = n % 32;
-        mask(if v.is_multiple_of(2) { rem.div_ceil(2) } else { rem / 2 })
+        mask(if v.is_multiple_of(2) {
+            rem.div_ceil(2)
+        } else {
+            rem / 2
+        })
     }
 
     #[inline(always)]

@@ -47,6 +47,14 @@ pub enum Error {
     /// The caller asked the running operation to stop (Ctrl-C).
     #[error("cancelled")]
     Cancelled,
+    /// The engine was created in another process and this one is a fork of it: its I/O and
+    /// compute threads did not survive the fork, so it cannot run here.
+    #[error(
+        "this model was loaded in process {created_in} and this is a forked child (pid \
+         {current}); its I/O and compute threads do not survive fork(). Load the model in the \
+         child, or use multiprocessing's 'spawn' or 'forkserver' start method"
+    )]
+    ForkedProcess { created_in: u32, current: u32 },
     /// A bug in colibri (including a caught panic): please report it.
     #[error("internal error: {0} (this is a colibri bug; please report it)")]
     Internal(String),

@@ -29,6 +29,7 @@ pub(crate) fn to_py_err(err: Error) -> PyErr {
         Error::InvalidArgument { .. } => "InvalidArgumentError",
         Error::NonFinite { .. } => "NonFiniteWeightError",
         Error::Cancelled => "Cancelled",
+        Error::ForkedProcess { .. } => "ForkedProcessError",
         Error::Internal(_) => "InternalError",
     };
     let message = err.to_string();

@@ -730,3 +730,45 @@ def test_core_stub_matches_the_binary() -> None:
         stubbed = {n for n in members if not n.startswith("_")}
         stubbed |= {n for n in ("__len__", "__contains__") if n in members}
         assert real == stubbed, cls_name
+
+
+_FORK_SCRIPT = """
+import os, sys
+import colibri
+
+model = colibri.Model(sys.argv[1])
+want = model.generate("def", max_new_tokens=4, temperature=0).text
+pid = os.fork()
+if pid == 0:
+    try:
+        model.generate("def", max_new_tokens=4, temperature=0)
+        code = 2
+    except colibri.ForkedProcessError as e:
+        code = 0 if "fork" in str(e) and "spawn" in str(e) else 3
+    if sys.argv[2] == "os._exit" or code:
+        os._exit(code)
+    sys.exit(0)  # interpreter teardown drops the model in the child
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+assert model.generate("def", max_new_tokens=4, temperature=0).text == want
+print("parent ok")
+"""
+
+
+@pytest.mark.parametrize("exit_how", ["os._exit", "normal"])
+def test_a_forked_child_gets_a_clear_error(test_model_dir: Path, exit_how: str) -> None:
+    """A model loaded before fork() refuses to run in the child (its threads stayed in the
+    parent) with ForkedProcessError instead of hanging; the child exits cleanly either way
+    (a normal exit drops the model during interpreter teardown), and the parent's model keeps
+    working."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_SCRIPT, str(test_model_dir), exit_how],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "parent ok" in done.stdout

@@ -22,6 +22,7 @@ __all__ = [
     "ColibriPermissionError",
     "ConfigError",
     "ContainerError",
+    "ForkedProcessError",
     "InternalError",
     "InvalidArgumentError",
     "MissingTensorError",
@@ -76,6 +77,14 @@ class ColibriPermissionError(ColibriIOError, PermissionError):
 
 class ModelNotFoundError(ColibriError, FileNotFoundError):
     """A model name is neither a local directory nor a reachable Hugging Face repo."""
+
+
+class ForkedProcessError(ColibriError, RuntimeError):
+    """A model loaded before ``os.fork()`` was used in the child process.
+
+    The engine's I/O and compute threads do not survive a fork; load the model in the child,
+    or use multiprocessing's ``spawn`` or ``forkserver`` start method.
+    """
 
 
 class InternalError(ColibriError, RuntimeError):

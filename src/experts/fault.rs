@@ -1,5 +1,6 @@
 //! Fault injection: make reads of chosen files fail the way real disks and filesystems fail
-//! (EIO, a vanished file, a short read), so the store's error paths can be exercised
+//! (EIO, a vanished file, a short read, a filesystem that refuses O_DIRECT), so the store's
+//! error and fallback paths can be exercised
 //! deterministically. Disarmed it costs one relaxed atomic load per read.
 
 use std::path::Path;
@@ -17,6 +18,10 @@ pub enum FaultKind {
     Missing,
     /// The read delivers only this many bytes, then end-of-file (a truncated shard).
     ShortRead(usize),
+    /// An O_DIRECT read fails with `EINVAL`, as on a filesystem without direct I/O: the store
+    /// must fall back to buffered reads (with one warning) and deliver the same bytes. No
+    /// effect on buffered reads.
+    DirectRefused,
 }
 
 #[derive(Debug, Clone)]
@@ -76,12 +81,13 @@ impl FaultInjector {
 }
 
 impl FaultKind {
-    /// The OS error this fault stands for (`None` for a short read, which is not an error).
+    /// The OS error this fault stands for (`None` for a short read, which is not an error, and
+    /// for a refused O_DIRECT read, which the store handles itself).
     pub(crate) fn io_error(self) -> Option<std::io::Error> {
         match self {
             FaultKind::Eio => Some(std::io::Error::from_raw_os_error(libc::EIO)),
             FaultKind::Missing => Some(std::io::Error::from_raw_os_error(libc::ENOENT)),
-            FaultKind::ShortRead(_) => None,
+            FaultKind::ShortRead(_) | FaultKind::DirectRefused => None,
         }
     }
 }

@@ -234,6 +234,8 @@ struct Inner {
 pub struct ExpertStore {
     inner: Arc<Inner>,
     workers: Vec<JoinHandle<()>>,
+    /// The process that started the workers: a forked child has none of them.
+    pid: u32,
 }
 
 impl ExpertStore {
@@ -397,7 +399,11 @@ impl ExpertStore {
                 workers.push(h);
             }
         }
-        Ok(ExpertStore { inner, workers })
+        Ok(ExpertStore {
+            inner,
+            workers,
+            pid: std::process::id(),
+        })
     }
 
     /// Layer indices that have routed experts, and how many each has.
@@ -609,6 +615,11 @@ impl ExpertStore {
 
 impl Drop for ExpertStore {
     fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // A forked child: the workers exist only in the parent, so joining them (or taking
+            // a queue lock one of them held at the fork) would never return. Leave them be.
+            return;
+        }
         if let Some(q) = &self.inner.queue {
             q.shutdown();
         }

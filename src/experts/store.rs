@@ -523,10 +523,12 @@ impl Files {
         r: ByteRange,
     ) -> Result<u64> {
         let mut limit = buf.len();
+        let mut refuse_direct = false;
         if let Some(k) = self.faults.check(&sh.path) {
             match (k.io_error(), k) {
                 (Some(e), _) => return Err(Error::io(&sh.path, e)),
                 (None, FaultKind::ShortRead(n)) => limit = n.min(limit),
+                (None, FaultKind::DirectRefused) => refuse_direct = direct,
                 (None, _) => {}
             }
         }
@@ -539,7 +541,12 @@ impl Files {
             let n = if done >= limit {
                 0
             } else {
-                match file.read_at(&mut buf[done..limit], offset + done as u64) {
+                let res = if std::mem::take(&mut refuse_direct) {
+                    Err(std::io::Error::from_raw_os_error(libc::EINVAL))
+                } else {
+                    file.read_at(&mut buf[done..limit], offset + done as u64)
+                };
+                match res {
                     Ok(n) => n,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                     Err(e) if e.raw_os_error() == Some(libc::EINVAL) && direct => {

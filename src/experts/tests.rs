@@ -342,6 +342,52 @@ fn faults_are_typed_and_recoverable() {
     }
 }
 
+/// A filesystem that refuses O_DIRECT reads (EINVAL): the direct store falls back to buffered
+/// reads, delivers the same bytes, and reports the mode in effect as pread.
+#[test]
+fn refused_direct_reads_fall_back_to_buffered() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    let name0 = src.files[0]
+        .file_name()
+        .and_then(|n| n.to_str())
+        .expect("name")
+        .to_owned();
+    let store = ExpertStore::open_source(src.clone(), opts(IoMode::Direct, 0)).expect("open");
+    if store.stats().io_mode != IoMode::Direct {
+        // This filesystem already refused O_DIRECT at open time: the fallback under test ran.
+        assert_eq!(store.stats().io_mode, IoMode::Pread);
+        return;
+    }
+    store
+        .faults()
+        .inject(&name0, FaultKind::DirectRefused, Some(1));
+    let mut got = Vec::new();
+    store
+        .with_experts(1, &[0, 1], &mut |e, v: &ExpertView<'_>| {
+            got.push((e, digest(v)));
+            Ok(())
+        })
+        .expect("falls back instead of failing");
+    got.sort();
+    assert_eq!(
+        got,
+        vec![(0, reference(&src, 1, 0)), (1, reference(&src, 1, 1))]
+    );
+    assert_eq!(
+        store.stats().io_mode,
+        IoMode::Pread,
+        "the fallback is reported"
+    );
+    // Later loads keep working, buffered.
+    store
+        .with_experts(1, &[2, 6], &mut |e, v: &ExpertView<'_>| {
+            assert_eq!(digest(v), reference(&src, 1, e));
+            Ok(())
+        })
+        .expect("later loads");
+}
+
 #[test]
 fn a_truncated_shard_is_an_error_not_a_crash() {
     let spec = SynthSpec::tiny(G64);

@@ -29,12 +29,30 @@ pub struct PyEngine {
     max_context: usize,
     vocab_size: usize,
     eos_token_ids: Vec<u32>,
+    /// The process that loaded the engine (see [`PyEngine::same_process`]).
+    pid: u32,
 }
 
 impl PyEngine {
+    /// Refuse to run in a forked child: the rayon and I/O worker threads exist only in the
+    /// parent, so work handed to them would wait forever (and a lock held by one of them at
+    /// the fork stays held).
+    fn same_process(&self) -> PyResult<()> {
+        let current = std::process::id();
+        if current == self.pid {
+            Ok(())
+        } else {
+            Err(to_py_err(Error::ForkedProcess {
+                created_in: self.pid,
+                current,
+            }))
+        }
+    }
+
     /// Take the model lock without holding the GIL while waiting: a running generation's
     /// callback needs the GIL, so blocking on the mutex with it held would deadlock.
     fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, Model>> {
+        self.same_process()?;
         loop {
             match self.model.try_lock() {
                 Ok(guard) => return Ok(guard),
@@ -122,6 +140,7 @@ impl PyEngine {
                 model: Mutex::new(model),
                 store,
                 config_json,
+                pid: std::process::id(),
             })
         })
     }
@@ -246,6 +265,7 @@ impl PyEngine {
 
     /// Evict the model's expert bytes from the OS page cache (cold-start benchmarks).
     fn drop_page_cache(&self, py: Python<'_>) -> PyResult<()> {
+        self.same_process()?;
         let store = &self.store;
         py.detach(|| store.drop_page_cache());
         Ok(())
@@ -253,6 +273,7 @@ impl PyEngine {
 
     /// Expert-store counters since the last generation started: totals and per layer.
     fn expert_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.same_process()?;
         let st = self.store.stats();
         let d = PyDict::new(py);
         d.set_item("io_mode", st.io_mode.name())?;

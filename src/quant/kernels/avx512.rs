@@ -62,8 +62,10 @@ trait Src: Copy {
     fn prefetch(self, _v: usize) {}
 }
 
+/// The low `r` (0..=16) lanes.
 #[inline(always)]
 fn mask(r: usize) -> __mmask16 {
+    debug_assert!(r <= L);
     ((1u32 << r) - 1) as __mmask16
 }
 
@@ -390,9 +392,9 @@ impl Src for F32 {
     }
 
     #[inline(always)]
-    unsafe fn tail(self, v: usize, r: usize) -> __m512 {
+    unsafe fn tail(self, v: usize, n: usize) -> __m512 {
         // SAFETY: masked lanes are not read (fault suppression), the rest are in the row.
-        unsafe { _mm512_maskz_loadu_ps(mask(r), self.0.add(v * L)) }
+        unsafe { _mm512_maskz_loadu_ps(mask(n % L), self.0.add(v * L)) }
     }
 }
 

@@ -239,6 +239,11 @@ pub struct ExpertStore {
 }
 
 impl ExpertStore {
+    /// The process that opened the store (and runs its workers); a forked child differs.
+    pub fn owner_pid(&self) -> u32 {
+        self.pid
+    }
+
     /// Open the routed experts of a container.
     pub fn open(container: Arc<crate::container::Container>, opts: StoreOptions) -> Result<Self> {
         Self::open_source(Arc::new(ContainerSource::new(container)?), opts)

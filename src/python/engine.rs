@@ -29,8 +29,6 @@ pub struct PyEngine {
     max_context: usize,
     vocab_size: usize,
     eos_token_ids: Vec<u32>,
-    /// The process that loaded the engine (see [`PyEngine::same_process`]).
-    pid: u32,
 }
 
 impl PyEngine {
@@ -38,12 +36,12 @@ impl PyEngine {
     /// parent, so work handed to them would wait forever (and a lock held by one of them at
     /// the fork stays held).
     fn same_process(&self) -> PyResult<()> {
-        let current = std::process::id();
-        if current == self.pid {
+        let (created_in, current) = (self.store.owner_pid(), std::process::id());
+        if current == created_in {
             Ok(())
         } else {
             Err(to_py_err(Error::ForkedProcess {
-                created_in: self.pid,
+                created_in,
                 current,
             }))
         }
@@ -140,7 +138,6 @@ impl PyEngine {
                 model: Mutex::new(model),
                 store,
                 config_json,
-                pid: std::process::id(),
             })
         })
     }

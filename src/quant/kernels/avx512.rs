@@ -580,24 +580,35 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, x: &[f32], s: usize, out: 
     let n = w.cols();
     // SAFETY: the caller's contract; `make` builds sources over whole rows of n elements.
     unsafe {
-        match lut_group(w.format()) {
-            Some(gs) => {
-                let ahead = int4_prefetch_distance(w.format().row_bytes(n), 2);
-                let mk = |o| Int4Lut::new(row_ptr(w, o), scales_ptr(w, o), gs, ahead);
-                rows_paired(mk, n, o0, x, s, out)
-            }
-            None => with_src!(w.format(), |mk| rows_paired(|o| mk(w, o), n, o0, x, s, out)),
-        }
+        with_src_lut!(w.format(), n, 2, |mk| rows_paired(
+            |o| mk(w, o),
+            n,
+            o0,
+            x,
+            s,
+            out
+        ))
     }
 }
 
-fn row_ptr(w: &QMatrix<'_>, o: usize) -> *const u8 {
-    w.row_data(o).as_ptr()
+/// [`with_src!`] with this path's table-decoded int4 ([`Int4Lut`]) for the formats
+/// [`lut_group`] accepts; `$per_pass` weight rows of `$n` columns are read side by side (it
+/// sets the prefetch distance).
+macro_rules! with_src_lut {
+    ($fmt:expr, $n:expr, $per_pass:expr, |$mk:ident| $body:expr) => {{
+        match lut_group($fmt) {
+            Some(gs) => {
+                let ahead = int4_prefetch_distance($fmt.row_bytes($n), $per_pass);
+                let $mk = move |w: &QMatrix<'_>, o: usize| {
+                    Int4Lut::new(w.row_data(o).as_ptr(), w.row_scales(o).as_ptr(), gs, ahead)
+                };
+                $body
+            }
+            None => with_src!($fmt, |$mk| $body),
+        }
+    }};
 }
-
-fn scales_ptr(w: &QMatrix<'_>, o: usize) -> *const f32 {
-    w.row_scales(o).as_ptr()
-}
+use with_src_lut;
 
 /// The group size of an int4 format this path decodes with a table ([`Int4Lut`]; 0 = per
 /// row), `None` for every other format (gs 16 and 48 split a 32-element block).
@@ -672,15 +683,8 @@ pub(super) unsafe fn rows_pair(
             rows(b, o0, x, s, out_b);
             return;
         }
-        if let Some(gs) = lut_group(a.format()) {
-            let pick = |k: usize| if k == 0 { a } else { b };
-            // One row of each matrix per pass.
-            let ahead = int4_prefetch_distance(a.format().row_bytes(n), 1);
-            let out = [out_a, out_b];
-            let mk = |k, o| Int4Lut::new(row_ptr(pick(k), o), scales_ptr(pick(k), o), gs, ahead);
-            return rows_src::<_, 2, TILE_PAIR>(mk, n, o0, x, s, out);
-        }
-        with_src!(a.format(), |mk| rows_src::<_, 2, TILE_PAIR>(
+        // One row of each matrix per pass.
+        with_src_lut!(a.format(), n, 1, |mk| rows_src::<_, 2, TILE_PAIR>(
             |k, o| if k == 0 { mk(a, o) } else { mk(b, o) },
             n,
             o0,

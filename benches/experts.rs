@@ -160,7 +160,7 @@ fn cold_loads(c: &mut Criterion) {
     // alternate, each on bytes the previous iterations did not read, so slow drifts in machine
     // load and caches below the VM hit both sides alike.
     if std::env::var_os("COLIBRI_SYNTH_DIR").is_some() {
-        let rounds = 5;
+        let rounds = 9;
         let read_file = |i: usize| {
             let mut buf = vec![0u8; 8 << 20];
             let p = &files[i % files.len()];

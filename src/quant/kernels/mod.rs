@@ -11,10 +11,11 @@
 //!   activation row (A = 2 on x86, 4 on NEON); the last partial vector is masked (lanes past I
 //!   are zero in both W and X); AVX-512 walks int4 (gs a multiple of 32, or per row) as the
 //!   even then the odd elements of each 32-element block, with the activations rearranged to
-//!   match once per call ([`XLayout`]) — still one fixed order per format and I;
+//!   match once per call ([`XLayout`], which on AVX-512 also puts every activation row in
+//!   64-byte-aligned memory) — still one fixed order per format and I;
 //! - the accumulators are summed in order, then the lanes by a fixed tree.
 //!
-//! Activation rows are processed in tiles of a few rows (AVX-512: 4, for two weight rows at
+//! Activation rows are processed in tiles of a few rows (AVX-512: 2, for four weight rows at
 //! once; AVX2: 3; NEON: 4) that share each decoded weight vector; every tile runs the same instructions on its
 //! own accumulators, so the result of a row never depends on S or on its position. A weight
 //! row is read from memory by the first tile and from L1 by the others, so the weights of one

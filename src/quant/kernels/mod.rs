@@ -308,6 +308,7 @@ pub fn matmul_with(
 /// How a path wants the activations of a call laid out (chosen by path and weight format,
 /// never by S, so every S computes the same function).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the aligned layouts are AVX-512's
 enum XLayout {
     /// Row-major [S, I], as given.
     Rows,
@@ -410,7 +411,7 @@ pub fn fma_peak_probe(path: KernelPath, iters: usize, seed: f32) -> Option<(usiz
             avx2::fma_peak(iters, seed)
         })),
         _ => {
-            let _ = seed;
+            let _ = (iters, seed);
             None
         }
     }

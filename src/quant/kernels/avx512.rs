@@ -42,6 +42,13 @@ trait Src: Copy {
         // SAFETY: forwarded contract: vectors 2p and 2p+1 are whole.
         unsafe { [self.one(2 * p), self.one(2 * p + 1)] }
     }
+    /// Vectors 4q .. 4q+3 as pairs 2q and 2q+1 (all whole); a source may share work between
+    /// the two pairs (the table-decoded int4 computes one table when both are in one group).
+    #[inline(always)]
+    unsafe fn quad(self, q: usize) -> [[__m512; 2]; 2] {
+        // SAFETY: forwarded contract: vectors 4q .. 4q+3 are whole.
+        unsafe { [self.pair(2 * q), self.pair(2 * q + 1)] }
+    }
     /// Vectors `0..whole(n)` of a row of n elements are whole (every lane an element).
     #[inline(always)]
     fn whole(n: usize) -> usize {
@@ -167,9 +174,11 @@ impl Src for Int4 {
 /// `(k − 8) as f32 · scale`, the reference dequantisation itself, so the weights are exact;
 /// decoding costs one zero-extend per block and one permute per vector (the shift-and-convert
 /// decode of [`Int4`] costs three times as many instructions, and int4 at S = 1 was bound by
-/// them).
+/// them). `G2`: every group spans an even number of blocks starting at an even block (gs a
+/// multiple of 64, or per row), so blocks 2q and 2q+1 share a table ([`Src::quad`] computes
+/// it once: the DESIGN default gs64 has two blocks per group).
 #[derive(Clone, Copy)]
-struct Int4Lut {
+struct Int4Lut<const G2: bool> {
     data: *const u8,
     scales: *const f32,
     /// Block b is in group `(b · magic) >> 32` (0 for per-row scales).
@@ -189,7 +198,7 @@ unsafe fn nibble_values() -> __m512 {
     }
 }
 
-impl Int4Lut {
+impl<const G2: bool> Int4Lut<G2> {
     /// A row: `data` holds its ceil(n/2) bytes, `scales` its groups; `gs` is the group size
     /// (a multiple of 32), 0 for per-row; `ahead` the prefetch distance in bytes.
     #[inline(always)]
@@ -237,7 +246,7 @@ impl Int4Lut {
     }
 }
 
-impl Src for Int4Lut {
+impl<const G2: bool> Src for Int4Lut<G2> {
     #[inline(always)]
     fn whole(n: usize) -> usize {
         2 * (n / 32)
@@ -277,6 +286,19 @@ impl Src for Int4Lut {
     unsafe fn pair(self, p: usize) -> [__m512; 2] {
         // SAFETY: forwarded: vectors 2p and 2p+1 are whole, so block p is.
         unsafe { Self::decode(self.bytes(p), self.table(p)) }
+    }
+
+    #[inline(always)]
+    unsafe fn quad(self, q: usize) -> [[__m512; 2]; 2] {
+        // SAFETY: forwarded: vectors 4q .. 4q+3 are whole, so blocks 2q and 2q+1 are.
+        unsafe {
+            let t0 = self.table(2 * q);
+            let t1 = if G2 { t0 } else { self.table(2 * q + 1) };
+            [
+                Self::decode(self.bytes(2 * q), t0),
+                Self::decode(self.bytes(2 * q + 1), t1),
+            ]
+        }
     }
 
     #[inline(always)]
@@ -439,19 +461,17 @@ unsafe fn accumulate<S: Src, const NW: usize, const T: usize>(
             for src in &w {
                 src.prefetch(v);
             }
-            // Two vectors at a time: fewer decoded vectors live at once (register pressure at
-            // T = 4, NW = 2).
+            let mut wq = [[[_mm512_setzero_ps(); 2]; 2]; NW];
+            for k in 0..NW {
+                wq[k] = w[k].quad(v / D);
+            }
             for h in 0..D / 2 {
                 let u = v + 2 * h;
-                let mut wv = [[_mm512_setzero_ps(); 2]; NW];
-                for k in 0..NW {
-                    wv[k] = w[k].pair(u / 2);
-                }
                 for t in 0..T {
                     for j in 0..2 {
                         let xv = _mm512_loadu_ps(x[t].add((u - v0 + j) * L));
                         for k in 0..NW {
-                            acc[k][t][j % A] = _mm512_fmadd_ps(wv[k][j], xv, acc[k][t][j % A]);
+                            acc[k][t][j % A] = _mm512_fmadd_ps(wq[k][h][j], xv, acc[k][t][j % A]);
                         }
                     }
                 }
@@ -599,10 +619,27 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, x: &[f32], s: usize, out: 
 macro_rules! with_src_lut {
     ($fmt:expr, $n:expr, $per_pass:expr, |$mk:ident| $body:expr) => {{
         match lut_group($fmt) {
+            Some(gs) if gs % 64 == 0 => {
+                let ahead = int4_prefetch_distance($fmt.row_bytes($n), $per_pass);
+                let $mk = move |w: &QMatrix<'_>, o: usize| {
+                    Int4Lut::<true>::new(
+                        w.row_data(o).as_ptr(),
+                        w.row_scales(o).as_ptr(),
+                        gs,
+                        ahead,
+                    )
+                };
+                $body
+            }
             Some(gs) => {
                 let ahead = int4_prefetch_distance($fmt.row_bytes($n), $per_pass);
                 let $mk = move |w: &QMatrix<'_>, o: usize| {
-                    Int4Lut::new(w.row_data(o).as_ptr(), w.row_scales(o).as_ptr(), gs, ahead)
+                    Int4Lut::<false>::new(
+                        w.row_data(o).as_ptr(),
+                        w.row_scales(o).as_ptr(),
+                        gs,
+                        ahead,
+                    )
                 };
                 $body
             }

@@ -465,6 +465,9 @@ unsafe fn accumulate<S: Src, const NW: usize, const T: usize>(
             for k in 0..NW {
                 wq[k] = w[k].quad(v / D);
             }
+            // Pair h of the quad is vectors v + 2h, v + 2h + 1 (indexing keeps every loop
+            // here unrolled over constants).
+            #[allow(clippy::needless_range_loop)]
             for h in 0..D / 2 {
                 let u = v + 2 * h;
                 for t in 0..T {

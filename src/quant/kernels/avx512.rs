@@ -1,7 +1,8 @@
 //! AVX-512 (F + BW) kernels: 16 f32 lanes, two accumulators per dot product (vector v →
 //! v % 2), tiles of four weight rows × up to two activation rows (the last rows: two × up to
-//! four, one × up to eight; 16 accumulators each), activations in 64-byte-aligned rows. Int4 whose groups are whole 32-element blocks
-//! (gs a multiple of 32, or per row; the DESIGN default gs64 among them) is decoded through a
+//! four, one × up to eight; 16 accumulators each), activations in 64-byte-aligned rows. Int4
+//! whose groups are whole 32-element blocks (gs a multiple of 32, or per row; the DESIGN
+//! default gs64 among them) is decoded through a
 //! 16-entry table per group (`vpermps`, [`Int4Lut`]) against activations rearranged once per
 //! call into even/odd halves of each block; gs 16 and 48 use the shift-and-convert decode
 //! ([`Int4`]). Weights are dequantised exactly to f32 (no integer-activation tricks), so the
@@ -122,14 +123,14 @@ unsafe fn deq(q: __m128i, scale: __m512) -> __m512 {
 /// int4 from DRAM went from 6.8 to 10 GB/s with it (the decode work keeps the core from
 /// running far enough ahead on its own). With the table decode the core runs faster, and
 /// 1 KiB ahead left int4 at S = 1 at 18 GiB/s of a measured 53; 8 KiB (about the bytes two
-/// cores consume in one DRAM latency) took it to 30–36 (see [`int4_prefetch_distance`]).
+/// cores consume in one DRAM latency) took it to 30–36 (see [`prefetch_distance`]).
 const INT4_PREFETCH_BYTES: usize = 8192;
 
-/// The prefetch distance for int4 rows of `row_bytes` read `rows_per_pass` at a time side by
-/// side: at least [`INT4_PREFETCH_BYTES`], and at least one pass, so that a prefetch from row
-/// k lands in the rows of the next pass rather than in a row being read now (o_proj, 8 KiB
-/// rows read in pairs, went from 21 to 30 GiB/s with it).
-fn int4_prefetch_distance(row_bytes: usize, rows_per_pass: usize) -> usize {
+/// The prefetch distance for int4 and int8 rows of `row_bytes` read `rows_per_pass` at a time
+/// side by side: at least [`INT4_PREFETCH_BYTES`], and at least one pass, so that a prefetch
+/// from row k lands in the rows of the next pass rather than in a row being read now (o_proj,
+/// 8 KiB int4 rows read in pairs, went from 21 to 30 GiB/s with it).
+fn prefetch_distance(row_bytes: usize, rows_per_pass: usize) -> usize {
     INT4_PREFETCH_BYTES.max(row_bytes * rows_per_pass)
 }
 
@@ -199,18 +200,18 @@ unsafe fn nibble_values() -> __m512 {
 }
 
 impl<const G2: bool> Int4Lut<G2> {
-    /// A row: `data` holds its ceil(n/2) bytes, `scales` its groups; `gs` is the group size
-    /// (a multiple of 32), 0 for per-row; `ahead` the prefetch distance in bytes.
+    /// Row o of `w`, whose group size is `gs` (a multiple of 32, 0 for per-row); `ahead` is
+    /// the prefetch distance in bytes.
     #[inline(always)]
-    fn new(data: *const u8, scales: *const f32, gs: usize, ahead: usize) -> Self {
+    fn row(w: &QMatrix<'_>, o: usize, gs: usize, ahead: usize) -> Self {
         let magic = if gs == 0 {
             0
         } else {
             (1u64 << 32).div_ceil((gs / 32) as u64)
         };
         Int4Lut {
-            data,
-            scales,
+            data: w.row_data(o).as_ptr(),
+            scales: w.row_scales(o).as_ptr(),
             magic,
             ahead,
         }
@@ -651,33 +652,18 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, x: &[f32], s: usize, out: 
 /// sets the prefetch distance).
 macro_rules! with_src_lut {
     ($fmt:expr, $n:expr, $per_pass:expr, |$mk:ident| $body:expr) => {{
+        let ahead = prefetch_distance($fmt.row_bytes($n), $per_pass);
         match lut_group($fmt) {
+            // gs 0 (per row) is one group per row: it qualifies too.
             Some(gs) if gs % 64 == 0 => {
-                let ahead = int4_prefetch_distance($fmt.row_bytes($n), $per_pass);
-                let $mk = move |w: &QMatrix<'_>, o: usize| {
-                    Int4Lut::<true>::new(
-                        w.row_data(o).as_ptr(),
-                        w.row_scales(o).as_ptr(),
-                        gs,
-                        ahead,
-                    )
-                };
+                let $mk = move |w: &QMatrix<'_>, o: usize| Int4Lut::<true>::row(w, o, gs, ahead);
                 $body
             }
             Some(gs) => {
-                let ahead = int4_prefetch_distance($fmt.row_bytes($n), $per_pass);
-                let $mk = move |w: &QMatrix<'_>, o: usize| {
-                    Int4Lut::<false>::new(
-                        w.row_data(o).as_ptr(),
-                        w.row_scales(o).as_ptr(),
-                        gs,
-                        ahead,
-                    )
-                };
+                let $mk = move |w: &QMatrix<'_>, o: usize| Int4Lut::<false>::row(w, o, gs, ahead);
                 $body
             }
             None if $fmt == QuantFormat::Int8PerRow => {
-                let ahead = int4_prefetch_distance($fmt.row_bytes($n), $per_pass);
                 let $mk = move |w: &QMatrix<'_>, o: usize| Int8Ahead {
                     row: Int8 {
                         data: w.row_data(o).as_ptr(),

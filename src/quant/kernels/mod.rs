@@ -16,8 +16,9 @@
 //! - the accumulators are summed in order, then the lanes by a fixed tree.
 //!
 //! Activation rows are processed in tiles of a few rows (AVX-512: 2, for four weight rows at
-//! once; AVX2: 3; NEON: 4) that share each decoded weight vector; every tile runs the same instructions on its
-//! own accumulators, so the result of a row never depends on S or on its position. A weight
+//! once; AVX2: 3; NEON: 4) that share each decoded weight vector; every tile runs the same
+//! instructions on its own accumulators, so the result of a row never depends on S or on its
+//! position. A weight
 //! row is read from memory by the first tile and from L1 by the others, so the weights of one
 //! call are read from memory once whatever S is.
 //!
@@ -364,10 +365,10 @@ impl XLayout {
     /// `x` ([s, n] row-major) in this layout: borrowed as is, or rearranged (O(S·I), small
     /// next to the O·I weights of the call).
     fn arrange(self, x: &[f32], s: usize, n: usize) -> XBuf<'_> {
-        let (width, block) = match self {
+        let width = match self {
             XLayout::Rows => return XBuf::Borrowed(x),
-            XLayout::Rows16 => (n.div_ceil(16) * 16, 16),
-            XLayout::Pairs32 => (n.div_ceil(32) * 32, 32),
+            XLayout::Rows16 => n.div_ceil(16) * 16,
+            XLayout::Pairs32 => n.div_ceil(32) * 32,
         };
         let mut lines = vec![Line([0.0; 16]); s * width / 16];
         let out: &mut [f32] = bytemuck::cast_slice_mut(&mut lines);
@@ -375,7 +376,7 @@ impl XLayout {
             .chunks_exact(n.max(1))
             .zip(out.chunks_exact_mut(width.max(1)))
         {
-            if block == 16 {
+            if self == XLayout::Rows16 {
                 dst[..n].copy_from_slice(src);
                 continue;
             }

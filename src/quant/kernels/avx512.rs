@@ -271,9 +271,16 @@ impl<const G2: bool> Src for Int4Lut<G2> {
 
     #[inline(always)]
     fn prefetch(self, v: usize) {
+        let byte = v * 8 + self.ahead;
+        // The scales too: they are a stream of their own (1/8 of the bytes at gs64) that the
+        // hardware prefetcher left to miss; fetching them ahead took int4-gs64 at S = 1 from
+        // 33 to 42–47 GiB/s (2 threads, DRAM). One prefetch per call although a line of
+        // scales covers 16 calls at gs64: prefetching on every 8th call only measured the same.
+        let group = ((byte as u64 / 16 * self.magic) >> 32) as usize;
         // SAFETY: a prefetch never faults, whatever the address (hence `wrapping_add`).
         unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(self.data.wrapping_add(v * 8 + self.ahead) as *const i8)
+            _mm_prefetch::<_MM_HINT_T0>(self.data.wrapping_add(byte) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(self.scales.wrapping_add(group) as *const i8);
         };
     }
 

@@ -232,7 +232,8 @@ pub struct Model {
     mtp: Option<MtpHead>,
     mtp_kv: LayerKv,
     experts: Arc<dyn ExpertSource>,
-    pool: rayon::ThreadPool,
+    /// Shared so that [`Model::step`] can run a whole forward on it (see there).
+    pool: Arc<rayon::ThreadPool>,
     prefetch_top_k: usize,
 }
 
@@ -288,7 +289,8 @@ impl Model {
             .num_threads(threads)
             .thread_name(|i| format!("colibri-compute-{i}"))
             .build()
-            .map_err(|e| Error::Internal(format!("cannot start the compute pool: {e}")))?;
+            .map_err(|e| Error::Internal(format!("cannot start the compute pool: {e}")))
+            .map(Arc::new)?;
         Ok(Model {
             rope: Rope::new(&cfg),
             kv: vec![LayerKv::default(); cfg.num_hidden_layers],
@@ -408,18 +410,28 @@ impl Model {
     }
 
     fn head_logits(&self, head: &Weight, xn: &[f32], rows: usize) -> Result<Vec<f32>> {
-        linear::apply(head, xn, rows, Some(&self.pool))
+        linear::apply(head, xn, rows, Some(&*self.pool))
     }
 
     /// One forward over `tokens` at positions `start..`, appending their KV rows. Returns the
     /// logits of every row (`all_logits`) or of the last row only, and every row's hidden state.
+    ///
+    /// The forward runs on a thread of the compute pool, so each matmul's parallel split is a
+    /// cheap fork inside the pool; called from outside, every matmul paid a round trip to the
+    /// pool and back (~10 µs on the 2-core development VM, a large share of a small model's
+    /// step).
     pub fn step(&mut self, tokens: &[u32], start: usize, all_logits: bool) -> Result<Forward> {
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| self.step_here(tokens, start, all_logits))
+    }
+
+    fn step_here(&mut self, tokens: &[u32], start: usize, all_logits: bool) -> Result<Forward> {
         self.check_tokens(tokens, start, self.kv_len())?;
         let s = tokens.len();
         let h = self.cfg.hidden_size;
         let eps = self.cfg.rms_norm_eps;
         let mut x = self.embed(&self.embed_tokens, tokens);
-        let pool = Some(&self.pool);
+        let pool = Some(&*self.pool);
         let top_k = self.prefetch_top_k;
         let result = (|| {
             for (i, (layer, kv)) in self.layers.iter().zip(self.kv.iter_mut()).enumerate() {
@@ -475,6 +487,12 @@ impl Model {
     /// Returns the logits (predicting the token after `tokens[j]`) and `out`, the state a
     /// chained draft carries (transformers' convention: the normed output, not raw z).
     pub fn mtp_step(&mut self, tokens: &[u32], carried: &[f32], start: usize) -> Result<Forward> {
+        // On the compute pool, as `step`.
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| self.mtp_step_here(tokens, carried, start))
+    }
+
+    fn mtp_step_here(&mut self, tokens: &[u32], carried: &[f32], start: usize) -> Result<Forward> {
         let h = self.cfg.hidden_size;
         let eps = self.cfg.rms_norm_eps;
         let s = tokens.len();
@@ -499,9 +517,9 @@ impl Model {
             cat.extend_from_slice(&e[r * h..(r + 1) * h]);
             cat.extend_from_slice(&hn[r * h..(r + 1) * h]);
         }
-        let mut z = linear::apply(&mtp.eh_proj, &cat, s, Some(&self.pool))?;
+        let mut z = linear::apply(&mtp.eh_proj, &cat, s, Some(&*self.pool))?;
         // MTP row p pairs h_p with token p+1 and sits at rope position p+1 (transformers).
-        let pool = Some(&self.pool);
+        let pool = Some(&*self.pool);
         let run = mtp
             .layer
             .attend(

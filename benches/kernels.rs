@@ -1,6 +1,7 @@
 //! Dequant-matmul kernels at GLM-5.2 shapes, with 2 threads, reported as GB/s of weight bytes
 //! (data + scales): compare with the `bandwidth` group of the same run. Each bench cycles
-//! through copies of its matrix (≥ 128 MiB in all) so the weights come from DRAM.
+//! through copies of its matrix (≥ 128 MiB in all) so the weights come from DRAM. Calls are
+//! made from a thread of the pool, as the forward pass makes them.
 //!
 //! - `kernels/<format>/<name OxI>/S<s>`: the dispatched path, S = 1, 4, 8.
 //! - `kernel_paths/int4_g64/expert_gate_OxI/S1/<path>`: every available path, A/B.
@@ -8,11 +9,11 @@
 //! - `kernel_l2/...`: one thread on an L2-resident matrix: the kernels' compute ceiling.
 
 use std::hint::black_box;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use colibri::quant::kernels::{self, KernelPath};
 use colibri::quant::{QMatrix, QuantFormat};
-use criterion::{criterion_group, BenchmarkGroup, Criterion, Throughput};
+use criterion::{criterion_group, Bencher, BenchmarkGroup, Criterion, Throughput};
 
 /// (name, O, I) from DESIGN §2: expert gate/up and down, MLA kv_a, o_proj.
 const SHAPES: [(&str, usize, usize); 4] = [
@@ -138,6 +139,21 @@ fn pool() -> rayon::ThreadPool {
         .expect("thread pool")
 }
 
+/// Time `call` as the engine makes it: from a thread of the compute pool (a forward runs on
+/// the pool, see `Model::step`) rather than with a round trip into the pool per call, which
+/// costs ~10 µs on a 2-core VM.
+fn iter_on_pool(b: &mut Bencher<'_>, pool: &rayon::ThreadPool, mut call: impl FnMut() + Send) {
+    b.iter_custom(|iters| {
+        pool.install(|| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                call();
+            }
+            t.elapsed()
+        })
+    });
+}
+
 fn matmul_shapes(c: &mut Criterion) {
     let pool = pool();
     let path = kernels::selected_path();
@@ -164,7 +180,7 @@ fn matmul_shapes(c: &mut Criterion) {
                 check(path, &mats[0], &x, s, &y);
                 let mut it = 0usize;
                 g.bench_function(format!("{format}/{name}_{rows}x{cols}/S{s}"), |b| {
-                    b.iter(|| {
+                    iter_on_pool(b, &pool, || {
                         it += 1;
                         let w = &views[it % views.len()];
                         kernels::matmul(w, black_box(&x), s, &mut y, Some(&pool)).expect("matmul");
@@ -195,7 +211,7 @@ fn paths(c: &mut Criterion) {
         check(path, &mats[0], &x, 1, &y);
         let mut it = 0usize;
         g.bench_function(format!("{format}/{name}_{rows}x{cols}/S1/{path}"), |b| {
-            b.iter(|| {
+            iter_on_pool(b, &pool, || {
                 it += 1;
                 let w = &views[it % views.len()];
                 kernels::matmul_with(path, w, black_box(&x), 1, &mut y, Some(&pool))
@@ -265,7 +281,7 @@ fn expert(c: &mut Criterion) {
         let mut out = vec![0.0f32; s * h];
         let mut it = 0usize;
         g.bench_function(format!("{format}/{f}x{h}/S{s}"), |b| {
-            b.iter(|| {
+            iter_on_pool(b, &pool, || {
                 it += 1;
                 let [gv, uv, dv] = &views[it % views.len()];
                 kernels::expert_ffn(gv, uv, dv, black_box(&x), s, &mut out, Some(&pool))

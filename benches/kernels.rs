@@ -4,6 +4,8 @@
 //! made from a thread of the pool, as the forward pass makes them.
 //!
 //! - `kernels/<format>/<name OxI>/S<s>`: the dispatched path, S = 1, 4, 8.
+//! - `kernels/<format>/<name OxI>/read`: a prefetching 2-thread read of the same matrices'
+//!   bytes (x86-64), the paired limit for the S rows next to it.
 //! - `kernel_paths/int4_g64/expert_gate_OxI/S1/<path>`: every available path, A/B.
 //! - `expert_ffn/int4_g64/S<s>`: the fused expert (gate, up, down), bytes of all three.
 //! - `kernel_l2/...`: one thread on an L2-resident matrix: the kernels' compute ceiling.
@@ -154,6 +156,22 @@ fn iter_on_pool(b: &mut Bencher<'_>, pool: &rayon::ThreadPool, mut call: impl Fn
     });
 }
 
+/// XOR of a matrix's data and scales, read in parallel on `pool` with software prefetch.
+#[cfg(target_arch = "x86_64")]
+fn read_matrix(m: &Owned, pool: &rayon::ThreadPool) -> u64 {
+    use rayon::prelude::*;
+    let words = |b: &[u8]| -> u64 {
+        let (head, mid, tail) = bytemuck::pod_align_to::<u8, u64>(b);
+        let edge = head.iter().chain(tail).fold(0u64, |a, &v| a ^ v as u64);
+        pool.install(|| {
+            mid.par_chunks(1 << 15)
+                .map(crate::bandwidth::xor_prefetching)
+                .reduce(|| edge, |a, b| a ^ b)
+        })
+    };
+    words(&m.data) ^ words(bytemuck::cast_slice(&m.scales))
+}
+
 fn matmul_shapes(c: &mut Criterion) {
     let pool = pool();
     let path = kernels::selected_path();
@@ -173,6 +191,19 @@ fn matmul_shapes(c: &mut Criterion) {
                 .collect();
             let views: Vec<QMatrix<'_>> = mats.iter().map(Owned::view).collect();
             g.throughput(Throughput::Bytes(views[0].stream_bytes() as u64));
+            #[cfg(target_arch = "x86_64")]
+            {
+                // The same bytes read by a plain prefetching stream, on the same pool, in the
+                // same run: the limit of this very memory (the 1 GiB reference can land on
+                // faster or slower pages of this VM than these matrices).
+                let mut it = 0usize;
+                g.bench_function(format!("{format}/{name}_{rows}x{cols}/read"), |b| {
+                    iter_on_pool(b, &pool, || {
+                        it += 1;
+                        black_box(read_matrix(&mats[it % mats.len()], &pool));
+                    })
+                });
+            }
             for s in [1, 4, 8] {
                 let x = activations(s, cols);
                 let mut y = vec![0.0f32; s * rows];

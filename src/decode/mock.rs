@@ -220,6 +220,23 @@ impl Target for MockTarget {
         self.cfg.has_mtp
     }
 
+    /// The last row's logits only, as the real model returns them (exercises the callers'
+    /// handling of the short form).
+    fn step_last(&mut self, tokens: &[u32], start_pos: usize) -> Result<StepOutput> {
+        let mut out = self.step_all(tokens, start_pos)?;
+        out.logits.drain(..out.logits.len() - self.cfg.vocab);
+        Ok(out)
+    }
+    fn mtp_step_last(
+        &mut self,
+        tokens: &[u32],
+        hidden: &[f32],
+        start_pos: usize,
+    ) -> Result<StepOutput> {
+        let mut out = self.mtp_step(tokens, hidden, start_pos)?;
+        out.logits.drain(..out.logits.len() - self.cfg.vocab);
+        Ok(out)
+    }
     fn mtp_step(&mut self, tokens: &[u32], hidden: &[f32], start_pos: usize) -> Result<StepOutput> {
         if !self.cfg.has_mtp {
             return Err(Error::Internal("mock: mtp_step without an MTP head".into()));

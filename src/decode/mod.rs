@@ -49,6 +49,22 @@ pub trait Target {
     /// start_pos.. (== mtp_kv_len()); returns the head's logits (predicting the token after tokens[j]) and the MTP
     /// layer's output hidden (to chain the next depth).
     fn mtp_step(&mut self, tokens: &[u32], hidden: &[f32], start_pos: usize) -> Result<StepOutput>;
+    /// [`step_all`](Self::step_all) for a caller that reads only the last row's logits
+    /// (prefill): `logits` may hold that row alone (`vocab` values), which spares the LM head
+    /// every other row (at GLM-5 size, ~1.9 GFLOP per row). Every row's hidden is returned.
+    fn step_last(&mut self, tokens: &[u32], start_pos: usize) -> Result<StepOutput> {
+        self.step_all(tokens, start_pos)
+    }
+    /// [`mtp_step`](Self::mtp_step) for a caller that reads only the last row's logits (an
+    /// MTP absorb): `logits` may hold that row alone.
+    fn mtp_step_last(
+        &mut self,
+        tokens: &[u32],
+        hidden: &[f32],
+        start_pos: usize,
+    ) -> Result<StepOutput> {
+        self.mtp_step(tokens, hidden, start_pos)
+    }
     fn mtp_kv_len(&self) -> usize;
     fn mtp_truncate(&mut self, len: usize);
 }
@@ -105,12 +121,37 @@ pub(crate) fn check_step(
     hidden: usize,
     what: &str,
 ) -> Result<()> {
-    if out.logits.len() != rows * vocab || out.hidden.len() != rows * hidden {
+    check_step_rows(out, rows, rows, vocab, hidden, what)
+}
+
+/// [`check_step`] for `step_last`/`mtp_step_last`, whose logits are of the last row or of
+/// all rows; returns the last row's logits.
+pub(crate) fn last_logits<'a>(
+    out: &'a StepOutput,
+    rows: usize,
+    vocab: usize,
+    hidden: usize,
+    what: &str,
+) -> Result<&'a [f32]> {
+    let logit_rows = if out.logits.len() == vocab { 1 } else { rows };
+    check_step_rows(out, rows, logit_rows, vocab, hidden, what)?;
+    Ok(&out.logits[(logit_rows - 1) * vocab..])
+}
+
+fn check_step_rows(
+    out: &StepOutput,
+    rows: usize,
+    logit_rows: usize,
+    vocab: usize,
+    hidden: usize,
+    what: &str,
+) -> Result<()> {
+    if out.logits.len() != logit_rows * vocab || out.hidden.len() != rows * hidden {
         return Err(Error::Internal(format!(
             "{what} over {rows} rows returned {} logits and {} hidden values; expected {} and {}",
             out.logits.len(),
             out.hidden.len(),
-            rows * vocab,
+            logit_rows * vocab,
             rows * hidden
         )));
     }

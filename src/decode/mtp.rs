@@ -12,7 +12,7 @@
 use std::sync::atomic::AtomicBool;
 
 use super::sampling::argmax;
-use super::{check_cancel, check_step, Drafter, Target};
+use super::{check_cancel, check_step, last_logits, Drafter, Target};
 use crate::{Error, Result};
 
 /// While drafting is off, pending rows are absorbed once this many have piled up, so memory
@@ -73,18 +73,16 @@ impl MtpDrafter {
                 let n = chunk.min(rows - done);
                 check_cancel(cancel)?;
                 let pos = start + done;
-                let out = target.mtp_step(
+                // Only the last row's logits are read (they give d1).
+                let out = target.mtp_step_last(
                     &context[pos + 1..pos + 1 + n],
                     &self.pending[done * h..(done + n) * h],
                     pos,
                 )?;
                 self.forwards += 1;
-                check_step(&out, n, v, h, "mtp_step")?;
+                let logits = last_logits(&out, n, v, h, "mtp_step_last")?.to_vec();
                 done += n;
-                last = Some((
-                    out.logits[(n - 1) * v..].to_vec(),
-                    out.hidden[(n - 1) * h..].to_vec(),
-                ));
+                last = Some((logits, out.hidden[(n - 1) * h..].to_vec()));
             }
             Ok(())
         })();

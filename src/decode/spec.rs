@@ -16,7 +16,7 @@ use super::ngram::NgramDrafter;
 use super::rng::Rng;
 use super::sampling::{pick, SamplingParams};
 use super::stats::{DecodeStats, MAX_DEPTH};
-use super::{check_cancel, check_step, Drafter, Target};
+use super::{check_cancel, check_step, last_logits, Drafter, Target};
 use crate::{Error, Result};
 
 /// Where drafts come from.
@@ -379,14 +379,14 @@ impl Loop<'_, '_, '_, '_> {
         while start < n {
             let end = (start + chunk).min(n);
             check_cancel(cancel)?;
-            let out = self.target.step_all(&self.ctx[start..end], start)?;
+            let out = self.target.step_last(&self.ctx[start..end], start)?;
             self.stats.forwards += 1;
-            check_step(&out, end - start, self.vocab, self.hidden, "step_all")?;
+            let last = last_logits(&out, end - start, self.vocab, self.hidden, "step_last")?;
+            if end == n {
+                last_row = last.to_vec();
+            }
             if let Some(d) = self.drafter.as_mut() {
                 d.observe(&out.hidden);
-            }
-            if end == n {
-                last_row = out.logits[(end - start - 1) * self.vocab..].to_vec();
             }
             start = end;
         }

@@ -145,3 +145,29 @@ fn mtp_sampling_on_the_trained_model_matches_plain_sampling() {
         "the negative control passed the bound: TV {worst}"
     );
 }
+
+/// `step_last` / `mtp_step_last` return exactly the last row of `step_all` / `mtp_step` (and
+/// every row's hidden): prefill and MTP absorbs rely on it to skip the other rows' LM head.
+#[test]
+fn last_row_forwards_match_the_full_ones() {
+    let Some(mut m) = tiny() else {
+        panic!("the embedded model must be present (python/colibri/models/tiny)");
+    };
+    let prompt: Vec<u32> = (10..30).collect();
+    let v = m.config().vocab_size;
+    let full = Target::step_all(&mut m, &prompt, 0).unwrap();
+    m.reset();
+    let last = Target::step_last(&mut m, &prompt, 0).unwrap();
+    assert_eq!(last.logits.len(), v);
+    assert_eq!(last.logits, full.logits[(prompt.len() - 1) * v..]);
+    assert_eq!(last.hidden, full.hidden);
+
+    let rows = prompt.len() - 1;
+    let hidden = &full.hidden[..rows * m.config().hidden_size];
+    let mtp_full = Target::mtp_step(&mut m, &prompt[1..], hidden, 0).unwrap();
+    m.mtp_truncate(0);
+    let mtp_last = Target::mtp_step_last(&mut m, &prompt[1..], hidden, 0).unwrap();
+    assert_eq!(mtp_last.logits.len(), v);
+    assert_eq!(mtp_last.logits, mtp_full.logits[(rows - 1) * v..]);
+    assert_eq!(mtp_last.hidden, mtp_full.hidden);
+}

@@ -489,10 +489,28 @@ impl Model {
     pub fn mtp_step(&mut self, tokens: &[u32], carried: &[f32], start: usize) -> Result<Forward> {
         // On the compute pool, as `step`.
         let pool = Arc::clone(&self.pool);
-        pool.install(|| self.mtp_step_here(tokens, carried, start))
+        pool.install(|| self.mtp_step_here(tokens, carried, start, true))
     }
 
-    fn mtp_step_here(&mut self, tokens: &[u32], carried: &[f32], start: usize) -> Result<Forward> {
+    /// [`mtp_step`](Self::mtp_step) with the logits of the last row only (absorbing rows into
+    /// the MTP KV reads no others); `hidden` still has every row.
+    pub fn mtp_step_last(
+        &mut self,
+        tokens: &[u32],
+        carried: &[f32],
+        start: usize,
+    ) -> Result<Forward> {
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| self.mtp_step_here(tokens, carried, start, false))
+    }
+
+    fn mtp_step_here(
+        &mut self,
+        tokens: &[u32],
+        carried: &[f32],
+        start: usize,
+        all_logits: bool,
+    ) -> Result<Forward> {
         let h = self.cfg.hidden_size;
         let eps = self.cfg.rms_norm_eps;
         let s = tokens.len();
@@ -543,7 +561,8 @@ impl Model {
         }
         let out = rmsnorm(&z, &mtp.shared_head_norm, eps);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        let logits = self.head_logits(head, &out, s)?;
+        let rows = if all_logits { s } else { 1 };
+        let logits = self.head_logits(head, &out[(s - rows) * h..], rows)?;
         Ok(Forward {
             logits,
             hidden: out,

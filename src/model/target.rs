@@ -28,6 +28,15 @@ impl Target for Model {
             hidden,
         })
     }
+    /// As `step_all`, with the logits of the last row only.
+    fn step_last(&mut self, tokens: &[u32], start_pos: usize) -> Result<StepOutput> {
+        let f = self.step(tokens, start_pos, false)?;
+        let hidden = self.final_norm(&f.hidden);
+        Ok(StepOutput {
+            logits: f.logits,
+            hidden,
+        })
+    }
     fn kv_len(&self) -> usize {
         Model::kv_len(self)
     }
@@ -39,6 +48,14 @@ impl Target for Model {
     }
     fn mtp_step(&mut self, tokens: &[u32], hidden: &[f32], start_pos: usize) -> Result<StepOutput> {
         Model::mtp_step(self, tokens, hidden, start_pos).map(out)
+    }
+    fn mtp_step_last(
+        &mut self,
+        tokens: &[u32],
+        hidden: &[f32],
+        start_pos: usize,
+    ) -> Result<StepOutput> {
+        Model::mtp_step_last(self, tokens, hidden, start_pos).map(out)
     }
     fn mtp_kv_len(&self) -> usize {
         Model::mtp_kv_len(self)

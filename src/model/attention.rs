@@ -6,6 +6,8 @@
 //! value half of kv_b is applied after the weighted sum of latents. That is the same function
 //! transformers computes by expanding K and V, with far less work per decoded token.
 
+use rayon::prelude::*;
+
 use crate::config::ModelConfig;
 use crate::container::{Container, Weight};
 use crate::error::Result;
@@ -164,20 +166,33 @@ impl Attention {
             }
         }
 
-        // q_lat[s, head, kv_lora] = W_UK(head)ᵀ · q_nope(s, head): stream the key rows of kv_b.
+        // q_lat[s, head, kv_lora] = W_UK(head)ᵀ · q_nope(s, head): stream the key rows of kv_b,
+        // one head per task on the pool (each output is summed over d in order whatever the
+        // split or S, so the values do not depend on either).
         let kvb = self.kv_b_proj.view();
-        let mut q_lat = vec![0.0f32; s * heads * kl];
-        let mut wrow = vec![0.0f32; kl];
-        for hh in 0..heads {
+        let head_lat = |hh: usize| -> Vec<f32> {
+            let mut lat = vec![0.0f32; s * kl];
+            let mut wrow = vec![0.0f32; kl];
             for d in 0..nope {
                 dequantize_row(&kvb, hh * (nope + vd) + d, &mut wrow);
                 for r in 0..s {
                     let qv = q[r * heads * qd + hh * qd + d];
-                    let dst = &mut q_lat[(r * heads + hh) * kl..(r * heads + hh + 1) * kl];
-                    for (a, w) in dst.iter_mut().zip(&wrow) {
+                    for (a, w) in lat[r * kl..(r + 1) * kl].iter_mut().zip(&wrow) {
                         *a += qv * w;
                     }
                 }
+            }
+            lat
+        };
+        let per_head: Vec<Vec<f32>> = match pool {
+            Some(p) => p.install(|| (0..heads).into_par_iter().map(head_lat).collect()),
+            None => (0..heads).map(head_lat).collect(),
+        };
+        let mut q_lat = vec![0.0f32; s * heads * kl];
+        for (hh, lat) in per_head.iter().enumerate() {
+            for r in 0..s {
+                q_lat[(r * heads + hh) * kl..(r * heads + hh + 1) * kl]
+                    .copy_from_slice(&lat[r * kl..(r + 1) * kl]);
             }
         }
 

@@ -196,12 +196,13 @@ impl Attention {
             }
         }
 
-        // Causal attention over the latent cache; o_lat[s, head, kv_lora].
-        let mut o_lat = vec![0.0f32; s * heads * kl];
-        let mut scores = Vec::with_capacity(start + s);
-        for r in 0..s {
-            let t = start + r + 1; // keys visible to this row
-            for hh in 0..heads {
+        // Causal attention over the latent cache; o_lat[s, head, kv_lora]. One head per task on
+        // the pool, as above: every output is computed by itself, in the same order.
+        let head_attend = |hh: usize| -> Vec<f32> {
+            let mut out = vec![0.0f32; s * kl];
+            let mut scores = Vec::with_capacity(start + s);
+            for r in 0..s {
+                let t = start + r + 1; // keys visible to this row
                 let ql = &q_lat[(r * heads + hh) * kl..(r * heads + hh + 1) * kl];
                 let qr = &q[r * heads * qd + hh * qd + nope..r * heads * qd + (hh + 1) * qd];
                 scores.clear();
@@ -209,9 +210,7 @@ impl Attention {
                 for j in 0..t {
                     let c = &kv.latent[j * kl..(j + 1) * kl];
                     let k = &kv.rope_key[j * rd..(j + 1) * rd];
-                    let dot: f32 = ql.iter().zip(c).map(|(a, b)| a * b).sum::<f32>()
-                        + qr.iter().zip(k).map(|(a, b)| a * b).sum::<f32>();
-                    let v = dot * self.scale;
+                    let v = (dot(ql, c) + dot(qr, k)) * self.scale;
                     max = max.max(v);
                     scores.push(v);
                 }
@@ -220,13 +219,25 @@ impl Attention {
                     *v = (*v - max).exp();
                     sum += *v;
                 }
-                let dst = &mut o_lat[(r * heads + hh) * kl..(r * heads + hh + 1) * kl];
+                let dst = &mut out[r * kl..(r + 1) * kl];
                 for (j, p) in scores.iter().enumerate() {
                     let w = p / sum;
                     for (a, c) in dst.iter_mut().zip(&kv.latent[j * kl..(j + 1) * kl]) {
                         *a += w * c;
                     }
                 }
+            }
+            out
+        };
+        let per_head: Vec<Vec<f32>> = match pool {
+            Some(p) => p.install(|| (0..heads).into_par_iter().map(head_attend).collect()),
+            None => (0..heads).map(head_attend).collect(),
+        };
+        let mut o_lat = vec![0.0f32; s * heads * kl];
+        for (hh, lat) in per_head.iter().enumerate() {
+            for r in 0..s {
+                o_lat[(r * heads + hh) * kl..(r * heads + hh + 1) * kl]
+                    .copy_from_slice(&lat[r * kl..(r + 1) * kl]);
             }
         }
 
@@ -248,4 +259,10 @@ impl Attention {
         }
         linear::apply(&self.o_proj, &o, s, pool)
     }
+}
+
+/// `Σ a_i·b_i`, summed in index order (the order every score of every S uses).
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }

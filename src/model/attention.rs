@@ -184,17 +184,7 @@ impl Attention {
             }
             lat
         };
-        let per_head: Vec<Vec<f32>> = match pool {
-            Some(p) => p.install(|| (0..heads).into_par_iter().map(head_lat).collect()),
-            None => (0..heads).map(head_lat).collect(),
-        };
-        let mut q_lat = vec![0.0f32; s * heads * kl];
-        for (hh, lat) in per_head.iter().enumerate() {
-            for r in 0..s {
-                q_lat[(r * heads + hh) * kl..(r * heads + hh + 1) * kl]
-                    .copy_from_slice(&lat[r * kl..(r + 1) * kl]);
-            }
-        }
+        let q_lat = per_head(heads, s, kl, pool, head_lat);
 
         // Causal attention over the latent cache; o_lat[s, head, kv_lora]. One head per task on
         // the pool, as above: every output is computed by itself, in the same order.
@@ -229,17 +219,7 @@ impl Attention {
             }
             out
         };
-        let per_head: Vec<Vec<f32>> = match pool {
-            Some(p) => p.install(|| (0..heads).into_par_iter().map(head_attend).collect()),
-            None => (0..heads).map(head_attend).collect(),
-        };
-        let mut o_lat = vec![0.0f32; s * heads * kl];
-        for (hh, lat) in per_head.iter().enumerate() {
-            for r in 0..s {
-                o_lat[(r * heads + hh) * kl..(r * heads + hh + 1) * kl]
-                    .copy_from_slice(&lat[r * kl..(r + 1) * kl]);
-            }
-        }
+        let o_lat = per_head(heads, s, kl, pool, head_attend);
 
         // o[s, head, v] = W_UV(head) · o_lat(s, head), through the kernel on the value rows.
         let mut o = vec![0.0f32; s * heads * vd];
@@ -259,6 +239,29 @@ impl Attention {
         }
         linear::apply(&self.o_proj, &o, s, pool)
     }
+}
+
+/// `[s, heads, width]` from `head(h)` = head h's `[s, width]`, one head per task on `pool`
+/// (in order on this thread without one).
+fn per_head(
+    heads: usize,
+    s: usize,
+    width: usize,
+    pool: Option<&rayon::ThreadPool>,
+    head: impl Fn(usize) -> Vec<f32> + Sync,
+) -> Vec<f32> {
+    let parts: Vec<Vec<f32>> = match pool {
+        Some(p) => p.install(|| (0..heads).into_par_iter().map(&head).collect()),
+        None => (0..heads).map(&head).collect(),
+    };
+    let mut out = vec![0.0f32; s * heads * width];
+    for (h, part) in parts.iter().enumerate() {
+        for r in 0..s {
+            out[(r * heads + h) * width..(r * heads + h + 1) * width]
+                .copy_from_slice(&part[r * width..(r + 1) * width]);
+        }
+    }
+    out
 }
 
 /// Partial sums of [`dot`].
@@ -292,4 +295,38 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     acc[0] + rest
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dot;
+
+    #[test]
+    fn dot_matches_f64_at_every_length_and_uses_every_element() {
+        for n in [0, 1, 7, 15, 16, 17, 31, 32, 33, 64, 67, 512, 576] {
+            let a: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.5) / 7.0)
+                .collect();
+            let b: Vec<f32> = (0..n)
+                .map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0)
+                .collect();
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            let scale: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (*x as f64 * *y as f64).abs())
+                .sum();
+            let got = dot(&a, &b) as f64;
+            assert!(
+                (got - want).abs() <= 1e-6 * scale.max(1.0),
+                "n {n}: {got} vs {want}"
+            );
+            // Every element counts: changing the last one changes the result.
+            if n > 0 {
+                let mut c = b.clone();
+                c[n - 1] += 1.0;
+                assert_ne!(dot(&a, &c), dot(&a, &b), "n {n}");
+            }
+        }
+    }
 }

@@ -37,12 +37,11 @@ fn streaming_read(c: &mut Criterion) {
     // VM the read above (hardware prefetch only) sometimes stays near 40 GiB/s while the
     // prefetching int8 kernel streams 55-64 GiB/s, so the hardware-only read alone would
     // understate the machine's limit. Report against the higher of the two.
-    #[cfg(target_arch = "x86_64")]
     g.bench_function(format!("read_prefetch_1GiB_{threads}threads"), |b| {
         b.iter(|| {
             let x = pool.install(|| {
                 buf.par_chunks(1 << 16)
-                    .map(xor_prefetching)
+                    .map(colibri::quant::kernels::xor_prefetching)
                     .reduce(|| 0, |a, b| a ^ b)
             });
             assert_eq!(x, expected);
@@ -50,24 +49,6 @@ fn streaming_read(c: &mut Criterion) {
         })
     });
     g.finish();
-}
-
-/// XOR of `c`, prefetching 8 KiB ahead one cache line (8 words) at a time.
-#[cfg(target_arch = "x86_64")]
-pub fn xor_prefetching(c: &[u64]) -> u64 {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    const AHEAD: usize = 8192 / 8;
-    let mut acc = [0u64; 8];
-    let lines = c.chunks_exact(8);
-    let rest = lines.remainder().iter().fold(0, |a, &b| a ^ b);
-    for (i, line) in lines.enumerate() {
-        // SAFETY: a prefetch never faults, whatever the address (hence `wrapping_add`).
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(c.as_ptr().wrapping_add(i * 8 + AHEAD) as *const i8) };
-        for (a, &v) in acc.iter_mut().zip(line) {
-            *a ^= v;
-        }
-    }
-    acc.iter().fold(rest, |a, &b| a ^ b)
 }
 
 fn fma_peak(c: &mut Criterion) {

@@ -5,7 +5,7 @@
 //!
 //! - `kernels/<format>/<name OxI>/S<s>`: the dispatched path, S = 1, 4, 8.
 //! - `kernels/<format>/<name OxI>/read`: a prefetching 2-thread read of the same matrices'
-//!   bytes (x86-64), the paired limit for the S rows next to it.
+//!   bytes, the paired limit for the S rows next to it.
 //! - `kernel_paths/int4_g64/expert_gate_OxI/S1/<path>`: every available path, A/B.
 //! - `expert_ffn/int4_g64/S<s>`: the fused expert (gate, up, down), bytes of all three.
 //! - `kernel_l2/...`: one thread on an L2-resident matrix: the kernels' compute ceiling.
@@ -159,7 +159,6 @@ fn iter_on_pool(b: &mut Bencher<'_>, pool: &rayon::ThreadPool, mut call: impl Fn
 }
 
 /// XOR of a matrix's data and scales, read in parallel on `pool` with software prefetch.
-#[cfg(target_arch = "x86_64")]
 fn read_matrix(m: &Owned, pool: &rayon::ThreadPool) -> u64 {
     use rayon::prelude::*;
     let words = |b: &[u8]| -> u64 {
@@ -167,7 +166,7 @@ fn read_matrix(m: &Owned, pool: &rayon::ThreadPool) -> u64 {
         let edge = head.iter().chain(tail).fold(0u64, |a, &v| a ^ v as u64);
         pool.install(|| {
             mid.par_chunks(1 << 15)
-                .map(crate::bandwidth::xor_prefetching)
+                .map(kernels::xor_prefetching)
                 .reduce(|| edge, |a, b| a ^ b)
         })
     };
@@ -193,7 +192,6 @@ fn matmul_shapes(c: &mut Criterion) {
                 .collect();
             let views: Vec<QMatrix<'_>> = mats.iter().map(Owned::view).collect();
             g.throughput(Throughput::Bytes(views[0].stream_bytes() as u64));
-            #[cfg(target_arch = "x86_64")]
             {
                 // The same bytes read by a plain prefetching stream, on the same pool, in the
                 // same run: the limit of this very memory (the 1 GiB reference can land on

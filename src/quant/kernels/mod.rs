@@ -392,6 +392,33 @@ impl XLayout {
     }
 }
 
+/// XOR of `words`, read with software prefetch 8 KiB ahead (one per cache line) where the
+/// CPU has it: the read the memory-bandwidth benches time, prefetching as the kernels do, so
+/// that the machine's limit is not understated by a read that waits on the hardware
+/// prefetcher alone.
+pub fn xor_prefetching(words: &[u64]) -> u64 {
+    const AHEAD: usize = 8192 / 8;
+    let mut acc = [0u64; 8];
+    let lines = words.chunks_exact(8);
+    let rest = lines.remainder().iter().fold(0, |a, &b| a ^ b);
+    for (i, line) in lines.enumerate() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch never faults, whatever the address (hence `wrapping_add`); SSE is
+        // part of x86-64.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                words.as_ptr().wrapping_add(i * 8 + AHEAD) as *const i8,
+            )
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (i, AHEAD);
+        for (a, &v) in acc.iter_mut().zip(line) {
+            *a ^= v;
+        }
+    }
+    acc.iter().fold(rest, |a, &b| a ^ b)
+}
+
 /// The f32 FMA ceiling of `path` on this thread: runs `iters` rounds of independent vector
 /// FMAs and returns (flops done, a value to keep the work alive). Benches divide the flops by
 /// the time to put the kernels' S > 1 cost against the machine's compute limit. `None` for

@@ -11,6 +11,9 @@ use rayon::prelude::*;
 
 const BYTES: usize = 1 << 30;
 
+/// A way to read a chunk of the buffer (returns the XOR of its words).
+type Read = fn(&[u64]) -> u64;
+
 fn streaming_read(c: &mut Criterion) {
     let buf: Vec<u64> = (0..BYTES / 8).map(|i| i as u64).collect();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -22,32 +25,24 @@ fn streaming_read(c: &mut Criterion) {
     let mut g = c.benchmark_group("bandwidth");
     g.throughput(Throughput::Bytes(BYTES as u64));
     g.sample_size(10);
-    g.bench_function(format!("read_1GiB_{threads}threads"), |b| {
-        b.iter(|| {
-            let x = pool.install(|| {
-                buf.par_chunks(1 << 16)
-                    .map(|c| c.iter().fold(0u64, |a, &v| a ^ v))
-                    .reduce(|| 0, |a, b| a ^ b)
-            });
-            assert_eq!(x, expected);
-            black_box(x)
-        })
-    });
-    // The same read with software prefetch 8 KiB ahead, as the kernels do: on the development
-    // VM the read above (hardware prefetch only) sometimes stays near 40 GiB/s while the
-    // prefetching int8 kernel streams 55-64 GiB/s, so the hardware-only read alone would
-    // understate the machine's limit. Report against the higher of the two.
-    g.bench_function(format!("read_prefetch_1GiB_{threads}threads"), |b| {
-        b.iter(|| {
-            let x = pool.install(|| {
-                buf.par_chunks(1 << 16)
-                    .map(colibri::quant::kernels::xor_prefetching)
-                    .reduce(|| 0, |a, b| a ^ b)
-            });
-            assert_eq!(x, expected);
-            black_box(x)
-        })
-    });
+    // The second read prefetches 8 KiB ahead in software, as the kernels do: on the development
+    // VM the hardware-prefetch-only read sometimes stays near 40 GiB/s while the prefetching
+    // int8 kernel streams 55-64 GiB/s, so it alone would understate the machine's limit.
+    // Report against the higher of the two.
+    let reads: [(&str, Read); 2] = [
+        ("read", |c| c.iter().fold(0u64, |a, &v| a ^ v)),
+        ("read_prefetch", colibri::quant::kernels::xor_prefetching),
+    ];
+    for (name, read) in reads {
+        g.bench_function(format!("{name}_1GiB_{threads}threads"), |b| {
+            b.iter(|| {
+                let x =
+                    pool.install(|| buf.par_chunks(1 << 16).map(read).reduce(|| 0, |a, b| a ^ b));
+                assert_eq!(x, expected);
+                black_box(x)
+            })
+        });
+    }
     g.finish();
 }
 

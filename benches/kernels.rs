@@ -158,17 +158,16 @@ fn iter_on_pool(b: &mut Bencher<'_>, pool: &rayon::ThreadPool, mut call: impl Fn
     });
 }
 
-/// XOR of a matrix's data and scales, read in parallel on `pool` with software prefetch.
-fn read_matrix(m: &Owned, pool: &rayon::ThreadPool) -> u64 {
+/// XOR of a matrix's data and scales, read in parallel with software prefetch on the pool the
+/// caller runs on ([`iter_on_pool`]).
+fn read_matrix(m: &Owned) -> u64 {
     use rayon::prelude::*;
     let words = |b: &[u8]| -> u64 {
         let (head, mid, tail) = bytemuck::pod_align_to::<u8, u64>(b);
         let edge = head.iter().chain(tail).fold(0u64, |a, &v| a ^ v as u64);
-        pool.install(|| {
-            mid.par_chunks(1 << 15)
-                .map(kernels::xor_prefetching)
-                .reduce(|| edge, |a, b| a ^ b)
-        })
+        mid.par_chunks(1 << 15)
+            .map(kernels::xor_prefetching)
+            .reduce(|| edge, |a, b| a ^ b)
     };
     words(&m.data) ^ words(bytemuck::cast_slice(&m.scales))
 }
@@ -200,7 +199,7 @@ fn matmul_shapes(c: &mut Criterion) {
                 g.bench_function(format!("{format}/{name}_{rows}x{cols}/read"), |b| {
                     iter_on_pool(b, &pool, || {
                         it += 1;
-                        black_box(read_matrix(&mats[it % mats.len()], &pool));
+                        black_box(read_matrix(&mats[it % mats.len()]));
                     })
                 });
             }

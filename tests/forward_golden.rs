@@ -223,7 +223,7 @@ fn mtp_head_matches_transformers() {
         let h = m.config().hidden_size;
         let t = prompt.len();
         let carried = m.final_norm(&f.hidden[..(t - 1) * h]);
-        let d = m.mtp_step(&prompt[1..], &carried, 0).unwrap();
+        let d = m.mtp_step(&prompt[1..], &carried, 0, true).unwrap();
         let err = rel_err(&d.logits, &want);
         eprintln!("{name}: mtp logits rel err {err:.2e}");
         assert!(err <= 1e-3, "{name}: mtp logits rel err {err}");
@@ -247,7 +247,7 @@ fn chained_mtp_drafts_match_transformers_convention() {
         // Absorb the prompt and draft from the last position in one batch.
         let mut tokens = prompt[1..].to_vec();
         tokens.push(greedy[0]);
-        let d = m.mtp_step(&tokens, &carried, 0).unwrap();
+        let d = m.mtp_step(&tokens, &carried, 0, true).unwrap();
         let mut logits = d.logits[(t - 1) * v..].to_vec();
         let mut state = d.hidden[(t - 1) * h..].to_vec();
         for k in 0..want_ids.len() {
@@ -256,7 +256,7 @@ fn chained_mtp_drafts_match_transformers_convention() {
             let id = argmax(&logits);
             assert_eq!(id, want_ids[k], "{name}: depth {}", k + 1);
             if k + 1 < want_ids.len() {
-                let d = m.mtp_step(&[id], &state, t + k).unwrap();
+                let d = m.mtp_step(&[id], &state, t + k, true).unwrap();
                 logits = d.logits;
                 state = d.hidden;
             }

@@ -168,6 +168,12 @@ impl MockTarget {
     }
 }
 
+/// `out` with the logits of its last row only.
+fn last_row_only(mut out: StepOutput, vocab: usize) -> StepOutput {
+    out.logits.drain(..out.logits.len() - vocab);
+    out
+}
+
 impl Target for MockTarget {
     fn vocab_size(&self) -> usize {
         self.cfg.vocab
@@ -223,9 +229,8 @@ impl Target for MockTarget {
     /// The last row's logits only, as the real model returns them (exercises the callers'
     /// handling of the short form).
     fn step_last(&mut self, tokens: &[u32], start_pos: usize) -> Result<StepOutput> {
-        let mut out = self.step_all(tokens, start_pos)?;
-        out.logits.drain(..out.logits.len() - self.cfg.vocab);
-        Ok(out)
+        let out = self.step_all(tokens, start_pos);
+        out.map(|o| last_row_only(o, self.cfg.vocab))
     }
     fn mtp_step_last(
         &mut self,
@@ -233,9 +238,8 @@ impl Target for MockTarget {
         hidden: &[f32],
         start_pos: usize,
     ) -> Result<StepOutput> {
-        let mut out = self.mtp_step(tokens, hidden, start_pos)?;
-        out.logits.drain(..out.logits.len() - self.cfg.vocab);
-        Ok(out)
+        let out = self.mtp_step(tokens, hidden, start_pos);
+        out.map(|o| last_row_only(o, self.cfg.vocab))
     }
     fn mtp_step(&mut self, tokens: &[u32], hidden: &[f32], start_pos: usize) -> Result<StepOutput> {
         if !self.cfg.has_mtp {

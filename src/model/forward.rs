@@ -421,8 +421,13 @@ impl Model {
     /// pool and back (~10 µs on the 2-core development VM, a large share of a small model's
     /// step).
     pub fn step(&mut self, tokens: &[u32], start: usize, all_logits: bool) -> Result<Forward> {
+        self.on_pool(|m| m.step_here(tokens, start, all_logits))
+    }
+
+    /// Run `f` on a thread of the compute pool (see [`step`](Self::step)).
+    fn on_pool<R: Send>(&mut self, f: impl FnOnce(&mut Self) -> R + Send) -> R {
         let pool = Arc::clone(&self.pool);
-        pool.install(|| self.step_here(tokens, start, all_logits))
+        pool.install(|| f(self))
     }
 
     fn step_here(&mut self, tokens: &[u32], start: usize, all_logits: bool) -> Result<Forward> {
@@ -484,24 +489,18 @@ impl Model {
     /// z = MTPLayer(eh_proj · [enorm(embed(t)) ; hnorm(carried)])
     /// out = shared_head.norm(z);  logits = lm_head(out)
     /// ```
-    /// Returns the logits (predicting the token after `tokens[j]`) and `out`, the state a
-    /// chained draft carries (transformers' convention: the normed output, not raw z).
-    pub fn mtp_step(&mut self, tokens: &[u32], carried: &[f32], start: usize) -> Result<Forward> {
-        // On the compute pool, as `step`.
-        let pool = Arc::clone(&self.pool);
-        pool.install(|| self.mtp_step_here(tokens, carried, start, true))
-    }
-
-    /// [`mtp_step`](Self::mtp_step) with the logits of the last row only (absorbing rows into
-    /// the MTP KV reads no others); `hidden` still has every row.
-    pub fn mtp_step_last(
+    /// Returns the logits (predicting the token after `tokens[j]`) of every row
+    /// (`all_logits`) or of the last row only (absorbing rows into the MTP KV reads no others),
+    /// and `out` of every row, the state a chained draft carries (transformers' convention:
+    /// the normed output, not raw z). Runs on the compute pool, as `step`.
+    pub fn mtp_step(
         &mut self,
         tokens: &[u32],
         carried: &[f32],
         start: usize,
+        all_logits: bool,
     ) -> Result<Forward> {
-        let pool = Arc::clone(&self.pool);
-        pool.install(|| self.mtp_step_here(tokens, carried, start, false))
+        self.on_pool(|m| m.mtp_step_here(tokens, carried, start, all_logits))
     }
 
     fn mtp_step_here(

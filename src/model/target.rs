@@ -11,6 +11,22 @@ fn out(f: Forward) -> StepOutput {
     }
 }
 
+/// A main-model step whose hidden is `model.norm(h)`: the state the MTP head consumes (see
+/// `Model::mtp_step`), handed to the decode loop by `step_all` and `step_last`.
+fn normed_step(
+    m: &mut Model,
+    tokens: &[u32],
+    start: usize,
+    all_logits: bool,
+) -> Result<StepOutput> {
+    let f = m.step(tokens, start, all_logits)?;
+    let hidden = m.final_norm(&f.hidden);
+    Ok(StepOutput {
+        logits: f.logits,
+        hidden,
+    })
+}
+
 impl Target for Model {
     fn vocab_size(&self) -> usize {
         self.config().vocab_size
@@ -18,24 +34,11 @@ impl Target for Model {
     fn hidden_size(&self) -> usize {
         self.config().hidden_size
     }
-    /// The hidden handed to the decode loop is `model.norm(h)`: the state the MTP head
-    /// consumes (see `Model::mtp_step`).
     fn step_all(&mut self, tokens: &[u32], start_pos: usize) -> Result<StepOutput> {
-        let f = self.step(tokens, start_pos, true)?;
-        let hidden = self.final_norm(&f.hidden);
-        Ok(StepOutput {
-            logits: f.logits,
-            hidden,
-        })
+        normed_step(self, tokens, start_pos, true)
     }
-    /// As `step_all`, with the logits of the last row only.
     fn step_last(&mut self, tokens: &[u32], start_pos: usize) -> Result<StepOutput> {
-        let f = self.step(tokens, start_pos, false)?;
-        let hidden = self.final_norm(&f.hidden);
-        Ok(StepOutput {
-            logits: f.logits,
-            hidden,
-        })
+        normed_step(self, tokens, start_pos, false)
     }
     fn kv_len(&self) -> usize {
         Model::kv_len(self)
@@ -47,7 +50,7 @@ impl Target for Model {
         Model::has_mtp(self)
     }
     fn mtp_step(&mut self, tokens: &[u32], hidden: &[f32], start_pos: usize) -> Result<StepOutput> {
-        Model::mtp_step(self, tokens, hidden, start_pos).map(out)
+        Model::mtp_step(self, tokens, hidden, start_pos, true).map(out)
     }
     fn mtp_step_last(
         &mut self,
@@ -55,7 +58,7 @@ impl Target for Model {
         hidden: &[f32],
         start_pos: usize,
     ) -> Result<StepOutput> {
-        Model::mtp_step_last(self, tokens, hidden, start_pos).map(out)
+        Model::mtp_step(self, tokens, hidden, start_pos, false).map(out)
     }
     fn mtp_kv_len(&self) -> usize {
         Model::mtp_kv_len(self)

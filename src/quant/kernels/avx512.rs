@@ -175,18 +175,30 @@ impl Src for Int4 {
 /// `(k − 8) as f32 · scale`, the reference dequantisation itself, so the weights are exact;
 /// decoding costs one zero-extend per block and one permute per vector (the shift-and-convert
 /// decode of [`Int4`] costs three times as many instructions, and int4 at S = 1 was bound by
-/// them). `G2`: every group spans an even number of blocks starting at an even block (gs a
-/// multiple of 64, or per row), so blocks 2q and 2q+1 share a table ([`Src::quad`] computes
-/// it once: the DESIGN default gs64 has two blocks per group).
+/// them).
+///
+/// `BPG` is the number of 32-element blocks per group when it is fixed at compile time: 2 for
+/// the DESIGN default gs64, whose block b is in group b/2 (a shift; int4 at S = 1 is bound by
+/// the instruction count of its loop, and this took gs64 from 26.9 to 30.0 GiB/s on one core
+/// with the matrix in L2, +8% at S = 4 and 8), [`PER_ROW`], or [`ANY_EVEN`] / [`ANY_ODD`] for
+/// other group sizes (a multiply by `magic`). With an even count (per row included), blocks
+/// 2q and 2q+1 share a group and [`Src::quad`] computes their table once.
 #[derive(Clone, Copy)]
-struct Int4Lut<const G2: bool> {
+struct Int4Lut<const BPG: usize> {
     data: *const u8,
     scales: *const f32,
-    /// Block b is in group `(b · magic) >> 32` (0 for per-row scales).
+    /// Block b is in group `(b · magic) >> 32` (read for `ANY_EVEN` and `ANY_ODD` only).
     magic: u64,
     /// Prefetch distance in bytes.
     ahead: usize,
 }
+
+/// [`Int4Lut`] with one group per row.
+const PER_ROW: usize = 0;
+/// [`Int4Lut`] with an even number of blocks per group, found through its `magic`.
+const ANY_EVEN: usize = usize::MAX - 1;
+/// [`Int4Lut`] with an odd number of blocks per group, found through its `magic`.
+const ANY_ODD: usize = usize::MAX;
 
 /// `[-8, -7, …, 7]`: nibble k → k − 8.
 #[inline(always)]
@@ -199,7 +211,7 @@ unsafe fn nibble_values() -> __m512 {
     }
 }
 
-impl<const G2: bool> Int4Lut<G2> {
+impl<const BPG: usize> Int4Lut<BPG> {
     /// Row o of `w`, whose group size is `gs` (a multiple of 32, 0 for per-row); `ahead` is
     /// the prefetch distance in bytes.
     #[inline(always)]
@@ -217,13 +229,28 @@ impl<const G2: bool> Int4Lut<G2> {
         }
     }
 
+    /// Blocks 2q and 2q+1 are in one group (`PER_ROW` and `ANY_EVEN` are even).
+    const PAIRS_SHARE: bool = BPG.is_multiple_of(2);
+
+    /// The group of block b.
+    #[inline(always)]
+    fn group(self, b: usize) -> usize {
+        match BPG {
+            PER_ROW => 0,
+            ANY_EVEN | ANY_ODD => ((b as u64 * self.magic) >> 32) as usize,
+            k => b / k,
+        }
+    }
+
     /// The table of block b's group.
     #[inline(always)]
     unsafe fn table(self, b: usize) -> __m512 {
-        // SAFETY: `magic` maps every block of the row to its group, < scales_per_row.
+        // SAFETY: `group` maps every block of the row to its group, < scales_per_row.
         unsafe {
-            let g = ((b as u64 * self.magic) >> 32) as usize;
-            _mm512_mul_ps(nibble_values(), _mm512_set1_ps(*self.scales.add(g)))
+            _mm512_mul_ps(
+                nibble_values(),
+                _mm512_set1_ps(*self.scales.add(self.group(b))),
+            )
         }
     }
 
@@ -247,7 +274,7 @@ impl<const G2: bool> Int4Lut<G2> {
     }
 }
 
-impl<const G2: bool> Src for Int4Lut<G2> {
+impl<const BPG: usize> Src for Int4Lut<BPG> {
     #[inline(always)]
     fn whole(n: usize) -> usize {
         2 * (n / 32)
@@ -276,7 +303,7 @@ impl<const G2: bool> Src for Int4Lut<G2> {
         // hardware prefetcher left to miss; fetching them ahead took int4-gs64 at S = 1 from
         // 33 to 42–47 GiB/s (2 threads, DRAM). One prefetch per call although a line of
         // scales covers 16 calls at gs64: prefetching on every 8th call only measured the same.
-        let group = ((byte as u64 / 16 * self.magic) >> 32) as usize;
+        let group = self.group(byte / 16);
         // SAFETY: a prefetch never faults, whatever the address (hence `wrapping_add`).
         unsafe {
             _mm_prefetch::<_MM_HINT_T0>(self.data.wrapping_add(byte) as *const i8);
@@ -301,7 +328,11 @@ impl<const G2: bool> Src for Int4Lut<G2> {
         // SAFETY: forwarded: vectors 4q .. 4q+3 are whole, so blocks 2q and 2q+1 are.
         unsafe {
             let t0 = self.table(2 * q);
-            let t1 = if G2 { t0 } else { self.table(2 * q + 1) };
+            let t1 = if Self::PAIRS_SHARE {
+                t0
+            } else {
+                self.table(2 * q + 1)
+            };
             [
                 Self::decode(self.bytes(2 * q), t0),
                 Self::decode(self.bytes(2 * q + 1), t1),
@@ -661,13 +692,21 @@ macro_rules! with_src_lut {
     ($fmt:expr, $n:expr, $per_pass:expr, |$mk:ident| $body:expr) => {{
         let ahead = prefetch_distance($fmt.row_bytes($n), $per_pass);
         match lut_group($fmt) {
-            // gs 0 (per row) is one group per row: it qualifies too.
+            Some(0) => {
+                let $mk = move |w: &QMatrix<'_>, o: usize| Int4Lut::<PER_ROW>::row(w, o, 0, ahead);
+                $body
+            }
+            Some(64) => {
+                let $mk = move |w: &QMatrix<'_>, o: usize| Int4Lut::<2>::row(w, o, 64, ahead);
+                $body
+            }
             Some(gs) if gs % 64 == 0 => {
-                let $mk = move |w: &QMatrix<'_>, o: usize| Int4Lut::<true>::row(w, o, gs, ahead);
+                let $mk =
+                    move |w: &QMatrix<'_>, o: usize| Int4Lut::<ANY_EVEN>::row(w, o, gs, ahead);
                 $body
             }
             Some(gs) => {
-                let $mk = move |w: &QMatrix<'_>, o: usize| Int4Lut::<false>::row(w, o, gs, ahead);
+                let $mk = move |w: &QMatrix<'_>, o: usize| Int4Lut::<ANY_ODD>::row(w, o, gs, ahead);
                 $body
             }
             None if $fmt == QuantFormat::Int8PerRow => {

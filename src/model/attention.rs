@@ -184,7 +184,7 @@ impl Attention {
             }
             lat
         };
-        let q_lat = per_head(heads, s, kl, pool, head_lat);
+        let q_lat = per_head(heads, s, kl, pool, |hh| Ok(head_lat(hh)))?;
 
         // Causal attention over the latent cache; o_lat[s, head, kv_lora]. One head per task on
         // the pool, as above: every output is computed by itself, in the same order.
@@ -219,40 +219,39 @@ impl Attention {
             }
             out
         };
-        let o_lat = per_head(heads, s, kl, pool, head_attend);
+        let o_lat = per_head(heads, s, kl, pool, |hh| Ok(head_attend(hh)))?;
 
-        // o[s, head, v] = W_UV(head) · o_lat(s, head), through the kernel on the value rows.
-        let mut o = vec![0.0f32; s * heads * vd];
-        let mut lat_h = vec![0.0f32; s * kl];
-        let mut out_h = vec![0.0f32; s * vd];
-        for hh in 0..heads {
+        // o[s, head, v] = W_UV(head) · o_lat(s, head), through the kernel on the value rows, one
+        // head per task on the pool, each head's call on its task's thread (a kernel's result
+        // does not depend on its thread count): one fork for all heads instead of one per head.
+        let head_value = |hh: usize| -> Result<Vec<f32>> {
             let wv = kvb.row_range(hh * (nope + vd) + nope, vd)?;
+            let mut lat_h = vec![0.0f32; s * kl];
             for r in 0..s {
                 lat_h[r * kl..(r + 1) * kl]
                     .copy_from_slice(&o_lat[(r * heads + hh) * kl..(r * heads + hh + 1) * kl]);
             }
-            kernels::matmul(&wv, &lat_h, s, &mut out_h, pool)?;
-            for r in 0..s {
-                o[r * heads * vd + hh * vd..r * heads * vd + (hh + 1) * vd]
-                    .copy_from_slice(&out_h[r * vd..(r + 1) * vd]);
-            }
-        }
+            let mut out_h = vec![0.0f32; s * vd];
+            kernels::matmul(&wv, &lat_h, s, &mut out_h, None)?;
+            Ok(out_h)
+        };
+        let o = per_head(heads, s, vd, pool, head_value)?;
         linear::apply(&self.o_proj, &o, s, pool)
     }
 }
 
 /// `[s, heads, width]` from `head(h)` = head h's `[s, width]`, one head per task on `pool`
-/// (in order on this thread without one).
+/// (in order on this thread without one); the first error, if any head fails.
 fn per_head(
     heads: usize,
     s: usize,
     width: usize,
     pool: Option<&rayon::ThreadPool>,
-    head: impl Fn(usize) -> Vec<f32> + Sync,
-) -> Vec<f32> {
+    head: impl Fn(usize) -> Result<Vec<f32>> + Sync,
+) -> Result<Vec<f32>> {
     let parts: Vec<Vec<f32>> = match pool {
-        Some(p) => p.install(|| (0..heads).into_par_iter().map(&head).collect()),
-        None => (0..heads).map(&head).collect(),
+        Some(p) => p.install(|| (0..heads).into_par_iter().map(&head).collect::<Result<_>>())?,
+        None => (0..heads).map(&head).collect::<Result<_>>()?,
     };
     let mut out = vec![0.0f32; s * heads * width];
     for (h, part) in parts.iter().enumerate() {
@@ -261,7 +260,7 @@ fn per_head(
                 .copy_from_slice(&part[r * width..(r + 1) * width]);
         }
     }
-    out
+    Ok(out)
 }
 
 /// Partial sums of [`dot`].

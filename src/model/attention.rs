@@ -15,7 +15,6 @@ use crate::model::linear;
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
 use crate::model::rope::Rope;
 use crate::quant::kernels;
-use crate::quant::pack::dequantize_row;
 
 /// Query projection: low-rank with its own norm, or one plain matrix.
 enum QProj {
@@ -170,11 +169,11 @@ impl Attention {
         // one head per task on the pool (each output is summed over d in order whatever the
         // split or S, so the values do not depend on either).
         let kvb = self.kv_b_proj.view();
-        let head_lat = |hh: usize| -> Vec<f32> {
+        let head_lat = |hh: usize| -> Result<Vec<f32>> {
             let mut lat = vec![0.0f32; s * kl];
             let mut wrow = vec![0.0f32; kl];
             for d in 0..nope {
-                dequantize_row(&kvb, hh * (nope + vd) + d, &mut wrow);
+                kernels::dequantize_row(&kvb, hh * (nope + vd) + d, &mut wrow)?;
                 for r in 0..s {
                     let qv = q[r * heads * qd + hh * qd + d];
                     for (a, w) in lat[r * kl..(r + 1) * kl].iter_mut().zip(&wrow) {
@@ -182,9 +181,9 @@ impl Attention {
                     }
                 }
             }
-            lat
+            Ok(lat)
         };
-        let q_lat = per_head(heads, s, kl, pool, |hh| Ok(head_lat(hh)))?;
+        let q_lat = per_head(heads, s, kl, pool, head_lat)?;
 
         // Causal attention over the latent cache; o_lat[s, head, kv_lora]. One head per task on
         // the pool, as above: every output is computed by itself, in the same order.

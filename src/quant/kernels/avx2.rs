@@ -401,6 +401,32 @@ unsafe fn rows_src<S: Src, const NW: usize, const TM: usize>(
     }
 }
 
+/// Row `o` of `w` dequantised into `out` (`w.cols()` floats): the same exact f32 weights as
+/// `pack::dequantize_row`.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `o < w.rows()` and `out.len() >= w.cols()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dequantize_row(w: &QMatrix<'_>, o: usize, out: &mut [f32]) {
+    let n = w.cols();
+    // SAFETY: the caller's contract; each source spans the n elements of row o.
+    unsafe {
+        with_src!(w.format(), |mk| {
+            let src = mk(w, o);
+            let y = out.as_mut_ptr();
+            let whole = n / L;
+            for v in 0..whole {
+                _mm256_storeu_ps(y.add(v * L), src.one(v));
+            }
+            if !n.is_multiple_of(L) {
+                let mut last = [0.0f32; L];
+                _mm256_storeu_ps(last.as_mut_ptr(), src.tail(whole, n % L));
+                out[whole * L..n].copy_from_slice(&last[..n % L]);
+            }
+        })
+    }
+}
+
 /// `out[i·s + t] = W[o0 + i] · x_t` for the rows `o0..o0 + out.len()/s`.
 ///
 /// # Safety

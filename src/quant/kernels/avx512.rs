@@ -685,6 +685,31 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, x: &[f32], s: usize, out: 
     }
 }
 
+/// Row `o` of `w` dequantised into `out` (`w.cols()` floats) in natural order, through the
+/// shift-and-convert sources of [`with_src!`] (the table-decoded int4 produces its vectors in
+/// a permuted order): the same exact f32 weights as `pack::dequantize_row`.
+///
+/// # Safety
+/// The CPU supports AVX-512 F and BW; `o < w.rows()` and `out.len() >= w.cols()`.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn dequantize_row(w: &QMatrix<'_>, o: usize, out: &mut [f32]) {
+    let n = w.cols();
+    // SAFETY: the caller's contract; each source spans the n elements of row o.
+    unsafe {
+        with_src!(w.format(), |mk| {
+            let src = mk(w, o);
+            let y = out.as_mut_ptr();
+            let whole = n / L;
+            for v in 0..whole {
+                _mm512_storeu_ps(y.add(v * L), src.one(v));
+            }
+            if !n.is_multiple_of(L) {
+                _mm512_mask_storeu_ps(y.add(whole * L), mask(n % L), src.tail(whole, n));
+            }
+        })
+    }
+}
+
 /// [`with_src!`] with this path's table-decoded int4 ([`Int4Lut`]) for the formats
 /// [`lut_group`] accepts; `$per_pass` weight rows of `$n` columns are read side by side (it
 /// sets the prefetch distance).

@@ -306,6 +306,49 @@ pub fn matmul_with(
     Ok(())
 }
 
+/// Row `row` of `w` dequantised into `out` (`w.cols()` floats) on the [`active_path`]: the
+/// exact f32 weights the kernels multiply with (`(nibble − 8) · scale`, `q · scale`, bf16 and
+/// f16 widened), equal bit for bit to the scalar reference `pack::dequantize_row` (NEON uses
+/// the reference itself). For code that needs weights as numbers rather than as a product
+/// (MLA's query absorption through the key half of `kv_b`).
+pub fn dequantize_row(w: &QMatrix<'_>, row: usize, out: &mut [f32]) -> Result<()> {
+    dequantize_row_with(active_path()?, w, row, out)
+}
+
+/// [`dequantize_row`] on an explicit path.
+pub fn dequantize_row_with(
+    path: KernelPath,
+    w: &QMatrix<'_>,
+    row: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    if row >= w.rows() || out.len() != w.cols() {
+        return Err(Error::invalid(
+            "dequantize_row",
+            format!(
+                "row {row} of a [{}, {}] matrix into {} floats (need row < {} and {} floats)",
+                w.rows(),
+                w.cols(),
+                out.len(),
+                w.rows(),
+                w.cols()
+            ),
+        ));
+    }
+    path.require()?;
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `path.require()` succeeded (AVX2, FMA, F16C present); row and length were
+        // checked above.
+        KernelPath::Avx2 => unsafe { avx2::dequantize_row(w, row, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, with AVX-512 F and BW present.
+        KernelPath::Avx512 => unsafe { avx512::dequantize_row(w, row, out) },
+        _ => crate::quant::pack::dequantize_row(w, row, out),
+    }
+    Ok(())
+}
+
 /// How a path wants the activations of a call laid out (chosen by path and weight format,
 /// never by S, so every S computes the same function).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -407,3 +407,41 @@ fn xor_prefetching_is_the_xor_of_every_word() {
         assert_eq!(super::xor_prefetching(&words), want, "n {n}");
     }
 }
+
+#[test]
+fn dequantized_rows_equal_the_reference_bit_for_bit() {
+    for path in KernelPath::available() {
+        for (fi, &format) in formats().iter().enumerate() {
+            for &cols in &[1, 7, 16, 17, 31, 64, 100, 129, 300, 512] {
+                let rows = 3;
+                let p = weights(format, rows, cols, 7 * fi as u64 + cols as u64);
+                let w = p.view();
+                for o in 0..rows {
+                    let mut reference = vec![f32::NAN; cols];
+                    crate::quant::pack::dequantize_row(&w, o, &mut reference);
+                    let mut got = vec![f32::NAN; cols];
+                    dequantize_row_with(path, &w, o, &mut got).unwrap();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&reference),
+                        "{path} {format} [{rows}, {cols}] row {o}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn dequantize_row_refuses_a_bad_row_or_length() {
+    let p = weights(QuantFormat::Int4Grouped { group_size: 64 }, 2, 100, 3);
+    let w = p.view();
+    for path in KernelPath::available() {
+        let mut out = vec![0.0f32; 100];
+        let e = dequantize_row_with(path, &w, 2, &mut out).unwrap_err();
+        assert!(e.to_string().contains("row 2 of a [2, 100] matrix"), "{e}");
+        let mut short = vec![0.0f32; 99];
+        let e = dequantize_row_with(path, &w, 0, &mut short).unwrap_err();
+        assert!(e.to_string().contains("into 99 floats"), "{e}");
+    }
+}

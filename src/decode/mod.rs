@@ -44,10 +44,11 @@ pub trait Target {
     fn kv_len(&self) -> usize;
     fn truncate(&mut self, len: usize); // roll back main-model KV to `len` rows
     fn has_mtp(&self) -> bool;
-    /// MTP layer over S rows: row j takes token tokens[j] (the token at main position p+1) and hidden[j] (the
-    /// hidden that produced it: main hidden at p, or the previous MTP output when chaining); appends MTP KV rows at
-    /// start_pos.. (== mtp_kv_len()); returns the head's logits (predicting the token after tokens[j]) and the MTP
-    /// layer's output hidden (to chain the next depth).
+    /// MTP layer over S rows: row j takes token `tokens[j]` (the token at main position p+1) and
+    /// `hidden[j]` (the hidden that produced it: main hidden at p, or the previous MTP output when
+    /// chaining); appends MTP KV rows at `start_pos..` (== `mtp_kv_len()`); returns the head's
+    /// logits (predicting the token after `tokens[j]`) and the MTP layer's output hidden (to chain
+    /// the next depth).
     fn mtp_step(&mut self, tokens: &[u32], hidden: &[f32], start_pos: usize) -> Result<StepOutput>;
     /// [`step_all`](Self::step_all) for a caller that reads only the last row's logits
     /// (prefill): `logits` may hold that row alone (`vocab` values), which spares the LM head

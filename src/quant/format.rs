@@ -16,7 +16,7 @@ pub enum QuantFormat {
     Bf16,
     /// Little-endian IEEE half, O·I·2 bytes, no scales.
     F16,
-    /// O·I signed bytes, one f32 scale per row: w = q·s[o].
+    /// O·I signed bytes, one f32 scale per row: `w = q·s[o]`.
     Int8PerRow,
     /// O·ceil(I/2) bytes of nibbles, one scale per row.
     Int4PerRow,

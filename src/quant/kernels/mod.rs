@@ -11,7 +11,7 @@
 //!   activation row (A = 2 on x86, 4 on NEON); the last partial vector is masked (lanes past I
 //!   are zero in both W and X); AVX-512 walks int4 (gs a multiple of 32, or per row) as the
 //!   even then the odd elements of each 32-element block, with the activations rearranged to
-//!   match once per call ([`XLayout`], which on AVX-512 also puts every activation row in
+//!   match once per call (`XLayout`, which on AVX-512 also puts every activation row in
 //!   64-byte-aligned memory) — still one fixed order per format and I;
 //! - the accumulators are summed in order, then the lanes by a fixed tree.
 //!
@@ -20,7 +20,7 @@
 //! instructions on its own accumulators, so the result of a row never depends on S or on its
 //! position. A weight
 //! row is read from memory by the first tile and from L1 by the others, so the weights of one
-//! call are read from memory once whatever S is. Calls of more than [`S_BLOCK`] rows run as
+//! call are read from memory once whatever S is. Calls of more than `S_BLOCK` (8) rows run as
 //! blocks of that many (the weights are read once per block; the activations of a block stay
 //! in cache).
 //!

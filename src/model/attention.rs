@@ -15,6 +15,7 @@ use crate::model::linear;
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
 use crate::model::rope::Rope;
 use crate::quant::kernels;
+use crate::quant::kernels::vecops::VecOps;
 
 /// Query projection: low-rank with its own norm, or one plain matrix.
 enum QProj {
@@ -169,6 +170,7 @@ impl Attention {
         // one head per task on the pool (each output is summed over d in order whatever the
         // split or S, so the values do not depend on either).
         let kvb = self.kv_b_proj.view();
+        let ops = VecOps::active()?;
         let head_lat = |hh: usize| -> Result<Vec<f32>> {
             let mut lat = vec![0.0f32; s * kl];
             let mut wrow = vec![0.0f32; kl];
@@ -176,9 +178,7 @@ impl Attention {
                 kernels::dequantize_row(&kvb, hh * (nope + vd) + d, &mut wrow)?;
                 for r in 0..s {
                     let qv = q[r * heads * qd + hh * qd + d];
-                    for (a, w) in lat[r * kl..(r + 1) * kl].iter_mut().zip(&wrow) {
-                        *a += qv * w;
-                    }
+                    ops.axpy(&mut lat[r * kl..(r + 1) * kl], qv, &wrow);
                 }
             }
             Ok(lat)
@@ -199,7 +199,7 @@ impl Attention {
                 for j in 0..t {
                     let c = &kv.latent[j * kl..(j + 1) * kl];
                     let k = &kv.rope_key[j * rd..(j + 1) * rd];
-                    let v = (dot(ql, c) + dot(qr, k)) * self.scale;
+                    let v = (ops.dot(ql, c) + ops.dot(qr, k)) * self.scale;
                     max = max.max(v);
                     scores.push(v);
                 }
@@ -210,10 +210,7 @@ impl Attention {
                 }
                 let dst = &mut out[r * kl..(r + 1) * kl];
                 for (j, p) in scores.iter().enumerate() {
-                    let w = p / sum;
-                    for (a, c) in dst.iter_mut().zip(&kv.latent[j * kl..(j + 1) * kl]) {
-                        *a += w * c;
-                    }
+                    ops.axpy(dst, p / sum, &kv.latent[j * kl..(j + 1) * kl]);
                 }
             }
             out
@@ -260,71 +257,4 @@ fn per_head(
         }
     }
     Ok(out)
-}
-
-/// Partial sums of [`dot`].
-const DOT_LANES: usize = 16;
-
-/// `Σ a_i·b_i` in one fixed order, the same for every score of every S: element i goes to
-/// partial sum i % 16 (whole blocks of 16), the partial sums are added as a tree (8, 4, 2,
-/// 1), then the leftover elements in order. An in-order sum is one dependent add per element
-/// (latency-bound, ~4 cycles each); sixteen independent sums vectorise.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0.0f32; DOT_LANES];
-    let (ca, cb) = (a.chunks_exact(DOT_LANES), b.chunks_exact(DOT_LANES));
-    let rest: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (xa, xb) in ca.zip(cb) {
-        for i in 0..DOT_LANES {
-            acc[i] += xa[i] * xb[i];
-        }
-    }
-    let mut w = DOT_LANES;
-    while w > 1 {
-        w /= 2;
-        for i in 0..w {
-            acc[i] += acc[i + w];
-        }
-    }
-    acc[0] + rest
-}
-
-#[cfg(test)]
-mod tests {
-    use super::dot;
-
-    #[test]
-    fn dot_matches_f64_at_every_length_and_uses_every_element() {
-        for n in [0, 1, 7, 15, 16, 17, 31, 32, 33, 64, 67, 512, 576] {
-            let a: Vec<f32> = (0..n)
-                .map(|i| ((i * 37 % 101) as f32 - 50.5) / 7.0)
-                .collect();
-            let b: Vec<f32> = (0..n)
-                .map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0)
-                .collect();
-            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            let scale: f64 = a
-                .iter()
-                .zip(&b)
-                .map(|(x, y)| (*x as f64 * *y as f64).abs())
-                .sum();
-            let got = dot(&a, &b) as f64;
-            assert!(
-                (got - want).abs() <= 1e-6 * scale.max(1.0),
-                "n {n}: {got} vs {want}"
-            );
-            // Every element counts: changing the last one changes the result.
-            if n > 0 {
-                let mut c = b.clone();
-                c[n - 1] += 1.0;
-                assert_ne!(dot(&a, &c), dot(&a, &b), "n {n}");
-            }
-        }
-    }
 }

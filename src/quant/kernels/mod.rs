@@ -29,6 +29,7 @@
 //! tests and A/B benches.
 
 pub mod scalar;
+pub mod vecops;
 
 #[cfg(target_arch = "x86_64")]
 #[macro_use]

@@ -408,23 +408,24 @@ unsafe fn rows_src<S: Src, const NW: usize, const TM: usize>(
 /// The CPU supports AVX2, FMA and F16C; `o < w.rows()` and `out.len() >= w.cols()`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dequantize_row(w: &QMatrix<'_>, o: usize, out: &mut [f32]) {
-    let n = w.cols();
-    // SAFETY: the caller's contract; each source spans the n elements of row o.
-    unsafe {
-        with_src!(w.format(), |mk| {
-            let src = mk(w, o);
-            let y = out.as_mut_ptr();
-            let whole = n / L;
-            for v in 0..whole {
-                _mm256_storeu_ps(y.add(v * L), src.one(v));
-            }
-            if !n.is_multiple_of(L) {
-                let mut last = [0.0f32; L];
-                _mm256_storeu_ps(last.as_mut_ptr(), src.tail(whole, n % L));
-                out[whole * L..n].copy_from_slice(&last[..n % L]);
-            }
-        })
-    }
+    // SAFETY: the caller's contract; each source spans the `w.cols()` elements of row o.
+    unsafe { dequantize_row_into!(w, o, out) }
+}
+
+/// `v` into the 8 floats at `p`.
+#[inline(always)]
+unsafe fn store(p: *mut f32, v: __m256) {
+    // SAFETY: the caller's: AVX, and 8 writable floats at `p`.
+    unsafe { _mm256_storeu_ps(p, v) }
+}
+
+/// The partial vector `v` of a row of `n` elements into `out` (its `n % 8` elements).
+#[inline(always)]
+unsafe fn store_last<S: Src>(src: S, v: usize, n: usize, out: &mut [f32]) {
+    let mut last = [0.0f32; L];
+    // SAFETY: the caller's: AVX2, and vector v is the row's partial last one.
+    unsafe { _mm256_storeu_ps(last.as_mut_ptr(), src.tail(v, n % L)) };
+    out.copy_from_slice(&last[..out.len()]);
 }
 
 /// `out[i·s + t] = W[o0 + i] · x_t` for the rows `o0..o0 + out.len()/s`.

@@ -693,21 +693,23 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, x: &[f32], s: usize, out: 
 /// The CPU supports AVX-512 F and BW; `o < w.rows()` and `out.len() >= w.cols()`.
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn dequantize_row(w: &QMatrix<'_>, o: usize, out: &mut [f32]) {
-    let n = w.cols();
-    // SAFETY: the caller's contract; each source spans the n elements of row o.
-    unsafe {
-        with_src!(w.format(), |mk| {
-            let src = mk(w, o);
-            let y = out.as_mut_ptr();
-            let whole = n / L;
-            for v in 0..whole {
-                _mm512_storeu_ps(y.add(v * L), src.one(v));
-            }
-            if !n.is_multiple_of(L) {
-                _mm512_mask_storeu_ps(y.add(whole * L), mask(n % L), src.tail(whole, n));
-            }
-        })
-    }
+    // SAFETY: the caller's contract; each source spans the `w.cols()` elements of row o.
+    unsafe { dequantize_row_into!(w, o, out) }
+}
+
+/// `v` into the 16 floats at `p`.
+#[inline(always)]
+unsafe fn store(p: *mut f32, v: __m512) {
+    // SAFETY: the caller's: AVX-512 F, and 16 writable floats at `p`.
+    unsafe { _mm512_storeu_ps(p, v) }
+}
+
+/// The partial vector `v` of a row of `n` elements into `out` (its `n % 16` elements).
+#[inline(always)]
+unsafe fn store_last<S: Src>(src: S, v: usize, n: usize, out: &mut [f32]) {
+    // SAFETY: the caller's: AVX-512 F, vector v is the row's partial last one, and the mask
+    // writes only `out.len() == n % 16` floats.
+    unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr(), mask(out.len()), src.tail(v, n)) }
 }
 
 /// [`with_src!`] with this path's table-decoded int4 ([`Int4Lut`]) for the formats

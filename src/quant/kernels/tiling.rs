@@ -67,3 +67,23 @@ macro_rules! with_src {
         }
     }};
 }
+
+/// Row `$o` of `$w` dequantised into `$out` in natural order through this module's
+/// [`with_src!`] sources: the whole vectors with its `store`, the partial last one with its
+/// `store_last`.
+macro_rules! dequantize_row_into {
+    ($w:expr, $o:expr, $out:expr) => {{
+        let (w, o, out): (&QMatrix<'_>, usize, &mut [f32]) = ($w, $o, $out);
+        let n = w.cols();
+        with_src!(w.format(), |mk| {
+            let src = mk(w, o);
+            let whole = n / L;
+            for v in 0..whole {
+                store(out.as_mut_ptr().add(v * L), src.one(v));
+            }
+            if !n.is_multiple_of(L) {
+                store_last(src, whole, n, &mut out[whole * L..n]);
+            }
+        })
+    }};
+}

@@ -327,8 +327,8 @@ pub fn matmul_with(
 
 /// Row `row` of `w` dequantised into `out` (`w.cols()` floats) on the [`active_path`]: the
 /// exact f32 weights the kernels multiply with (`(nibble − 8) · scale`, `q · scale`, bf16 and
-/// f16 widened), equal bit for bit to the scalar reference `pack::dequantize_row` (NEON uses
-/// the reference itself). For code that needs weights as numbers rather than as a product
+/// f16 widened), equal bit for bit to the scalar reference `pack::dequantize_row`. For code
+/// that needs weights as numbers rather than as a product
 /// (MLA's query absorption through the key half of `kv_b`).
 pub fn dequantize_row(w: &QMatrix<'_>, row: usize, out: &mut [f32]) -> Result<()> {
     dequantize_row_with(active_path()?, w, row, out)
@@ -363,6 +363,9 @@ pub fn dequantize_row_with(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, with AVX-512 F and BW present.
         KernelPath::Avx512 => unsafe { avx512::dequantize_row(w, row, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: as above, with NEON present.
+        KernelPath::Neon => unsafe { neon::dequantize_row(w, row, out) },
         _ => crate::quant::pack::dequantize_row(w, row, out),
     }
     Ok(())

@@ -2,7 +2,7 @@
 //! tiles of up to four activation rows (two with a weight-row pair).
 //!
 //! Kept deliberately simple: every weight row is first dequantised exactly into an f32 buffer
-//! (int4 blocks of 16 with NEON, everything else by the reference `dequantize_row`), then the
+//! (int4 blocks of 16 with NEON, everything else by the reference `pack::dequantize_row`), then the
 //! dot products read the buffer, so S = 1 and S > 1 share every instruction that touches a sum.
 //!
 //! Tested without aarch64 hardware: `scripts/test-aarch64.sh` cross-builds the crate and runs
@@ -13,7 +13,7 @@
 use std::arch::aarch64::*;
 
 use crate::quant::format::{QMatrix, QuantFormat};
-use crate::quant::pack::dequantize_row;
+use crate::quant::pack;
 
 /// Lanes per vector.
 const L: usize = 4;
@@ -69,7 +69,27 @@ unsafe fn fill(w: &QMatrix<'_>, o: usize, buf: &mut [f32]) {
                 buf[i] = (nibble as i32 - 8) as f32 * scales[i / gs];
             }
         }
-        _ => dequantize_row(w, o, &mut buf[..n]),
+        _ => pack::dequantize_row(w, o, &mut buf[..n]),
+    }
+}
+
+/// Row `o` of `w` dequantised into `out` (`w.cols()` floats), as the kernels here see it: the
+/// same values as the reference `dequantize_row` (int4 by NEON, everything else by the
+/// reference itself).
+///
+/// # Safety
+/// The CPU supports NEON; `o < w.rows()` and `out.len() == w.cols()`.
+pub(super) unsafe fn dequantize_row(w: &QMatrix<'_>, o: usize, out: &mut [f32]) {
+    let n = w.cols();
+    // SAFETY: forwarded; `fill` wants a buffer padded to whole vectors.
+    unsafe {
+        if n.is_multiple_of(L) {
+            fill(w, o, out);
+        } else {
+            let mut buf = vec![0.0f32; n.div_ceil(L) * L];
+            fill(w, o, &mut buf);
+            out.copy_from_slice(&buf[..n]);
+        }
     }
 }
 

@@ -235,6 +235,13 @@ mod tests {
     }
 
     #[test]
+    fn a_path_this_cpu_lacks_is_an_error() {
+        for path in KernelPath::ALL {
+            assert_eq!(VecOps::on(path).is_ok(), path.is_available(), "{path}");
+        }
+    }
+
+    #[test]
     fn every_path_equals_the_references_bit_for_bit() {
         for path in KernelPath::available() {
             let ops = VecOps::on(path).unwrap();

@@ -323,4 +323,31 @@ fn expert(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, paths, matmul_shapes, expert, in_cache);
+/// Prefill-sized calls (S = 64 and 512 activation rows, which the kernels run in blocks of 8):
+/// compute-bound, so the throughput is in flops (criterion's "elem/s" = flop/s here); compare
+/// with `compute/fma_peak` of the same run.
+fn prefill(c: &mut Criterion) {
+    let pool = pool();
+    let mut g = c.benchmark_group("kernel_prefill");
+    short(&mut g);
+    let format = QuantFormat::Int4Grouped { group_size: 64 };
+    let (name, rows, cols) = SHAPES[0];
+    let m = Owned::new(format, rows, cols, 7);
+    let w = m.view();
+    for s in [64, 512] {
+        let x = activations(s, cols);
+        let mut y = vec![0.0f32; s * rows];
+        kernels::matmul(&w, &x, s, &mut y, Some(&pool)).expect("matmul");
+        check(kernels::selected_path(), &m, &x, s, &y);
+        g.throughput(Throughput::Elements((2 * s * rows * cols) as u64));
+        g.bench_function(format!("{format}/{name}_{rows}x{cols}/S{s}"), |b| {
+            iter_on_pool(b, &pool, || {
+                kernels::matmul(&w, black_box(&x), s, &mut y, Some(&pool)).expect("matmul");
+                black_box(&y);
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, paths, matmul_shapes, expert, in_cache, prefill);

@@ -15,7 +15,7 @@ use crate::model::linear;
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
 use crate::model::rope::Rope;
 use crate::quant::kernels;
-use crate::quant::kernels::vecops::VecOps;
+use crate::quant::kernels::vecops::{VecOps, BATCH};
 
 /// Query projection: low-rank with its own norm, or one plain matrix.
 enum QProj {
@@ -196,10 +196,23 @@ impl Attention {
                 let qr = &q[r * heads * qd + hh * qd + nope..r * heads * qd + (hh + 1) * qd];
                 scores.clear();
                 let mut max = f32::NEG_INFINITY;
-                for j in 0..t {
-                    let c = &kv.latent[j * kl..(j + 1) * kl];
-                    let k = &kv.rope_key[j * rd..(j + 1) * rd];
-                    let v = (ops.dot(ql, c) + ops.dot(qr, k)) * self.scale;
+                // Four keys per call where possible (four sums side by side; every score is
+                // computed exactly as alone).
+                let latent = |j: usize| &kv.latent[j * kl..(j + 1) * kl];
+                let rope_key = |j: usize| &kv.rope_key[j * rd..(j + 1) * rd];
+                let mut j = 0;
+                while j + BATCH <= t {
+                    let c = ops.dots(ql, std::array::from_fn(|i| latent(j + i)));
+                    let k = ops.dots(qr, std::array::from_fn(|i| rope_key(j + i)));
+                    for i in 0..BATCH {
+                        let v = (c[i] + k[i]) * self.scale;
+                        max = max.max(v);
+                        scores.push(v);
+                    }
+                    j += BATCH;
+                }
+                for j in j..t {
+                    let v = (ops.dot(ql, latent(j)) + ops.dot(qr, rope_key(j))) * self.scale;
                     max = max.max(v);
                     scores.push(v);
                 }
@@ -209,8 +222,15 @@ impl Attention {
                     sum += *v;
                 }
                 let dst = &mut out[r * kl..(r + 1) * kl];
-                for (j, p) in scores.iter().enumerate() {
-                    ops.axpy(dst, p / sum, &kv.latent[j * kl..(j + 1) * kl]);
+                // The same axpys in the same order, four per call where possible.
+                let mut j = 0;
+                while j + BATCH <= t {
+                    let w = std::array::from_fn(|i| scores[j + i] / sum);
+                    ops.axpys(dst, w, std::array::from_fn(|i| latent(j + i)));
+                    j += BATCH;
+                }
+                for j in j..t {
+                    ops.axpy(dst, scores[j] / sum, latent(j));
                 }
             }
             out

@@ -13,6 +13,9 @@ use crate::Result;
 /// Partial sums of [`dot_reference`].
 const DOT_LANES: usize = 16;
 
+/// Rows per call of [`VecOps::dots`] and [`VecOps::axpys`].
+pub const BATCH: usize = 4;
+
 /// `Σ a_i·b_i` in one fixed order: element i of the whole blocks of 16 goes to partial sum
 /// i % 16 (`acc += a·b`, a multiply then an add), the partial sums are added as a tree (lane i
 /// with lane i + 8, then + 4, + 2, + 1), then the leftover products summed in order are added.
@@ -87,6 +90,44 @@ impl VecOps {
         }
     }
 
+    /// `[dot(a, b) for b in bs]`, each exactly [`dot_reference`]: the four sums run side by
+    /// side (one sum is bound by the latency of its adds). All slices have `a`'s length.
+    #[inline]
+    pub fn dots(&self, a: &[f32], bs: [&[f32]; BATCH]) -> [f32; BATCH] {
+        let n = bs.iter().fold(a.len(), |n, b| n.min(b.len()));
+        let (a, bs) = (&a[..n], bs.map(|b| &b[..n]));
+        match self.path {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `on` checked that the CPU has AVX-512 F; the slices have equal lengths.
+            KernelPath::Avx512 => unsafe { x86::dots_avx512(a, bs) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, with AVX2.
+            KernelPath::Avx2 => unsafe { x86::dots_avx2(a, bs) },
+            _ => bs.map(|b| dot_reference(a, b)),
+        }
+    }
+
+    /// `y += a[0]·xs[0]`, then `y += a[1]·xs[1]`, and so on: four [`axpy_reference`] calls in
+    /// that order, with `y` kept in registers across them. All slices have `y`'s length.
+    #[inline]
+    pub fn axpys(&self, y: &mut [f32], a: [f32; BATCH], xs: [&[f32]; BATCH]) {
+        let n = xs.iter().fold(y.len(), |n, x| n.min(x.len()));
+        let (y, xs) = (&mut y[..n], xs.map(|x| &x[..n]));
+        match self.path {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `on` checked that the CPU has AVX-512 F; the slices have equal lengths.
+            KernelPath::Avx512 => unsafe { x86::axpys_avx512(y, a, xs) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, with AVX2.
+            KernelPath::Avx2 => unsafe { x86::axpys_avx2(y, a, xs) },
+            _ => {
+                for (a, x) in a.into_iter().zip(xs) {
+                    axpy_reference(y, a, x);
+                }
+            }
+        }
+    }
+
     /// [`axpy_reference`]`(y, a, x)`; `y` and `x` have the same length.
     #[inline]
     pub fn axpy(&self, y: &mut [f32], a: f32, x: &[f32]) {
@@ -108,7 +149,7 @@ impl VecOps {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{leftover, DOT_LANES};
+    use super::{leftover, BATCH, DOT_LANES};
 
     /// The tree of [`super::dot_reference`] from the partial sums of lanes 0..8 (`lo`) and
     /// 8..16 (`hi`): lane i + lane i+8, then + 4, + 2, + 1.
@@ -161,6 +202,101 @@ mod x86 {
             }
             let rest = leftover(&a[blocks * DOT_LANES..], &b[blocks * DOT_LANES..]);
             tree(lo, hi) + rest
+        }
+    }
+
+    /// # Safety
+    /// The CPU supports AVX-512 F; every slice has `a`'s length.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dots_avx512(a: &[f32], bs: [&[f32]; BATCH]) -> [f32; BATCH] {
+        let blocks = a.len() / DOT_LANES;
+        // SAFETY: block k reads elements 16k .. 16k+16 < len of every slice.
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); BATCH];
+            for k in 0..blocks {
+                let x = _mm512_loadu_ps(a.as_ptr().add(k * DOT_LANES));
+                for (acc, b) in acc.iter_mut().zip(&bs) {
+                    let y = _mm512_loadu_ps(b.as_ptr().add(k * DOT_LANES));
+                    *acc = _mm512_add_ps(*acc, _mm512_mul_ps(x, y));
+                }
+            }
+            let mut out = [0.0f32; BATCH];
+            for ((o, acc), b) in out.iter_mut().zip(acc).zip(&bs) {
+                let lo = _mm512_castps512_ps256(acc);
+                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
+                *o = tree(lo, hi) + leftover(&a[blocks * DOT_LANES..], &b[blocks * DOT_LANES..]);
+            }
+            out
+        }
+    }
+
+    /// # Safety
+    /// The CPU supports AVX2; every slice has `a`'s length.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn dots_avx2(a: &[f32], bs: [&[f32]; BATCH]) -> [f32; BATCH] {
+        let blocks = a.len() / DOT_LANES;
+        // SAFETY: block k reads elements 16k .. 16k+16 < len of every slice.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); 2]; BATCH];
+            for k in 0..blocks {
+                let pa = a.as_ptr().add(k * DOT_LANES);
+                let (x0, x1) = (_mm256_loadu_ps(pa), _mm256_loadu_ps(pa.add(8)));
+                for (acc, b) in acc.iter_mut().zip(&bs) {
+                    let pb = b.as_ptr().add(k * DOT_LANES);
+                    acc[0] = _mm256_add_ps(acc[0], _mm256_mul_ps(x0, _mm256_loadu_ps(pb)));
+                    acc[1] = _mm256_add_ps(acc[1], _mm256_mul_ps(x1, _mm256_loadu_ps(pb.add(8))));
+                }
+            }
+            let mut out = [0.0f32; BATCH];
+            for ((o, acc), b) in out.iter_mut().zip(acc).zip(&bs) {
+                *o = tree(acc[0], acc[1])
+                    + leftover(&a[blocks * DOT_LANES..], &b[blocks * DOT_LANES..]);
+            }
+            out
+        }
+    }
+
+    /// # Safety
+    /// The CPU supports AVX-512 F; every slice has `y`'s length.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn axpys_avx512(y: &mut [f32], a: [f32; BATCH], xs: [&[f32]; BATCH]) {
+        let whole = y.len() / 16 * 16;
+        // SAFETY: each vector covers elements i .. i+16 ≤ whole ≤ len of every slice.
+        unsafe {
+            let va = a.map(|a| _mm512_set1_ps(a));
+            for i in (0..whole).step_by(16) {
+                let p = y.as_mut_ptr().add(i);
+                let mut v = _mm512_loadu_ps(p);
+                for (va, x) in va.iter().zip(&xs) {
+                    v = _mm512_add_ps(v, _mm512_mul_ps(*va, _mm512_loadu_ps(x.as_ptr().add(i))));
+                }
+                _mm512_storeu_ps(p, v);
+            }
+        }
+        for (a, x) in a.into_iter().zip(xs) {
+            super::axpy_reference(&mut y[whole..], a, &x[whole..]);
+        }
+    }
+
+    /// # Safety
+    /// The CPU supports AVX2; every slice has `y`'s length.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn axpys_avx2(y: &mut [f32], a: [f32; BATCH], xs: [&[f32]; BATCH]) {
+        let whole = y.len() / 8 * 8;
+        // SAFETY: each vector covers elements i .. i+8 ≤ whole ≤ len of every slice.
+        unsafe {
+            let va = a.map(|a| _mm256_set1_ps(a));
+            for i in (0..whole).step_by(8) {
+                let p = y.as_mut_ptr().add(i);
+                let mut v = _mm256_loadu_ps(p);
+                for (va, x) in va.iter().zip(&xs) {
+                    v = _mm256_add_ps(v, _mm256_mul_ps(*va, _mm256_loadu_ps(x.as_ptr().add(i))));
+                }
+                _mm256_storeu_ps(p, v);
+            }
+        }
+        for (a, x) in a.into_iter().zip(xs) {
+            super::axpy_reference(&mut y[whole..], a, &x[whole..]);
         }
     }
 
@@ -265,6 +401,27 @@ mod tests {
                 ops.axpy(&mut got, 0.337, &a);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got), bits(&want), "{path} axpy, n {n}");
+                // Four at once: each dot as alone; the axpys as four calls in order.
+                let rows: Vec<Vec<f32>> = (0..BATCH)
+                    .map(|r| values(n, 41 + 2 * r, 83, 40.0, 1.3 + r as f32))
+                    .collect();
+                let bs: [&[f32]; BATCH] = std::array::from_fn(|r| rows[r].as_slice());
+                let dots = ops.dots(&a, bs);
+                for r in 0..BATCH {
+                    assert_eq!(
+                        dots[r].to_bits(),
+                        dot_reference(&a, bs[r]).to_bits(),
+                        "{path} dots row {r}, n {n}"
+                    );
+                }
+                let coef = [0.337, -1.9, 1e-3, 7.5];
+                let mut want = values(n, 29, 97, 40.0, 0.7);
+                let mut got = want.clone();
+                for r in 0..BATCH {
+                    axpy_reference(&mut want, coef[r], bs[r]);
+                }
+                ops.axpys(&mut got, coef, bs);
+                assert_eq!(bits(&got), bits(&want), "{path} axpys, n {n}");
             }
         }
     }

@@ -229,8 +229,8 @@ impl Attention {
                     ops.axpys(dst, w, std::array::from_fn(|i| latent(j + i)));
                     j += BATCH;
                 }
-                for j in j..t {
-                    ops.axpy(dst, scores[j] / sum, latent(j));
+                for (j, p) in scores.iter().enumerate().skip(j) {
+                    ops.axpy(dst, p / sum, latent(j));
                 }
             }
             out

@@ -185,57 +185,68 @@ impl Attention {
         };
         let q_lat = per_head(heads, s, kl, pool, head_lat)?;
 
-        // Causal attention over the latent cache; o_lat[s, head, kv_lora]. One head per task on
-        // the pool, as above: every output is computed by itself, in the same order.
-        let head_attend = |hh: usize| -> Vec<f32> {
-            let mut out = vec![0.0f32; s * kl];
-            let mut scores = Vec::with_capacity(start + s);
+        // Causal attention over the latent cache; o_lat[s, head, kv_lora]. One group of BATCH
+        // heads per task on the pool: MLA's heads share the latent cache, so each key row is
+        // read from memory once for the group (scores of four heads per call, weighted sums
+        // of four keys per call, each head's from L1). Every score, softmax and sum is
+        // computed exactly as for a head alone, in the same order.
+        let latent = |j: usize| &kv.latent[j * kl..(j + 1) * kl];
+        let rope_key = |j: usize| &kv.rope_key[j * rd..(j + 1) * rd];
+        let group_attend = |g: usize| -> Vec<f32> {
+            let h0 = g * BATCH;
+            let size = BATCH.min(heads - h0);
+            let mut out = vec![0.0f32; s * size * kl];
+            let mut scores = vec![Vec::with_capacity(start + s); size];
+            let mut sums = [0.0f32; BATCH];
             for r in 0..s {
                 let t = start + r + 1; // keys visible to this row
-                let ql = &q_lat[(r * heads + hh) * kl..(r * heads + hh + 1) * kl];
-                let qr = &q[r * heads * qd + hh * qd + nope..r * heads * qd + (hh + 1) * qd];
-                scores.clear();
-                let mut max = f32::NEG_INFINITY;
-                // Four keys per call where possible (four sums side by side; every score is
-                // computed exactly as alone).
-                let latent = |j: usize| &kv.latent[j * kl..(j + 1) * kl];
-                let rope_key = |j: usize| &kv.rope_key[j * rd..(j + 1) * rd];
+                let ql =
+                    |h: usize| &q_lat[(r * heads + h0 + h) * kl..(r * heads + h0 + h + 1) * kl];
+                let qr = |h: usize| {
+                    let at = r * heads * qd + (h0 + h) * qd + nope;
+                    &q[at..at + rd]
+                };
+                scores.iter_mut().for_each(Vec::clear);
+                for j in 0..t {
+                    if size == BATCH {
+                        let c = ops.dots(latent(j), std::array::from_fn(ql));
+                        let k = ops.dots(rope_key(j), std::array::from_fn(qr));
+                        for (h, sc) in scores.iter_mut().enumerate() {
+                            sc.push((c[h] + k[h]) * self.scale);
+                        }
+                    } else {
+                        for (h, sc) in scores.iter_mut().enumerate() {
+                            let v = ops.dot(ql(h), latent(j)) + ops.dot(qr(h), rope_key(j));
+                            sc.push(v * self.scale);
+                        }
+                    }
+                }
+                for (sc, sum) in scores.iter_mut().zip(sums.iter_mut()) {
+                    let max = sc.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                    *sum = 0.0;
+                    for v in sc.iter_mut() {
+                        *v = (*v - max).exp();
+                        *sum += *v;
+                    }
+                }
+                let dst = &mut out[r * size * kl..(r + 1) * size * kl];
                 let mut j = 0;
                 while j + BATCH <= t {
-                    let c = ops.dots(ql, std::array::from_fn(|i| latent(j + i)));
-                    let k = ops.dots(qr, std::array::from_fn(|i| rope_key(j + i)));
-                    for i in 0..BATCH {
-                        let v = (c[i] + k[i]) * self.scale;
-                        max = max.max(v);
-                        scores.push(v);
+                    let rows = std::array::from_fn(|i| latent(j + i));
+                    for ((d, sc), sum) in dst.chunks_exact_mut(kl).zip(&scores).zip(&sums) {
+                        ops.axpys(d, std::array::from_fn(|i| sc[j + i] / sum), rows);
                     }
                     j += BATCH;
                 }
                 for j in j..t {
-                    let v = (ops.dot(ql, latent(j)) + ops.dot(qr, rope_key(j))) * self.scale;
-                    max = max.max(v);
-                    scores.push(v);
-                }
-                let mut sum = 0.0f32;
-                for v in scores.iter_mut() {
-                    *v = (*v - max).exp();
-                    sum += *v;
-                }
-                let dst = &mut out[r * kl..(r + 1) * kl];
-                // The same axpys in the same order, four per call where possible.
-                let mut j = 0;
-                while j + BATCH <= t {
-                    let w = std::array::from_fn(|i| scores[j + i] / sum);
-                    ops.axpys(dst, w, std::array::from_fn(|i| latent(j + i)));
-                    j += BATCH;
-                }
-                for (j, p) in scores.iter().enumerate().skip(j) {
-                    ops.axpy(dst, p / sum, latent(j));
+                    for ((d, sc), sum) in dst.chunks_exact_mut(kl).zip(&scores).zip(&sums) {
+                        ops.axpy(d, sc[j] / sum, latent(j));
+                    }
                 }
             }
             out
         };
-        let o_lat = per_head(heads, s, kl, pool, |hh| Ok(head_attend(hh)))?;
+        let o_lat = per_group(heads, BATCH, s, kl, pool, |g| Ok(group_attend(g)))?;
 
         // o[s, head, v] = W_UV(head) · o_lat(s, head), through the kernel on the value rows, one
         // head per task on the pool, each head's call on its task's thread (a kernel's result
@@ -265,15 +276,36 @@ fn per_head(
     pool: Option<&rayon::ThreadPool>,
     head: impl Fn(usize) -> Result<Vec<f32>> + Sync,
 ) -> Result<Vec<f32>> {
+    per_group(heads, 1, s, width, pool, head)
+}
+
+/// `[s, heads, width]` from `group(g)` = `[s, n, width]` for the n ≤ `size` heads from
+/// `g · size`, one group per task on `pool` (in order on this thread without one); the first
+/// error, if any group fails.
+fn per_group(
+    heads: usize,
+    size: usize,
+    s: usize,
+    width: usize,
+    pool: Option<&rayon::ThreadPool>,
+    group: impl Fn(usize) -> Result<Vec<f32>> + Sync,
+) -> Result<Vec<f32>> {
+    let groups = heads.div_ceil(size);
     let parts: Vec<Vec<f32>> = match pool {
-        Some(p) => p.install(|| (0..heads).into_par_iter().map(&head).collect::<Result<_>>())?,
-        None => (0..heads).map(&head).collect::<Result<_>>()?,
+        Some(p) => p.install(|| {
+            (0..groups)
+                .into_par_iter()
+                .map(&group)
+                .collect::<Result<_>>()
+        })?,
+        None => (0..groups).map(&group).collect::<Result<_>>()?,
     };
     let mut out = vec![0.0f32; s * heads * width];
-    for (h, part) in parts.iter().enumerate() {
+    for (g, part) in parts.iter().enumerate() {
+        let (h0, n) = (g * size, size.min(heads - g * size));
         for r in 0..s {
-            out[(r * heads + h) * width..(r * heads + h + 1) * width]
-                .copy_from_slice(&part[r * width..(r + 1) * width]);
+            out[(r * heads + h0) * width..(r * heads + h0 + n) * width]
+                .copy_from_slice(&part[r * n * width..(r + 1) * n * width]);
         }
     }
     Ok(out)

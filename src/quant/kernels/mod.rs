@@ -294,16 +294,9 @@ pub fn matmul_with(
     if s > S_BLOCK {
         // Row s of any call is the S=1 call, so blocks of rows give the same values.
         let (i, o) = (w.cols(), w.rows());
-        for t0 in (0..s).step_by(S_BLOCK) {
-            let t1 = (t0 + S_BLOCK).min(s);
-            matmul_with(
-                path,
-                w,
-                &x[t0 * i..t1 * i],
-                t1 - t0,
-                &mut y[t0 * o..t1 * o],
-                pool,
-            )?;
+        for b in s_blocks(s) {
+            let (xb, yb) = (&x[b.start * i..b.end * i], &mut y[b.start * o..b.end * o]);
+            matmul_with(path, w, xb, b.len(), yb, pool)?;
         }
         return Ok(());
     }
@@ -378,6 +371,13 @@ pub fn dequantize_row_with(
 /// GFLOP/s; S = 64: 6144×2048 and 6144×16384 at 313–333 with blocks of 8, 278–293 with 16.
 /// The weights are read once per block, little next to the block's arithmetic.
 const S_BLOCK: usize = 8;
+
+/// The activation rows `0..s` in blocks of [`S_BLOCK`].
+fn s_blocks(s: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (0..s)
+        .step_by(S_BLOCK)
+        .map(move |t0| t0..(t0 + S_BLOCK).min(s))
+}
 
 /// How a path wants the activations of a call laid out (chosen by path and weight format,
 /// never by S, so every S computes the same function).
@@ -577,10 +577,9 @@ pub fn expert_ffn_with(
     }
     if s > S_BLOCK {
         // Row s of any call is the S=1 call, so blocks of rows give the same values.
-        for t0 in (0..s).step_by(S_BLOCK) {
-            let t1 = (t0 + S_BLOCK).min(s);
-            let (xb, ob) = (&x[t0 * h..t1 * h], &mut out[t0 * h..t1 * h]);
-            expert_ffn_with(path, gate, up, down, xb, t1 - t0, ob, pool)?;
+        for b in s_blocks(s) {
+            let (xb, ob) = (&x[b.start * h..b.end * h], &mut out[b.start * h..b.end * h]);
+            expert_ffn_with(path, gate, up, down, xb, b.len(), ob, pool)?;
         }
         return Ok(());
     }

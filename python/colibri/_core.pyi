@@ -111,11 +111,16 @@ class Engine:
         prefetch_top_k: int = 0,
         mtp: bool = True,
         usage_file: bool = True,
+        pin: str = "auto",
+        resident_layers: list[int] | None = None,
     ) -> None:
         """Load the model directory ``path``. ``io``: auto|mmap|pread|direct; ``prefetch``:
         auto|off|hint|real; ``ram_budget``: expert-cache bytes (None: sized from available
         memory); ``prefetch_top_k``: experts predicted per layer (0: the model's top-k);
-        ``usage_file``: persist routing history for the pinned set."""
+        ``usage_file``: persist routing history for the pinned set; ``pin``: auto|history
+        (pin the history's hottest experts in half the budget) or off; ``resident_layers``:
+        MoE layers whose experts are all loaded at open and kept, beyond ``ram_budget``
+        (the MTP layer is ``num_hidden_layers``)."""
     def config_json(self) -> str:
         """The model's ``config.json`` text."""
     @property

@@ -706,3 +706,84 @@ fn real_prefetch_is_gated_while_predictions_are_poor() {
     }
     assert_eq!(gated(&store), 0);
 }
+
+/// The gate prices what a prefetch would read: predictions of resident experts (right or
+/// wrong) do not move the precision, so a predictor whose right guesses are all cache hits
+/// and whose reads are all wasted is gated.
+#[test]
+fn prefetch_gate_counts_only_predictions_that_would_read() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    let o = StoreOptions {
+        prefetch: PrefetchMode::Real,
+        ..opts(IoMode::Pread, 1 << 30)
+    };
+    let store = ExpertStore::open_source(src, o).expect("open");
+    let mut ok = |_: usize, _: &ExpertView<'_>| Ok(());
+    let gated = |s: &ExpertStore| s.stats().total.prefetch_gated;
+    store.with_experts(1, &[0], &mut ok).expect("warm expert 0");
+    // Each call routes to the resident expert 0; the predictor names it (right, a cache
+    // hit) and a cold expert (wrong, a wasted read). Counting every prediction gives 0.5
+    // per call, which keeps the gate open; counting the cold ones gives 0.
+    for cold in [7, 6, 5] {
+        // Wait for the previous prefetch to land, so the next prediction sees it resident.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        store.prefetch(1, &[0, cold]);
+        store.with_experts(1, &[0], &mut ok).expect("call");
+    }
+    assert!(gated(&store) >= 2, "gated: {}", gated(&store));
+    let s = store.stats().total;
+    assert_eq!((s.recalled_router, s.routed_router), (3, 3), "recall counts every prediction");
+}
+
+/// A resident layer is loaded at open, outside the budget, never evicted, keeps its bytes and
+/// stays out of the routing history; other layers keep the whole budget for their LRUs.
+#[test]
+fn resident_layers_load_at_open_beyond_the_budget() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    let mtp = spec.num_hidden_layers; // the MTP layer's index
+    let one = ExpertStore::open_source(src.clone(), opts(IoMode::Pread, 0))
+        .expect("open")
+        .charged_bytes(1, 0)
+        .expect("bytes");
+    let n = spec.n_routed_experts as u64;
+    for io in [IoMode::Mmap, IoMode::Pread, IoMode::Direct] {
+        let o = StoreOptions {
+            resident_layers: vec![mtp],
+            ..opts(io, 2 * one)
+        };
+        let store = ExpertStore::open_source(src.clone(), o).expect("open");
+        let s = store.stats();
+        let mtp_bytes: u64 = (0..spec.n_routed_experts)
+            .map(|e| store.charged_bytes(mtp, e).expect("bytes"))
+            .sum();
+        assert_eq!(s.budget_bytes, 2 * one + mtp_bytes, "{one}");
+        assert_eq!(s.pin_set_len, spec.n_routed_experts);
+        assert_eq!(s.pinned_bytes, mtp_bytes);
+        assert_eq!(s.total.bytes_read, 0, "open's loads are not counted as decode reads");
+        // Using every expert of the resident layer reads nothing more, bytes unchanged.
+        let mut seen = 0;
+        store
+            .with_experts(mtp, &(0..spec.n_routed_experts).collect::<Vec<_>>(), &mut |e, v| {
+                assert_eq!(digest(v), reference(&src, mtp, e));
+                seen += 1;
+                Ok(())
+            })
+            .expect("resident");
+        assert_eq!(seen, spec.n_routed_experts);
+        let s = store.stats();
+        assert_eq!((s.total.misses, s.total.bytes_read), (0, 0));
+        assert_eq!(s.total.hits_pinned, n);
+        // The main layers still have the 2-expert budget between them.
+        assert_eq!(s.lru_capacity_bytes, 2 * one);
+    }
+    let bad = StoreOptions {
+        resident_layers: vec![0],
+        ..opts(IoMode::Pread, 0)
+    };
+    match ExpertStore::open_source(src, bad) {
+        Err(err) => assert!(err.to_string().contains("resident_layers"), "{err}"),
+        Ok(_) => panic!("a dense layer cannot be resident"),
+    }
+}

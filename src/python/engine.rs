@@ -15,7 +15,7 @@ use pyo3::types::PyDict;
 use crate::container::Container;
 use crate::decode::{self, DraftDepth, DraftSource, GenerateOptions, SamplingParams};
 use crate::error::Error;
-use crate::experts::{ExpertStore, IoMode, PrefetchMode, StoreOptions};
+use crate::experts::{ExpertStore, IoMode, PinPolicy, PrefetchMode, StoreOptions};
 use crate::model::{Model, ModelOptions};
 use crate::python::{run, to_py_err};
 
@@ -80,7 +80,7 @@ fn parse_choice(param: &str, value: &str, choices: &[&str]) -> crate::Result<()>
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true))]
+    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, pin="auto", resident_layers=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -92,11 +92,14 @@ impl PyEngine {
         prefetch_top_k: usize,
         mtp: bool,
         usage_file: bool,
+        pin: &str,
+        resident_layers: Option<Vec<usize>>,
     ) -> PyResult<Self> {
-        let (io, prefetch) = (io.to_owned(), prefetch.to_owned());
+        let (io, prefetch, pin) = (io.to_owned(), prefetch.to_owned(), pin.to_owned());
         run(py, move || {
             parse_choice("io", &io, &["auto", "mmap", "pread", "direct"])?;
             parse_choice("prefetch", &prefetch, &["auto", "off", "hint", "real"])?;
+            parse_choice("pin", &pin, &["auto", "history", "off"])?;
             let container = Arc::new(Container::open(std::path::Path::new(&path))?);
             let config_json = std::fs::read_to_string(container.dir().join("config.json"))
                 .map_err(|e| Error::io(container.dir().join("config.json"), e))?;
@@ -113,6 +116,11 @@ impl PyEngine {
                 ram_budget_bytes: ram_budget,
                 prefetch: prefetch_mode,
                 usage_file,
+                pin: match pin.as_str() {
+                    "off" => PinPolicy::Off,
+                    _ => defaults.pin.clone(),
+                },
+                resident_layers: resident_layers.unwrap_or_default(),
                 ..defaults
             };
             let store = Arc::new(ExpertStore::open(container.clone(), store_opts)?);

@@ -179,6 +179,12 @@ pub struct DepthController {
     reached: [f64; MAX_DEPTH + 1],
     accepted: [f64; MAX_DEPTH + 1],
     decisions: u64,
+    /// Decisions between explorations: `EXPLORE_EVERY`, doubled (up to `EXPLORE_MAX`) after
+    /// each exploration made while drafting is off, reset once drafting pays.
+    explore_interval: u64,
+    /// The decision at which the next exploration happens.
+    next_explore: u64,
+    explorations: u64,
 }
 
 impl DepthController {
@@ -186,6 +192,11 @@ impl DepthController {
     const DECAY: f64 = 0.99;
     /// Every this many decisions, one explores a neighbour of the best depth.
     pub const EXPLORE_EVERY: u64 = 32;
+    /// The longest interval between explorations while drafting stays off. An exploration out
+    /// of G = 0 costs more than its verify: the MTP layer first absorbs every row it missed
+    /// while idle (up to the interval's worth of rows, read from disk when its experts are
+    /// not resident), so a drafter that keeps not paying is re-tested ever more rarely.
+    pub const EXPLORE_MAX: u64 = 512;
 
     pub fn new(max_depth: usize) -> Self {
         DepthController {
@@ -196,6 +207,9 @@ impl DepthController {
             reached: [0.0; MAX_DEPTH + 1],
             accepted: [0.0; MAX_DEPTH + 1],
             decisions: 0,
+            explore_interval: Self::EXPLORE_EVERY,
+            next_explore: Self::EXPLORE_EVERY,
+            explorations: 0,
         }
     }
 
@@ -290,17 +304,25 @@ impl DepthController {
     /// [`best`](Self::best), except that every `EXPLORE_EVERY`-th decision tries a neighbour
     /// of the best (alternately one deeper and one shallower) so the estimates around the
     /// optimum stay fresh. A neighbour's rate is close to the best's, so exploring costs little
-    /// (≈ 1% when drafting is off and a depth-1 verify costs 1.5 plain steps).
+    /// while drafting pays; while the best is 0 the interval doubles after each exploration
+    /// (up to `EXPLORE_MAX`), since leaving G = 0 also pays the MTP layer's backlog.
     pub fn choose(&mut self, cap: usize) -> usize {
         self.decisions += 1;
         if self.widest == 0 {
             return 0;
         }
         let best = self.best(cap);
-        if !self.decisions.is_multiple_of(Self::EXPLORE_EVERY) {
+        if self.decisions < self.next_explore {
             return best;
         }
-        let deeper = (self.decisions / Self::EXPLORE_EVERY) % 2 == 1;
+        self.explore_interval = if best == 0 {
+            (self.explore_interval * 2).min(Self::EXPLORE_MAX)
+        } else {
+            Self::EXPLORE_EVERY
+        };
+        self.next_explore = self.decisions + self.explore_interval;
+        self.explorations += 1;
+        let deeper = self.explorations % 2 == 1;
         let top = cap.min(self.max_depth);
         if (deeper || best == 0) && best < top {
             best + 1
@@ -308,6 +330,7 @@ impl DepthController {
             best.saturating_sub(1)
         }
     }
+
 }
 
 #[cfg(test)]
@@ -492,11 +515,18 @@ mod tests {
         let picks: Vec<usize> = (0..n).map(|_| c.choose(8)).collect();
         assert_eq!(picks.iter().filter(|&&g| g == 8).count(), n - 4);
         assert_eq!(picks.iter().filter(|&&g| g == 7).count(), 4);
-        // Best is 0: exploration tries depth 1 only.
+        // Best is 0: exploration tries depth 1 only, ever more rarely (after 32, then 64,
+        // 128, 256 decisions... up to EXPLORE_MAX).
         let mut c = trained(|s| s as f64, &[0.5; 8]);
         let picks: Vec<usize> = (0..n).map(|_| c.choose(8)).collect();
-        assert_eq!(picks.iter().filter(|&&g| g == 0).count(), n - 4);
-        assert_eq!(picks.iter().filter(|&&g| g == 1).count(), 4);
+        let ones: Vec<usize> = (0..n).filter(|&i| picks[i] == 1).collect();
+        assert_eq!(ones, vec![31, 95], "decisions 32 and 32 + 64");
+        assert_eq!(picks.iter().filter(|&&g| g == 0).count(), n - 2);
+        let mut c = trained(|s| s as f64, &[0.5; 8]);
+        let long: Vec<usize> = (0..4000).map(|_| c.choose(8)).collect();
+        let ones: Vec<usize> = (0..4000).filter(|&i| long[i] == 1).collect();
+        let gaps: Vec<usize> = ones.windows(2).map(|w| w[1] - w[0]).collect();
+        assert_eq!(&gaps[..5], &[64, 128, 256, 512, 512]);
         // Best is 1: alternately 2 and 0.
         let mut a = [0.1; 8];
         a[0] = 0.8;

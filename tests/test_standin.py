@@ -91,3 +91,52 @@ def test_nonzero_padding_would_be_caught(tmp_path: Path) -> None:
     b = _core.Engine(str(bad), usage_file=False).logits(ids)
     assert a.shape == b.shape
     assert not np.array_equal(a, b)
+
+
+def test_disk_bench_runs_and_checks_tokens(standin: Path, tmp_path: Path) -> None:
+    """tools/bench_disk.py end to end on the small stand-in: every cell prints a row, the
+    learned pins come from the other workload, and the stand-in keeps no history file."""
+    jsonl = tmp_path / "runs.jsonl"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "bench_disk.py"),
+            str(standin),
+            "--budgets",
+            "0",
+            "0.5",
+            "--drafts",
+            "off",
+            "mtp1",
+            "--prefetch",
+            "off",
+            "real",
+            "--pins",
+            "off",
+            "learned",
+            "--runs",
+            "1",
+            "--tokens",
+            "6",
+            "--learn-tokens",
+            "6",
+            "--pin-mtp",
+            "--io",
+            "pread",
+            "--jsonl",
+            str(jsonl),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    # header + 0% (2 drafts x 2 prefetch, no pins at 0%) + 50% (2 x 2 x 2)
+    assert len(rows) == 1 + 4 + 8, out.stdout
+    runs = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len({tuple(r["tokens"]) for r in runs}) == 1
+    learned = [r for r in runs if r["pins"] == "learned"]
+    assert learned and all(r["pinned_bytes"] > 0 for r in learned)
+    assert "MTP layer: resident" in out.stdout
+    assert not (standin / "colibri-usage.json").exists()

@@ -45,9 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
-
 from colibri import _core
+from tokenizers import Tokenizer
 
 #: The measured workload: numpy-style code, as in the issue's first look.
 TEST_PROMPT = (
@@ -60,7 +59,7 @@ TEST_PROMPT = (
 #: A different workload that teaches the pins (stdlib-style code, other topics).
 LEARN_PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n",
-    "class Queue:\n    \"\"\"A FIFO queue.\"\"\"\n\n    def __init__(self, maxsize=0):\n",
+    'class Queue:\n    """A FIFO queue."""\n\n    def __init__(self, maxsize=0):\n',
     "def read_config(path):\n    with open(path, encoding='utf-8') as f:\n        for line in f:\n",
     "import re\n\n_pattern = re.compile(r'\\s+')\n\n\ndef split_words(text):\n",
 ]
@@ -103,7 +102,7 @@ def disk_bandwidth(model: Path, read_bytes: int, threads: int, reads: int, seed:
                         return
                     f, off = jobs.pop()
                 if f not in fds:
-                    fds[f] = os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+                    fds[f] = _open_direct(f)
                 os.preadv(fds[f], [buf], off)
         finally:
             for fd in fds.values():
@@ -117,6 +116,15 @@ def disk_bandwidth(model: Path, read_bytes: int, threads: int, reads: int, seed:
     for t in ts:
         t.join()
     return reads * size / (time.perf_counter() - t0)
+
+
+def _open_direct(path: Path) -> int:
+    """An O_DIRECT descriptor, or a buffered one where the filesystem refuses it (tmpfs), as
+    the store itself falls back."""
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return os.open(path, os.O_RDONLY)
 
 
 class UsageFile:
@@ -136,7 +144,12 @@ def learn(model: Path, tok: Tokenizer, tokens: int, resident: list[int], out: Pa
     """Generate the learn workload once with the history on, and keep the file it wrote."""
     (model / USAGE).unlink(missing_ok=True)
     eng = _core.Engine(
-        str(model), io="direct", ram_budget=0, prefetch="off", pin="off", usage_file=True,
+        str(model),
+        io="direct",
+        ram_budget=0,
+        prefetch="off",
+        pin="off",
+        usage_file=True,
         resident_layers=resident,
     )
     for p in LEARN_PROMPTS:
@@ -146,8 +159,13 @@ def learn(model: Path, tok: Tokenizer, tokens: int, resident: list[int], out: Pa
 
 
 def run_cell(
-    model: Path, ids: list[int], cell: dict[str, Any], args: argparse.Namespace, budget: int,
-    resident: list[int], usage: UsageFile,
+    model: Path,
+    ids: list[int],
+    cell: dict[str, Any],
+    args: argparse.Namespace,
+    budget: int,
+    resident: list[int],
+    usage: UsageFile,
 ) -> dict[str, Any]:
     """One cold run of one cell; decode-only counters."""
     draft, depth = DRAFTS[cell["draft"]]
@@ -156,8 +174,13 @@ def run_cell(
         usage.install()
     try:
         eng = _core.Engine(
-            str(model), io=args.io, ram_budget=budget, prefetch=cell["prefetch"],
-            pin="history" if learned else "off", usage_file=learned, resident_layers=resident,
+            str(model),
+            io=args.io,
+            ram_budget=budget,
+            prefetch=cell["prefetch"],
+            pin="history" if learned else "off",
+            usage_file=learned,
+            resident_layers=resident,
             threads=args.threads,
         )
         after_prefill: dict[str, Any] = {}
@@ -167,10 +190,15 @@ def run_cell(
                 after_prefill.update(eng.expert_stats()["total"])
             return True
 
-        out = eng.generate(ids, max_new_tokens=args.tokens, draft=draft, draft_depth=depth,
-                           stop_ids=[], on_tokens=on_tokens)
+        out = eng.generate(
+            ids,
+            max_new_tokens=args.tokens,
+            draft=draft,
+            draft_depth=depth,
+            stop_ids=[],
+            on_tokens=on_tokens,
+        )
         end = eng.expert_stats()
-        del eng
     finally:
         if learned:
             usage.remove()
@@ -203,26 +231,35 @@ def run_cell(
 
 
 def fmt(v: Any, spec: str = ".2f") -> str:
-    return "–" if v is None else format(v, spec)
+    return "-" if v is None else format(v, spec)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", type=Path, help="a stand-in (tools/make_standin.py)")
-    ap.add_argument("--budgets", type=float, nargs="+", default=[0.0, 0.10, 0.25, 0.50],
-                    help="RAM budgets as shares of the main layers' routed-expert bytes")
+    ap.add_argument(
+        "--budgets",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.10, 0.25, 0.50],
+        help="RAM budgets as shares of the main layers' routed-expert bytes",
+    )
     ap.add_argument("--drafts", nargs="+", default=list(DRAFTS), choices=list(DRAFTS))
-    ap.add_argument("--prefetch", nargs="+", default=["off", "real"],
-                    choices=["off", "hint", "real", "auto"])
+    ap.add_argument(
+        "--prefetch", nargs="+", default=["off", "real"], choices=["off", "hint", "real", "auto"]
+    )
     ap.add_argument("--pins", nargs="+", default=["off", "learned"], choices=["off", "learned"])
     ap.add_argument("--runs", type=int, default=3, help="interleaved rounds (median)")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per run")
     ap.add_argument("--learn-tokens", type=int, default=64)
     ap.add_argument("--io", default="direct", choices=["direct", "pread", "mmap"])
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--pin-mtp", action="store_true",
-                    help="keep the MTP layer resident (the proportional table)")
+    ap.add_argument(
+        "--pin-mtp",
+        action="store_true",
+        help="keep the MTP layer resident (the proportional table)",
+    )
     ap.add_argument("--io-threads", type=int, default=4, help="the store's demand threads")
     ap.add_argument("--jsonl", type=Path, default=None, help="append every run here")
     args = ap.parse_args(argv)
@@ -233,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = json.loads((model / "config.json").read_text())
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     ids = tok.encode(TEST_PROMPT).ids
-    probe = _core.Engine(str(model), io=args.io, ram_budget=0, prefetch="off", pin="off",
-                         usage_file=False)
+    probe = _core.Engine(
+        str(model), io=args.io, ram_budget=0, prefetch="off", pin="off", usage_file=False
+    )
     shape = probe.expert_stats()["layers"]
     mtp_layer = cfg["num_hidden_layers"]
     del probe
@@ -282,12 +320,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {cell}: {res['tok_s']:.2f} tok/s", file=sys.stderr)
     learned_file.unlink(missing_ok=True)
     bw = statistics.median(bandwidths)
-    print(f"\ndisk bandwidth (random {expert_bytes / 1e6:.1f} MB O_DIRECT reads, "
-          f"{args.io_threads} threads): median {bw / 1e9:.2f} GB/s "
-          f"(rounds: {', '.join(f'{b / 1e9:.2f}' for b in bandwidths)})")
+    print(
+        f"\ndisk bandwidth (random {expert_bytes / 1e6:.1f} MB O_DIRECT reads, "
+        f"{args.io_threads} threads): median {bw / 1e9:.2f} GB/s "
+        f"(rounds: {', '.join(f'{b / 1e9:.2f}' for b in bandwidths)})"
+    )
     print("MTP layer: " + ("resident (proportional table)" if resident else "streamed (naive)"))
-    print("\n| budget | draft | prefetch | pins | tok/s | × plain | tok/fwd | loads/tok | MB/tok "
-          "| wait ms/tok | compute ms/tok | hit rate | recall | precision | ceiling tok/s |")
+    print(
+        "\n| budget | draft | prefetch | pins | tok/s | x plain | tok/fwd | loads/tok | MB/tok "
+        "| wait ms/tok | compute ms/tok | hit rate | recall | precision | ceiling tok/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     med: dict[tuple[Any, ...], float] = {}
     for i, cell in enumerate(cells):

@@ -140,3 +140,33 @@ def test_disk_bench_runs_and_checks_tokens(standin: Path, tmp_path: Path) -> Non
     assert learned and all(r["pinned_bytes"] > 0 for r in learned)
     assert "MTP layer: resident" in out.stdout
     assert not (standin / "colibri-usage.json").exists()
+
+
+def test_pin_mtp_keeps_the_mtp_layer_resident(standin: Path) -> None:
+    import colibri
+
+    m = colibri.Model(standin, io="pread", ram_budget=0, prefetch="off", pin_mtp=True)
+    plain = colibri.Model(standin, io="pread", ram_budget=0, prefetch="off")
+    st = m._engine.expert_stats()
+    assert st["pinned_bytes"] > 0 and st["budget_bytes"] == st["pinned_bytes"]
+    mtp_layer = json.loads((standin / "config.json").read_text())["num_hidden_layers"]
+    a = m.generate("def f(x):", max_new_tokens=12, draft="mtp", draft_depth=2)
+    b = plain.generate("def f(x):", max_new_tokens=12, draft="mtp", draft_depth=2)
+    assert a.token_ids == b.token_ids
+    layer = m._engine.expert_stats()["layers"][mtp_layer]
+    assert layer["misses"] == 0 and layer["hits_pinned"] > 0
+    assert plain._engine.expert_stats()["layers"][mtp_layer]["misses"] > 0
+
+
+def test_pin_mtp_without_an_mtp_layer_is_a_typed_error(tmp_path: Path) -> None:
+    import colibri
+    from colibri.model import _mtp_layers
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 4, "num_nextn_predict_layers": 0})
+    )
+    with pytest.raises(colibri.InvalidArgumentError, match="no MTP layer"):
+        _mtp_layers(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"num_nextn_predict_layers": 1}))
+    with pytest.raises(colibri.ConfigError, match="layer counts"):
+        _mtp_layers(tmp_path)

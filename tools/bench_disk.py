@@ -187,7 +187,8 @@ def run_cell(
 
         def on_tokens(_toks: list[int]) -> bool:
             if not after_prefill:
-                after_prefill.update(eng.expert_stats()["total"])
+                snap = eng.expert_stats()
+                after_prefill.update(snap["total"], io_busy=snap["io_busy_seconds"])
             return True
 
         out = eng.generate(
@@ -205,6 +206,7 @@ def run_cell(
     st = out["stats"]
     tot = end["total"]
     d = {k: tot[k] - after_prefill.get(k, 0) for k in tot}
+    busy = end["io_busy_seconds"] - after_prefill.get("io_busy", 0.0)
     n = max(1, st["generated_tokens"] - 1)
     secs = st["decode_seconds"]
     wait = d["wait_ns"] / 1e9
@@ -220,6 +222,8 @@ def run_cell(
         "wait_ms_per_token": 1e3 * wait / n,
         "compute_ms_per_token": 1e3 * max(0.0, secs - wait) / n,
         "hit_rate": hits / max(1, hits + d["misses"]),
+        "store_gb_s": d["bytes_read"] / busy / 1e9 if busy > 0 else None,
+        "io_busy_share": busy / secs if secs > 0 else None,
         "recall": d["recalled_router"] / d["routed_router"] if d["routed_router"] else None,
         "precision": d["prefetch_useful"] / d["prefetch_issued"] if d["prefetch_issued"] else None,
         "acceptance": st["acceptance_rate"],
@@ -328,9 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     print("MTP layer: " + ("resident (proportional table)" if resident else "streamed (naive)"))
     print(
         "\n| budget | draft | prefetch | pins | tok/s | x plain | tok/fwd | loads/tok | MB/tok "
-        "| wait ms/tok | compute ms/tok | hit rate | recall | precision | ceiling tok/s |"
+        "| wait ms/tok | compute ms/tok | hit rate | recall | precision | store GB/s "
+        "| ceiling tok/s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     med: dict[tuple[Any, ...], float] = {}
     for i, cell in enumerate(cells):
         runs = results[i]
@@ -350,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{fmt(m('tokens_per_forward'))} | {fmt(m('loads_per_token'))} | {mb:.1f} | "
             f"{fmt(m('wait_ms_per_token'), '.0f')} | {fmt(m('compute_ms_per_token'), '.0f')} | "
             f"{fmt(m('hit_rate'))} | {fmt(m('recall'))} | {fmt(m('precision'))} | "
-            f"{fmt(ceiling)} |"
+            f"{fmt(m('store_gb_s'))} | {fmt(ceiling)} |"
         )
     return 0
 

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from colibri import _core
 from colibri._hub import resolve_model_dir
 from colibri._text import IncrementalDecoder, StopMatcher
-from colibri.errors import ColibriError, InvalidArgumentError, ModelNotFoundError
+from colibri.errors import ColibriError, ConfigError, InvalidArgumentError, ModelNotFoundError
 
 DraftMode = Literal["auto", "mtp", "ngram", "off"]
 IoMode = Literal["auto", "mmap", "pread", "direct"]
@@ -233,6 +233,19 @@ class GenerationStream(Iterator[str]):
         self._cancel.set()
 
 
+def _mtp_layers(path: Path) -> list[int]:
+    """The MTP layers' indices (``num_hidden_layers`` onwards) of the model at ``path``."""
+    cfg = _read_json(path / "config.json")
+    try:
+        first = int(cfg["num_hidden_layers"])
+        count = int(cfg.get("num_nextn_predict_layers", 0) or 0)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path / 'config.json'}: cannot read the layer counts ({e})") from e
+    if count == 0:
+        raise InvalidArgumentError("pin_mtp=True, but this model has no MTP layer")
+    return list(range(first, first + count))
+
+
 class Model:
     """A Mixture-of-Experts language model run by colibri.
 
@@ -253,6 +266,10 @@ class Model:
             acceptance and verify cost).
         threads: compute threads, 0 for all cores.
         mtp: load the MTP head when the checkpoint has one.
+        pin_mtp: keep every routed expert of the MTP layer in RAM (loaded at start, on top
+            of ``ram_budget``), so a draft step reads nothing from disk. Worth it when the
+            experts stream from disk and the RAM is there (GLM-5.2's int8 MTP layer is
+            ~9.7 GB); see docs/benchmarks.md for what it changes.
 
     Example:
         >>> import colibri
@@ -274,6 +291,7 @@ class Model:
         draft_depth: int | Literal["auto"] = "auto",
         threads: int = 0,
         mtp: bool = True,
+        pin_mtp: bool = False,
     ) -> None:
         _check_choice("io", io, _IO_MODES)
         _check_choice("prefetch", prefetch, _PREFETCH_MODES)
@@ -298,6 +316,7 @@ class Model:
             ram_budget=budget,
             prefetch=prefetch,
             mtp=bool(mtp),
+            resident_layers=_mtp_layers(self.path) if pin_mtp and mtp else None,
         )
         self.config: dict[str, Any] = json.loads(self._engine.config_json())
         # Read once: the engine's getters take its lock, which a running generation holds.

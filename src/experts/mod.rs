@@ -241,6 +241,7 @@ struct Inner {
     budget: u64,
     pin_set_bytes: u64,
     pin_set_len: usize,
+    busy: stats::BusyClock,
 }
 
 /// The expert store. `Send + Sync`; share it behind an `Arc`.
@@ -427,6 +428,7 @@ impl ExpertStore {
             budget: budget + resident_bytes,
             pin_set_bytes: pin_set_bytes + resident_bytes,
             pin_set_len: pins.len(),
+            busy: stats::BusyClock::default(),
         });
         let mut workers = Vec::new();
         if let Some(q) = &inner.queue {
@@ -592,6 +594,7 @@ impl ExpertStore {
             pin_set_len: inner.pin_set_len,
             live_owned_bytes: inner.files.pool.gauge.live(),
             peak_owned_bytes: inner.files.pool.gauge.peak(),
+            io_busy_ns: inner.busy.busy_ns(),
             ..Default::default()
         };
         for (l, ls) in inner.layers.iter().enumerate() {
@@ -613,6 +616,7 @@ impl ExpertStore {
             ls.counters.reset();
         }
         self.inner.files.pool.gauge.reset_peak();
+        self.inner.busy.reset();
     }
 
     /// Merge this session's routing counts into the history file (atomic write). A failure to
@@ -822,8 +826,10 @@ impl Inner {
     /// Load `id` of `layer` for the in-flight record `fl`, insert it and notify waiters.
     fn run_load(&self, layer: usize, id: usize, fl: &Arc<InFlight<Resident>>) {
         let Ok(ls) = self.layer(layer) else { return };
+        self.busy.begin();
         let res = std::panic::catch_unwind(AssertUnwindSafe(|| self.files.load(&ls.locs[id])))
             .unwrap_or_else(|_| Err(Error::Internal("an expert load panicked".into())));
+        self.busy.end();
         let shared = match res {
             Ok((r, n)) => {
                 ls.counters.bytes_read.fetch_add(n, Relaxed);

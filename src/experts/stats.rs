@@ -151,4 +151,47 @@ pub struct StoreStats {
     pub live_owned_bytes: u64,
     /// Peak of `live_owned_bytes` since the store opened (or the last `reset_stats`).
     pub peak_owned_bytes: u64,
+    /// Wall time during which at least one expert read was in flight (demand or prefetch)
+    /// since the last `reset_stats`: `bytes_read / io_busy_ns` is the rate the store moved
+    /// bytes while it was reading, to compare with the disk's own bandwidth.
+    pub io_busy_ns: u64,
+}
+
+/// The union of the intervals during which reads are in flight, over all I/O threads.
+#[derive(Debug, Default)]
+pub(crate) struct BusyClock {
+    state: std::sync::Mutex<(usize, Option<std::time::Instant>)>,
+    busy_ns: AtomicU64,
+}
+
+impl BusyClock {
+    /// A read starts.
+    pub(crate) fn begin(&self) {
+        let mut s = super::lock(&self.state);
+        if s.0 == 0 {
+            s.1 = Some(std::time::Instant::now());
+        }
+        s.0 += 1;
+    }
+
+    /// A read ends (every `begin` is paired with one `end`).
+    pub(crate) fn end(&self) {
+        let mut s = super::lock(&self.state);
+        s.0 = s.0.saturating_sub(1);
+        if s.0 == 0 {
+            if let Some(t) = s.1.take() {
+                self.busy_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+            }
+        }
+    }
+
+    /// Busy nanoseconds so far (intervals still open are not counted yet).
+    pub(crate) fn busy_ns(&self) -> u64 {
+        self.busy_ns.load(Relaxed)
+    }
+
+    pub(crate) fn reset(&self) {
+        self.busy_ns.store(0, Relaxed);
+    }
 }

@@ -787,3 +787,24 @@ fn resident_layers_load_at_open_beyond_the_budget() {
         Ok(_) => panic!("a dense layer cannot be resident"),
     }
 }
+
+/// The busy clock counts the union of read intervals: overlapping reads count once, so the
+/// busy time never exceeds the wall time of the calls, and idle time is not counted.
+#[test]
+fn io_busy_time_is_the_union_of_reads() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    let store = ExpertStore::open_source(src, opts(IoMode::Pread, 0)).expect("open");
+    let mut ok = |_: usize, _: &ExpertView<'_>| Ok(());
+    let t = Instant::now();
+    store
+        .with_experts(1, &[0, 1, 2, 3, 4, 5], &mut ok)
+        .expect("call");
+    let first = store.stats().io_busy_ns;
+    let wall = t.elapsed().as_nanos() as u64;
+    assert!(first > 0 && first <= wall, "busy {first} ns, wall {wall} ns");
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(store.stats().io_busy_ns, first, "idle time is not busy time");
+    store.reset_stats();
+    assert_eq!(store.stats().io_busy_ns, 0);
+}

@@ -571,6 +571,36 @@ fn hint_mode_counts_useful_and_wasted_hints() {
     }
 }
 
+/// With O_DIRECT the page cache is bypassed, so a hint would only make the kernel read bytes
+/// nobody uses: neither `Hint` prefetches nor the previous-token hints are issued.
+#[test]
+fn no_page_cache_hints_under_direct_io() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    for prefetch in [PrefetchMode::Hint, PrefetchMode::Real] {
+        let o = StoreOptions {
+            prefetch,
+            ..opts(IoMode::Direct, 1 << 30)
+        };
+        let store = ExpertStore::open_source(src.clone(), o).expect("open");
+        if store.stats().io_mode != IoMode::Direct {
+            continue; // the filesystem refused O_DIRECT: hints are useful again
+        }
+        let mut ok = |_: usize, _: &ExpertView<'_>| Ok(());
+        for _ in 0..3 {
+            store.hint_previous(1);
+            if prefetch == PrefetchMode::Hint {
+                store.prefetch(1, &[3, 4]);
+            }
+            store.with_experts(1, &[0, 1], &mut ok).expect("call");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let s = store.stats().total;
+        assert_eq!(s.prefetch_issued, 0, "{prefetch:?}");
+        assert!(s.predicted_previous > 0, "predictions are still counted");
+    }
+}
+
 #[test]
 fn routing_history_pins_the_hot_set_across_runs() {
     let spec = SynthSpec::tiny(G64);

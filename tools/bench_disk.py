@@ -234,6 +234,18 @@ def run_cell(
     }
 
 
+def _parse_cell(text: str, ap: argparse.ArgumentParser) -> tuple[float, str, str, str]:
+    """``BUDGET:DRAFT:PREFETCH:PINS`` as a grid tuple."""
+    parts = text.split(":")
+    if len(parts) != 4 or parts[1] not in DRAFTS or parts[3] not in ("off", "learned"):
+        ap.error(f"bad cell {text!r}; expected BUDGET:DRAFT:PREFETCH:PINS, e.g. 0.1:auto:real:off")
+    try:
+        budget = float(parts[0])
+    except ValueError:
+        ap.error(f"bad budget in cell {text!r}")
+    return budget, parts[1], parts[2], parts[3]
+
+
 def fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -254,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
         "--prefetch", nargs="+", default=["off", "real"], choices=["off", "hint", "real", "auto"]
     )
     ap.add_argument("--pins", nargs="+", default=["off", "learned"], choices=["off", "learned"])
+    ap.add_argument(
+        "--cells",
+        nargs="+",
+        default=None,
+        metavar="BUDGET:DRAFT:PREFETCH:PINS",
+        help="an explicit list of cells (e.g. 0.1:auto:real:learned) instead of the grid",
+    )
     ap.add_argument("--runs", type=int, default=3, help="interleaved rounds (median)")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per run")
     ap.add_argument("--learn-tokens", type=int, default=64)
@@ -286,6 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     main_layers = [layer for layer in layers if layer < mtp_layer]
     total = expert_bytes * cfg["n_routed_experts"] * len(main_layers)
     resident = [mtp_layer] if args.pin_mtp and mtp_layer in layers else []
+    grid = itertools.product(args.budgets, args.drafts, args.prefetch, args.pins)
+    if args.cells:
+        grid = (_parse_cell(c, ap) for c in args.cells)  # type: ignore[assignment]
+    cells = [
+        {"budget": b, "draft": d, "prefetch": p, "pins": pin}
+        for b, d, p, pin in grid
+        if not (pin == "learned" and b == 0)  # no budget, no pins
+    ]
+    if not any(c["pins"] == "learned" for c in cells):
+        args.pins = [p for p in args.pins if p != "learned"]
+    elif "learned" not in args.pins:
+        args.pins = [*args.pins, "learned"]
     learned_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"colibri-learned-{os.getpid()}.json"
     if "learned" in args.pins:
         print("learning pins on a different workload ...", file=sys.stderr)
@@ -298,11 +329,6 @@ def main(argv: list[str] | None = None) -> int:
         f"io {args.io}; prompt {len(ids)} tokens, {args.tokens} new",
         file=sys.stderr,
     )
-    cells = [
-        {"budget": b, "draft": d, "prefetch": p, "pins": pin}
-        for b, d, p, pin in itertools.product(args.budgets, args.drafts, args.prefetch, args.pins)
-        if not (pin == "learned" and b == 0)  # no budget, no pins
-    ]
     results: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(cells))}
     bandwidths = []
     reference: list[int] | None = None

@@ -123,6 +123,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         help="bytes the expert cache may hold, e.g. 8GB (default: from available memory)",
     )
     g.add_argument("--no-mtp", action="store_true", help="do not load the MTP head")
+    g.add_argument(
+        "--pin-mtp",
+        action="store_true",
+        help="keep the MTP layer's experts in RAM (beyond --ram-budget): drafts read no disk",
+    )
 
 
 def _add_sampling_options(p: argparse.ArgumentParser, *, max_new_tokens: int = 128) -> None:
@@ -185,6 +190,7 @@ def _load(args: argparse.Namespace) -> Any:
         draft_depth=_depth(getattr(args, "draft_depth", "auto")),
         threads=args.threads,
         mtp=not args.no_mtp,
+        pin_mtp=args.pin_mtp and not args.no_mtp,
     )
 
 

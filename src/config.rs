@@ -121,6 +121,12 @@ pub struct ModelConfig {
     pub intermediate_size: usize,
     /// Width of one routed (and each shared) expert.
     pub moe_intermediate_size: usize,
+    /// Width of the MTP layers' experts when it differs from `moe_intermediate_size`
+    /// (`colibri_mtp_moe_intermediate_size`). Real checkpoints never set it: only the disk
+    /// stand-ins of `tools/make_standin.py`, whose main experts are padded to full size while
+    /// the MTP layer keeps its own, so that a draft step costs what it costs in GLM-5 (one
+    /// layer of ~79) and not a quarter of a token (one of 5). Use [`Self::moe_intermediate`].
+    pub mtp_moe_intermediate_size: Option<usize>,
     /// Main decoder layers (the MTP layers come after, at index `num_hidden_layers`…).
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
@@ -300,6 +306,15 @@ impl<'a> Fields<'a> {
 }
 
 impl ModelConfig {
+    /// Width of one routed (and each shared) expert of `layer`: the MTP layers
+    /// (`layer >= num_hidden_layers`) may have their own (see `mtp_moe_intermediate_size`).
+    pub fn moe_intermediate(&self, layer: usize) -> usize {
+        match self.mtp_moe_intermediate_size {
+            Some(w) if layer >= self.num_hidden_layers => w,
+            _ => self.moe_intermediate_size,
+        }
+    }
+
     /// Read and validate `config.json` at `path`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
@@ -486,6 +501,7 @@ impl ModelConfig {
             hidden_size: f.usize_req("hidden_size")?,
             intermediate_size: f.usize_req("intermediate_size")?,
             moe_intermediate_size: f.usize_req("moe_intermediate_size")?,
+            mtp_moe_intermediate_size: f.usize_opt("colibri_mtp_moe_intermediate_size")?,
             num_hidden_layers,
             num_attention_heads: f.usize_req("num_attention_heads")?,
             q_lora_rank,
@@ -553,6 +569,10 @@ impl ModelConfig {
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
             ("moe_intermediate_size", self.moe_intermediate_size),
+            (
+                "colibri_mtp_moe_intermediate_size",
+                self.mtp_moe_intermediate_size.unwrap_or(1),
+            ),
             ("num_hidden_layers", self.num_hidden_layers),
             ("num_attention_heads", self.num_attention_heads),
             ("kv_lora_rank", self.kv_lora_rank),
@@ -575,6 +595,10 @@ impl ModelConfig {
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
             ("moe_intermediate_size", self.moe_intermediate_size),
+            (
+                "colibri_mtp_moe_intermediate_size",
+                self.mtp_moe_intermediate_size.unwrap_or(1),
+            ),
             ("num_hidden_layers", self.num_hidden_layers),
             ("num_attention_heads", self.num_attention_heads),
             ("q_lora_rank", self.q_lora_rank.unwrap_or(1)),

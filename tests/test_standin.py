@@ -32,17 +32,29 @@ def load_tool():
     return mod
 
 
-@pytest.fixture(scope="module")
-def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dst = tmp_path_factory.mktemp("standin") / "tiny"
+def build(dst: Path, *extra: str) -> dict:
     out = subprocess.run(
-        [sys.executable, str(TOOL), str(TINY), str(dst), "--intermediate", "1024", "-q"],
+        [sys.executable, str(TOOL), str(TINY), str(dst), "--intermediate", "1024", "-q", *extra],
         check=True,
         capture_output=True,
         text=True,
     )
-    report = json.loads(out.stdout)
-    assert report["moe_intermediate_size"] == 1024
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The proportional stand-in: main experts padded, the MTP layer's kept."""
+    dst = tmp_path_factory.mktemp("standin") / "tiny"
+    assert build(dst)["moe_intermediate_size"] == 1024
+    return dst
+
+
+@pytest.fixture(scope="module")
+def standin_padded_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The naive stand-in: the MTP layer's experts padded like the others."""
+    dst = tmp_path_factory.mktemp("standin") / "tiny-pad"
+    build(dst, "--mtp", "pad")
     return dst
 
 
@@ -55,9 +67,18 @@ def test_expert_size_formula_matches_glm52() -> None:
     assert tool.expert_bytes("int4_g64", 256, 49152 - 64) < 21_233_664
 
 
-def test_standin_is_bigger_and_readonly_source(standin: Path) -> None:
+def test_standin_is_bigger_and_readonly_source(standin: Path, standin_padded_mtp: Path) -> None:
     cfg = json.loads((standin / "config.json").read_text())
     assert cfg["moe_intermediate_size"] == 1024
+    assert cfg["colibri_mtp_moe_intermediate_size"] == 128
+    assert "colibri_mtp_moe_intermediate_size" not in json.loads(
+        (standin_padded_mtp / "config.json").read_text()
+    )
+    sizes = [
+        _core.Engine(str(d), usage_file=False, io="pread", prefetch="off").expert_stats()["layers"]
+        for d in (standin, standin_padded_mtp)
+    ]
+    assert sizes[0].keys() == sizes[1].keys()
     src_cfg = json.loads((TINY / "config.json").read_text())
     assert src_cfg["moe_intermediate_size"] == 128  # the source is untouched
     eng = _core.Engine(str(standin), usage_file=False, io="pread", prefetch="off")
@@ -66,7 +87,11 @@ def test_standin_is_bigger_and_readonly_source(standin: Path) -> None:
     assert not (standin / "colibri-usage.json").exists()
 
 
-def test_standin_logits_and_tokens_equal_original(standin: Path) -> None:
+@pytest.mark.parametrize("variant", ["standin", "standin_padded_mtp"])
+def test_standin_logits_and_tokens_equal_original(
+    variant: str, request: pytest.FixtureRequest
+) -> None:
+    standin: Path = request.getfixturevalue(variant)
     ids = [0, *range(100, 160)]
     orig = _core.Engine(str(TINY), usage_file=False)
     big = _core.Engine(str(standin), usage_file=False, io="pread", ram_budget=0)

@@ -140,13 +140,16 @@ class UsageFile:
         self.path.unlink(missing_ok=True)
 
 
-def learn(model: Path, tok: Tokenizer, tokens: int, resident: list[int], out: Path) -> None:
-    """Generate the learn workload once with the history on, and keep the file it wrote."""
+def learn(
+    model: Path, tok: Tokenizer, tokens: int, resident: list[int], out: Path, budget: int
+) -> None:
+    """Generate the learn workload once with the history on, and keep the file it wrote
+    (routing does not depend on the budget; a cache only makes this faster)."""
     (model / USAGE).unlink(missing_ok=True)
     eng = _core.Engine(
         str(model),
         io="direct",
-        ram_budget=0,
+        ram_budget=budget,
         prefetch="off",
         pin="off",
         usage_file=True,
@@ -320,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     learned_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"colibri-learned-{os.getpid()}.json"
     if "learned" in args.pins:
         print("learning pins on a different workload ...", file=sys.stderr)
-        learn(model, tok, args.learn_tokens, resident, learned_file)
+        learn(model, tok, args.learn_tokens, resident, learned_file, total // 2)
     usage = UsageFile(model, learned_file)
     print(
         f"model {model}: {len(main_layers)} MoE layers x {cfg['n_routed_experts']} experts x "

@@ -15,6 +15,10 @@ Every added weight is a stored zero (int4 nibble 8, int8 0, with the quantiser's
 checks logits and greedy tokens. ``moe_intermediate_size`` is one config value, so the MTP
 layer's experts and the shared experts grow too (the shared experts stay resident; the MTP
 layer's routed experts are streamed unless the engine pins them, see docs/benchmarks.md).
+By default (``--mtp keep``) the MTP layer keeps its trained expert size instead, recorded
+as ``colibri_mtp_moe_intermediate_size`` in config.json (a key only stand-ins carry): in a
+shallow model an inflated MTP layer would make a draft step cost a large share of a token,
+which no real model does (GLM-5.2's is one layer of 79).
 
 The target is the size of one routed expert of the main layers, default GLM-5.2's
 21,233,664 bytes at int4-gs64 (3 x 2048 x 6144 weights); ``I'`` is the smallest multiple
@@ -210,6 +214,16 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="padded moe_intermediate_size (overrides --expert-bytes)",
     )
+    ap.add_argument(
+        "--mtp",
+        choices=["keep", "pad"],
+        default="keep",
+        help="keep: the MTP layer's experts stay at their trained size (recorded as "
+        "colibri_mtp_moe_intermediate_size), so a draft step costs about what one layer of "
+        "GLM-5's 79 costs (the proportional stand-in); pad: inflate them like the main "
+        "layers' (moe_intermediate_size is one config value; each draft step then costs "
+        "one layer of this shallow model: the naive stand-in)",
+    )
     ap.add_argument("-q", "--quiet", action="store_true")
     args = ap.parse_args(argv)
 
@@ -264,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             m = EXPERT_RE.match(t.name)
             if t.fmt:
                 meta[t.name] = t.fmt
+            mtp_layer = m is not None and int(m.group(1)) >= main_layers
+            if m and mtp_layer and args.mtp == "keep":
+                m = None  # copied as it is, below
             if m and qs is not None and t.fmt:
                 factor = cfg.get("n_shared_experts", 1) if ".shared_experts." in t.name else 1
                 proj, fmt = m.group(2), t.fmt
@@ -301,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         total += path.stat().st_size
         if not args.quiet:
             print(f"{path.name}: {path.stat().st_size / 1e9:.2f} GB", file=sys.stderr)
+    if args.mtp == "keep" and cfg.get("num_nextn_predict_layers", 0):
+        cfg["colibri_mtp_moe_intermediate_size"] = cfg.get(
+            "colibri_mtp_moe_intermediate_size", inter
+        )
     cfg["moe_intermediate_size"] = new_inter
     (args.dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name in SIDECARS:

@@ -88,8 +88,9 @@ pub struct ResidentExperts {
 impl ResidentExperts {
     pub fn load(c: &Container, cfg: &ModelConfig, layers: &[usize]) -> Result<Self> {
         let mut out: Vec<Vec<[Weight; 3]>> = Vec::new();
-        let (h, mi) = (cfg.hidden_size, cfg.moe_intermediate_size);
+        let h = cfg.hidden_size;
         for &l in layers {
+            let mi = cfg.moe_intermediate(l);
             if out.len() <= l {
                 out.resize_with(l + 1, Vec::new);
             }
@@ -258,7 +259,7 @@ impl Moe {
                 c,
                 &format!("{prefix}.shared_experts"),
                 cfg.hidden_size,
-                cfg.moe_intermediate_size * cfg.n_shared_experts,
+                cfg.moe_intermediate(layer) * cfg.n_shared_experts,
             )?)
         } else {
             None

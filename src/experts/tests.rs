@@ -705,6 +705,7 @@ fn real_prefetch_is_gated_while_predictions_are_poor() {
     let (_d, src) = make(&spec);
     let o = StoreOptions {
         prefetch: PrefetchMode::Real,
+        prefetch_min_precision: 0.5,
         ..opts(IoMode::Pread, 1 << 30)
     };
     let store = ExpertStore::open_source(src.clone(), o).expect("open");

@@ -185,7 +185,10 @@ pub fn expected_shape(cfg: &ModelConfig, name: &str) -> Option<(usize, usize)> {
         Role::MtpProj => Some((h, 2 * h)),
         Role::DenseMlp => ffn(cfg.intermediate_size, r.proj),
         Role::RoutedExpert => ffn(cfg.moe_intermediate(r.layer?), r.proj),
-        Role::SharedExpert => ffn(cfg.moe_intermediate(r.layer?) * cfg.n_shared_experts, r.proj),
+        Role::SharedExpert => ffn(
+            cfg.moe_intermediate(r.layer?) * cfg.n_shared_experts,
+            r.proj,
+        ),
         Role::Attention => {
             let heads = cfg.num_attention_heads;
             match leaf {

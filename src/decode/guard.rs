@@ -330,7 +330,6 @@ impl DepthController {
             best.saturating_sub(1)
         }
     }
-
 }
 
 #[cfg(test)]

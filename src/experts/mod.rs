@@ -325,7 +325,10 @@ impl ExpertStore {
         let mut resident = opts.resident_layers.clone();
         resident.sort_unstable();
         resident.dedup();
-        if let Some(&bad) = resident.iter().find(|&&l| !shape.iter().any(|&(sl, _)| sl == l)) {
+        if let Some(&bad) = resident
+            .iter()
+            .find(|&&l| !shape.iter().any(|&(sl, _)| sl == l))
+        {
             return Err(Error::invalid(
                 "resident_layers",
                 format!(

@@ -764,7 +764,11 @@ fn prefetch_gate_counts_only_predictions_that_would_read() {
     }
     assert!(gated(&store) >= 2, "gated: {}", gated(&store));
     let s = store.stats().total;
-    assert_eq!((s.recalled_router, s.routed_router), (3, 3), "recall counts every prediction");
+    assert_eq!(
+        (s.recalled_router, s.routed_router),
+        (3, 3),
+        "recall counts every prediction"
+    );
 }
 
 /// A resident layer is loaded at open, outside the budget, never evicted, keeps its bytes and
@@ -792,15 +796,22 @@ fn resident_layers_load_at_open_beyond_the_budget() {
         assert_eq!(s.budget_bytes, 2 * one + mtp_bytes, "{one}");
         assert_eq!(s.pin_set_len, spec.n_routed_experts);
         assert_eq!(s.pinned_bytes, mtp_bytes);
-        assert_eq!(s.total.bytes_read, 0, "open's loads are not counted as decode reads");
+        assert_eq!(
+            s.total.bytes_read, 0,
+            "open's loads are not counted as decode reads"
+        );
         // Using every expert of the resident layer reads nothing more, bytes unchanged.
         let mut seen = 0;
         store
-            .with_experts(mtp, &(0..spec.n_routed_experts).collect::<Vec<_>>(), &mut |e, v| {
-                assert_eq!(digest(v), reference(&src, mtp, e));
-                seen += 1;
-                Ok(())
-            })
+            .with_experts(
+                mtp,
+                &(0..spec.n_routed_experts).collect::<Vec<_>>(),
+                &mut |e, v| {
+                    assert_eq!(digest(v), reference(&src, mtp, e));
+                    seen += 1;
+                    Ok(())
+                },
+            )
             .expect("resident");
         assert_eq!(seen, spec.n_routed_experts);
         let s = store.stats();
@@ -833,9 +844,16 @@ fn io_busy_time_is_the_union_of_reads() {
         .expect("call");
     let first = store.stats().io_busy_ns;
     let wall = t.elapsed().as_nanos() as u64;
-    assert!(first > 0 && first <= wall, "busy {first} ns, wall {wall} ns");
+    assert!(
+        first > 0 && first <= wall,
+        "busy {first} ns, wall {wall} ns"
+    );
     std::thread::sleep(std::time::Duration::from_millis(20));
-    assert_eq!(store.stats().io_busy_ns, first, "idle time is not busy time");
+    assert_eq!(
+        store.stats().io_busy_ns,
+        first,
+        "idle time is not busy time"
+    );
     store.reset_stats();
     assert_eq!(store.stats().io_busy_ns, 0);
 }

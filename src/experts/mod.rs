@@ -200,8 +200,8 @@ struct Predictions {
     /// prefetches would read): [router, previous].
     cold: [Vec<bool>; 2],
     last: Vec<usize>,
-    /// Running precision of each predictor in this layer, starting at `PRECISION_START`:
-    /// [router, previous]. An EWMA of |cold ∩ routed| / |cold| per call: the share of the
+    /// Running precision of each predictor in this layer, starting at the gate
+    /// (`prefetch_min_precision`, or `PRECISION_START` when the gate is off): [router, previous]. An EWMA of |cold ∩ routed| / |cold| per call: the share of the
     /// reads its prefetches would start that the call then uses. Predictions of resident
     /// experts do not count: they cost nothing and save nothing, and with a warm cache they
     /// are the easy, right ones (the previous token's experts), which hid that the reads
@@ -889,11 +889,11 @@ impl Inner {
                 .fetch_add(ids.iter().filter(|&&i| i < n).count() as u64, Relaxed);
             return;
         }
-        for &id in ids.iter().filter(|&&i| i < n) {
-            if !lock(&ls.cache).is_empty(id) {
-                c.prefetch_redundant.fetch_add(1, Relaxed);
-                continue;
-            }
+        // Resident or in flight when predicted: nothing to read (the cold set says which).
+        let valid = ids.iter().filter(|&&i| i < n).count();
+        c.prefetch_redundant
+            .fetch_add((valid - cold.len()) as u64, Relaxed);
+        for &id in &cold {
             match q.push((layer, id, who == Predictor::Previous)) {
                 Pushed::Queued => {}
                 Pushed::Duplicate => {

@@ -166,6 +166,10 @@ pub struct ModelConfig {
     pub index_n_heads: usize,
     /// GLM: per-layer MLP kind from `mlp_layer_types` (true = MoE), when the config lists it.
     pub mlp_layer_types: Option<Vec<bool>>,
+    /// GLM DSA: per main layer, whether it runs its own indexer ("full", true) or reuses the
+    /// previous full layer's selection ("shared"), derived as transformers does. Empty for
+    /// DeepSeek-V3.
+    pub indexer_full: Vec<bool>,
     pub bos_token_id: Option<u32>,
     /// One or more end-of-sequence ids (`eos_token_id` may be an int or a list).
     pub eos_token_ids: Vec<u32>,
@@ -303,6 +307,72 @@ impl<'a> Fields<'a> {
             Some(_) => Ok(self.token_id(field)?.into_iter().collect()),
         }
     }
+}
+
+/// GLM DSA's per-layer indexer kinds (true = "full"), as transformers'
+/// `GlmMoeDsaConfig.__post_init__` derives them: an explicit `indexer_types` list, else
+/// `index_topk_pattern` (a string of `F`/`S` or a list), else the schedule
+/// `full ⇔ max(i − index_skip_topk_offset + 1, 0) mod max(index_topk_freq, 1) = 0`
+/// (defaults: freq 1, offset 2, i.e. every layer full). GLM-5.2: freq 4 → 21 full, 57 shared.
+fn indexer_types(f: &Fields<'_>, layers: usize) -> Result<Vec<bool>> {
+    let kinds = |field: &str, items: &[Value]| -> Result<Vec<bool>> {
+        let kinds = items
+            .iter()
+            .map(|v| match v.as_str() {
+                Some("full") => Ok(true),
+                Some("shared") => Ok(false),
+                _ => Err(f.err(
+                    field,
+                    format!("entries must be 'full' or 'shared', got {v}"),
+                )),
+            })
+            .collect::<Result<Vec<bool>>>()?;
+        if kinds.len() < layers {
+            return Err(f.err(
+                field,
+                format!(
+                    "has {} entries for num_hidden_layers = {layers}",
+                    kinds.len()
+                ),
+            ));
+        }
+        Ok(kinds[..layers].to_vec())
+    };
+    if let Some(v) = f.get("indexer_types") {
+        let Value::Array(items) = v else {
+            return Err(f.err("indexer_types", format!("expected a list, got {v}")));
+        };
+        return kinds("indexer_types", items);
+    }
+    match f.get("index_topk_pattern") {
+        Some(Value::String(p)) => {
+            let items: Vec<Value> = p
+                .chars()
+                .map(|c| match c {
+                    'F' => Ok(Value::from("full")),
+                    'S' => Ok(Value::from("shared")),
+                    _ => Err(f.err(
+                        "index_topk_pattern",
+                        format!("characters must be 'F' or 'S', got {c:?}"),
+                    )),
+                })
+                .collect::<Result<_>>()?;
+            return kinds("index_topk_pattern", &items);
+        }
+        Some(Value::Array(items)) => return kinds("index_topk_pattern", items),
+        Some(v) => {
+            return Err(f.err(
+                "index_topk_pattern",
+                format!("expected a string or a list, got {v}"),
+            ))
+        }
+        None => {}
+    }
+    let freq = f.usize_or("index_topk_freq", 1)?.max(1);
+    let offset = f.usize_or("index_skip_topk_offset", 2)?;
+    Ok((0..layers)
+        .map(|i| (i + 1).saturating_sub(offset).is_multiple_of(freq))
+        .collect())
 }
 
 impl ModelConfig {
@@ -494,6 +564,11 @@ impl ModelConfig {
         };
 
         let is_glm = family == ModelFamily::GlmMoeDsa;
+        let indexer_full = if is_glm {
+            indexer_types(&f, num_hidden_layers)?
+        } else {
+            Vec::new()
+        };
         let cfg = ModelConfig {
             family,
             path: path.to_path_buf(),
@@ -548,6 +623,7 @@ impl ModelConfig {
                 0
             },
             mlp_layer_types,
+            indexer_full,
             bos_token_id: f.token_id("bos_token_id")?,
             eos_token_ids: f.token_ids("eos_token_id")?,
             pad_token_id: f.token_id("pad_token_id")?,
@@ -611,6 +687,7 @@ impl ModelConfig {
             ("num_nextn_predict_layers", self.num_nextn_predict_layers),
             ("index_head_dim", self.index_head_dim),
             ("index_n_heads", self.index_n_heads),
+            ("index_topk", self.index_topk.unwrap_or(1)),
         ] {
             if v > MAX_DIM {
                 return Err(self.bad(name, format!("{v} exceeds the limit of {MAX_DIM}")));
@@ -713,13 +790,31 @@ impl ModelConfig {
         if self.index_topk == Some(0) {
             return Err(self.bad("index_topk", "must be > 0"));
         }
-        if self.family == ModelFamily::GlmMoeDsa
-            && (self.index_head_dim == 0 || self.index_n_heads == 0)
-        {
-            return Err(self.bad(
-                "index_head_dim",
-                "index_head_dim and index_n_heads must be > 0",
-            ));
+        if self.family == ModelFamily::GlmMoeDsa {
+            if self.index_head_dim == 0 || self.index_n_heads == 0 {
+                return Err(self.bad(
+                    "index_head_dim",
+                    "index_head_dim and index_n_heads must be > 0",
+                ));
+            }
+            if self.index_head_dim < self.qk_rope_head_dim {
+                return Err(self.bad(
+                    "index_head_dim",
+                    format!(
+                        "{} is smaller than qk_rope_head_dim = {} (the indexer ropes its first \
+                         qk_rope_head_dim dims)",
+                        self.index_head_dim, self.qk_rope_head_dim
+                    ),
+                ));
+            }
+            // transformers raises on a shared layer with no full layer before it; the MTP
+            // layer (built as layer 0 of its own stack) takes the first entry too.
+            if self.indexer_full.first() == Some(&false) {
+                return Err(self.bad(
+                    "indexer_types",
+                    "layer 0 is 'shared' but no earlier full layer exists to share from",
+                ));
+            }
         }
         for (field, id) in self
             .bos_token_id
@@ -777,6 +872,19 @@ impl ModelConfig {
         }
     }
 
+    /// GLM DSA: whether `layer` runs its own lightning indexer (else it reuses the previous
+    /// full layer's selection). The MTP layer is built by transformers as layer 0 of its own
+    /// stack, so it takes layer 0's kind, which is always "full" (validated). False for
+    /// DeepSeek-V3.
+    pub fn indexer_is_full(&self, layer: usize) -> bool {
+        let index = if layer >= self.num_hidden_layers {
+            0
+        } else {
+            layer
+        };
+        self.indexer_full.get(index).copied().unwrap_or(false)
+    }
+
     /// Index of the (first) MTP layer, when the checkpoint has one.
     pub fn mtp_layer_index(&self) -> Option<usize> {
         (self.num_nextn_predict_layers > 0).then_some(self.num_hidden_layers)
@@ -788,9 +896,19 @@ impl ModelConfig {
     }
 
     /// KV-cache bytes per token per layer: f32 latent (kv_lora_rank) plus roped key
-    /// (qk_rope_head_dim).
+    /// (qk_rope_head_dim). DSA indexer keys come on top (see `kv_bytes_per_token`).
     pub fn kv_bytes_per_token_per_layer(&self) -> usize {
         (self.kv_lora_rank + self.qk_rope_head_dim) * std::mem::size_of::<f32>()
+    }
+
+    /// KV-cache bytes per token of the main model: every layer's latent and roped key, plus
+    /// the indexer key of each DSA full layer.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        let full = (0..self.num_hidden_layers)
+            .filter(|&l| self.indexer_is_full(l))
+            .count();
+        self.num_hidden_layers * self.kv_bytes_per_token_per_layer()
+            + full * self.index_head_dim * std::mem::size_of::<f32>()
     }
 
     /// Output width of `q_b_proj` / `q_proj`: heads × q_head_dim.

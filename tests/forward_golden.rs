@@ -179,8 +179,10 @@ fn chunked_prefill_equals_one_shot() {
     }
 }
 
+/// Per token: an f32 latent and roped key per layer, plus an f32 indexer key per GLM DSA
+/// full layer (nothing else: no expanded K/V).
 #[test]
-fn kv_cache_holds_latent_and_rope_key_only() {
+fn kv_cache_holds_latent_rope_key_and_indexer_key_only() {
     for name in FIXTURES {
         let g = Golden::load(name);
         let prompt = g.ids("prompt_ids");
@@ -189,10 +191,14 @@ fn kv_cache_holds_latent_and_rope_key_only() {
         let cfg = m.config().clone();
         let per = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4;
         assert_eq!(cfg.kv_bytes_per_token_per_layer(), per);
-        assert_eq!(m.kv_bytes(), per * prompt.len() * cfg.num_hidden_layers);
+        let full_layers = cfg.indexer_full.iter().filter(|f| **f).count();
+        assert_eq!(m.uses_dsa(), name.starts_with("glm"), "{name}");
+        let token = per * cfg.num_hidden_layers + full_layers * cfg.index_head_dim * 4;
+        assert_eq!(cfg.kv_bytes_per_token(), token, "{name}");
+        assert_eq!(m.kv_bytes(), token * prompt.len(), "{name}");
         m.truncate(5);
         assert_eq!(m.kv_len(), 5);
-        assert_eq!(m.kv_bytes(), per * 5 * cfg.num_hidden_layers);
+        assert_eq!(m.kv_bytes(), token * 5, "{name}");
     }
 }
 

@@ -10,7 +10,8 @@ use rayon::prelude::*;
 
 use crate::config::ModelConfig;
 use crate::container::{Container, Weight};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::model::indexer::{Indexer, Selection};
 use crate::model::linear;
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
 use crate::model::rope::Rope;
@@ -29,25 +30,53 @@ enum QProj {
     },
 }
 
-/// One layer's KV rows: [len, kv_lora_rank] latents and [len, qk_rope_head_dim] roped keys.
-#[derive(Debug, Default, Clone)]
+/// One layer's KV rows: [len, kv_lora_rank] latents, [len, qk_rope_head_dim] roped keys and,
+/// on a DSA full layer, [len, index_head_dim] indexer keys.
+#[derive(Debug, Clone)]
 pub struct LayerKv {
     latent: Vec<f32>,
     rope_key: Vec<f32>,
+    index_key: Vec<f32>,
+    kv_lora: usize,
+    rope_dim: usize,
+    index_dim: usize,
 }
 
 impl LayerKv {
-    pub fn len(&self, kv_lora_rank: usize) -> usize {
-        self.latent.len() / kv_lora_rank
+    /// An empty cache for rows of these widths (`index_dim` 0: no indexer keys).
+    pub fn new(kv_lora: usize, rope_dim: usize, index_dim: usize) -> Self {
+        LayerKv {
+            latent: Vec::new(),
+            rope_key: Vec::new(),
+            index_key: Vec::new(),
+            kv_lora,
+            rope_dim,
+            index_dim,
+        }
     }
-    pub fn truncate(&mut self, len: usize, kv_lora_rank: usize, rope_dim: usize) {
-        self.latent.truncate(len * kv_lora_rank);
-        self.rope_key.truncate(len * rope_dim);
+    pub fn len(&self) -> usize {
+        self.latent.len() / self.kv_lora
+    }
+    pub fn truncate(&mut self, len: usize) {
+        self.latent.truncate(len * self.kv_lora);
+        self.rope_key.truncate(len * self.rope_dim);
+        self.index_key.truncate(len * self.index_dim);
     }
     /// Bytes held (the KV accounting the tests check).
     pub fn bytes(&self) -> usize {
-        (self.latent.len() + self.rope_key.len()) * std::mem::size_of::<f32>()
+        (self.latent.len() + self.rope_key.len() + self.index_key.len())
+            * std::mem::size_of::<f32>()
     }
+}
+
+/// How a layer chooses the keys it attends to.
+enum KeyChoice {
+    /// Every earlier key (DeepSeek-V3; GLM without indexer tensors, exact up to index_topk).
+    Dense,
+    /// GLM DSA "full" layer: its own lightning indexer.
+    Indexed(Indexer),
+    /// GLM DSA "shared" layer: the previous full layer's selection.
+    Shared,
 }
 
 pub struct Attention {
@@ -62,6 +91,7 @@ pub struct Attention {
     v_dim: usize,
     kv_lora: usize,
     scale: f32,
+    keys: KeyChoice,
 }
 
 /// transformers builds `q_a_layernorm` and `kv_a_layernorm` without an eps argument, so both
@@ -69,7 +99,15 @@ pub struct Attention {
 const LATENT_NORM_EPS: f32 = 1e-6;
 
 impl Attention {
-    pub fn load(c: &Container, cfg: &ModelConfig, prefix: &str) -> Result<Self> {
+    /// Load layer `layer`'s attention (`prefix` = `model.layers.{layer}`). `dsa` says whether
+    /// the checkpoint's DSA indexers are used (see `Model::load_with_experts`).
+    pub fn load(
+        c: &Container,
+        cfg: &ModelConfig,
+        prefix: &str,
+        layer: usize,
+        dsa: bool,
+    ) -> Result<Self> {
         let h = cfg.hidden_size;
         let heads = cfg.num_attention_heads;
         let qd = cfg.q_head_dim();
@@ -107,12 +145,27 @@ impl Attention {
             v_dim: cfg.v_head_dim,
             kv_lora,
             scale: cfg.softmax_scale(),
+            keys: match (dsa, cfg.indexer_is_full(layer)) {
+                (false, _) => KeyChoice::Dense,
+                (true, true) => KeyChoice::Indexed(Indexer::load(c, cfg, prefix)?),
+                (true, false) => KeyChoice::Shared,
+            },
         })
+    }
+
+    /// Width of this layer's cached indexer keys (0 when it has no indexer).
+    pub fn index_key_dim(&self) -> usize {
+        match &self.keys {
+            KeyChoice::Indexed(ix) => ix.key_dim(),
+            _ => 0,
+        }
     }
 
     /// Attention over `s` rows of normed input `xn` ([s, hidden]) at cache rows
     /// `start..start+s` (rope positions `rope_start..`); appends their KV rows to `kv` (which
-    /// must hold exactly `start` rows). Returns [s, hidden].
+    /// must hold exactly `start` rows). Returns [s, hidden] and, on a DSA full layer, the
+    /// keys its indexer selected; a shared layer attends to `shared` (the previous full
+    /// layer's selection for these rows).
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -123,7 +176,8 @@ impl Attention {
         kv: &mut LayerKv,
         rope: &Rope,
         pool: Option<&rayon::ThreadPool>,
-    ) -> Result<Vec<f32>> {
+        shared: Option<&Selection>,
+    ) -> Result<(Vec<f32>, Option<Selection>)> {
         let (heads, nope, rd, vd, kl) = (
             self.heads,
             self.nope,
@@ -132,9 +186,10 @@ impl Attention {
             self.kv_lora,
         );
         let qd = nope + rd;
-        debug_assert_eq!(kv.len(kl), start);
+        debug_assert_eq!(kv.len(), start);
 
-        // q: [s, heads, nope + rope]
+        // q: [s, heads, nope + rope]; the DSA indexer's query starts from the same q_a.
+        let mut selected = None;
         let mut q = match &self.q {
             QProj::Lora {
                 q_a_proj,
@@ -146,10 +201,37 @@ impl Attention {
                     q_a_layernorm,
                     LATENT_NORM_EPS,
                 );
+                if let KeyChoice::Indexed(ix) = &self.keys {
+                    selected = Some(ix.select(
+                        xn,
+                        &qa,
+                        s,
+                        start,
+                        rope_start,
+                        &mut kv.index_key,
+                        rope,
+                        pool,
+                    )?);
+                }
                 linear::apply(q_b_proj, &qa, s, pool)?
             }
             QProj::Plain { q_proj } => linear::apply(q_proj, xn, s, pool)?,
         };
+        let selection: Option<&Selection> = match &self.keys {
+            KeyChoice::Dense => None,
+            KeyChoice::Indexed(_) => selected.as_ref(),
+            KeyChoice::Shared => Some(shared.ok_or_else(|| {
+                Error::Internal("a DSA shared layer ran without a full layer's selection".into())
+            })?),
+        };
+        if let Some(sel) = selection {
+            if sel.len() != s {
+                return Err(Error::Internal(format!(
+                    "DSA selection has {} rows for a forward of {s}",
+                    sel.len()
+                )));
+            }
+        }
         // c: [s, kv_lora + rope] → normed latent and roped shared key, appended to the cache.
         let ckv = linear::apply(&self.kv_a_proj_with_mqa, xn, s, pool)?;
         for r in 0..s {
@@ -189,17 +271,24 @@ impl Attention {
         // heads per task on the pool: MLA's heads share the latent cache, so each key row is
         // read from memory once for the group (scores of four heads per call, weighted sums
         // of four keys per call, each head's from L1). Every score, softmax and sum is
-        // computed exactly as for a head alone, in the same order.
+        // computed exactly as for a head alone, in the same order. With DSA a row attends to
+        // its selected keys only, in ascending position (the dense order when all are
+        // selected), so the values do not depend on S either.
         let latent = |j: usize| &kv.latent[j * kl..(j + 1) * kl];
         let rope_key = |j: usize| &kv.rope_key[j * rd..(j + 1) * rd];
         let group_attend = |g: usize| -> Vec<f32> {
             let h0 = g * BATCH;
             let size = BATCH.min(heads - h0);
             let mut out = vec![0.0f32; s * size * kl];
-            let mut scores = vec![Vec::with_capacity(start + s); size];
+            let most =
+                selection.map_or(start + s, |sel| sel.iter().map(Vec::len).max().unwrap_or(0));
+            let mut scores = vec![Vec::with_capacity(most); size];
             let mut sums = [0.0f32; BATCH];
             for r in 0..s {
-                let t = start + r + 1; // keys visible to this row
+                let chosen = selection.map(|sel| &sel[r][..]);
+                // Keys this row attends to: all earlier ones, or the selected ones.
+                let t = chosen.map_or(start + r + 1, <[u32]>::len);
+                let key = |i: usize| chosen.map_or(i, |c| c[i] as usize);
                 let ql =
                     |h: usize| &q_lat[(r * heads + h0 + h) * kl..(r * heads + h0 + h + 1) * kl];
                 let qr = |h: usize| {
@@ -207,7 +296,8 @@ impl Attention {
                     &q[at..at + rd]
                 };
                 scores.iter_mut().for_each(Vec::clear);
-                for j in 0..t {
+                for i in 0..t {
+                    let j = key(i);
                     if size == BATCH {
                         let c = ops.dots(latent(j), std::array::from_fn(ql));
                         let k = ops.dots(rope_key(j), std::array::from_fn(qr));
@@ -232,7 +322,7 @@ impl Attention {
                 let dst = &mut out[r * size * kl..(r + 1) * size * kl];
                 let mut j = 0;
                 while j + BATCH <= t {
-                    let rows = std::array::from_fn(|i| latent(j + i));
+                    let rows = std::array::from_fn(|i| latent(key(j + i)));
                     for ((d, sc), sum) in dst.chunks_exact_mut(kl).zip(&scores).zip(&sums) {
                         ops.axpys(d, std::array::from_fn(|i| sc[j + i] / sum), rows);
                     }
@@ -240,7 +330,7 @@ impl Attention {
                 }
                 for j in j..t {
                     for ((d, sc), sum) in dst.chunks_exact_mut(kl).zip(&scores).zip(&sums) {
-                        ops.axpy(d, sc[j] / sum, latent(j));
+                        ops.axpy(d, sc[j] / sum, latent(key(j)));
                     }
                 }
             }
@@ -263,7 +353,7 @@ impl Attention {
             Ok(out_h)
         };
         let o = per_head(heads, s, vd, pool, head_value)?;
-        linear::apply(&self.o_proj, &o, s, pool)
+        Ok((linear::apply(&self.o_proj, &o, s, pool)?, selected))
     }
 }
 

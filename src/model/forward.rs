@@ -16,6 +16,7 @@ use crate::config::{ModelConfig, ModelFamily};
 use crate::container::{Container, Weight};
 use crate::error::{Error, Result};
 use crate::model::attention::{Attention, LayerKv};
+use crate::model::indexer::{Indexer, Selection};
 use crate::model::linear;
 use crate::model::moe::{ExpertSource, Mlp, Moe, ResidentExperts};
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
@@ -37,7 +38,7 @@ struct Layer {
 }
 
 impl Layer {
-    fn load(c: &Container, cfg: &ModelConfig, index: usize) -> Result<Self> {
+    fn load(c: &Container, cfg: &ModelConfig, index: usize, dsa: bool) -> Result<Self> {
         let p = format!("model.layers.{index}");
         let h = cfg.hidden_size;
         let ffn = if cfg.is_moe_layer(index) {
@@ -47,7 +48,7 @@ impl Layer {
         };
         Ok(Layer {
             input_layernorm: linear::load_vector(c, &format!("{p}.input_layernorm.weight"), h)?,
-            self_attn: Attention::load(c, cfg, &p)?,
+            self_attn: Attention::load(c, cfg, &p, index, dsa)?,
             post_attention_layernorm: linear::load_vector(
                 c,
                 &format!("{p}.post_attention_layernorm.weight"),
@@ -57,7 +58,8 @@ impl Layer {
         })
     }
 
-    /// Attention half: `x += MLA(input_layernorm(x))`, in place on [s, hidden].
+    /// Attention half: `x += MLA(input_layernorm(x))`, in place on [s, hidden]. Returns the
+    /// DSA selection of a full layer (a shared layer attends to `shared`).
     #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
@@ -69,15 +71,25 @@ impl Layer {
         rope: &Rope,
         eps: f32,
         pool: Option<&rayon::ThreadPool>,
-    ) -> Result<()> {
+        shared: Option<&Selection>,
+    ) -> Result<Option<Selection>> {
         let xn = rmsnorm(x, &self.input_layernorm, eps);
-        let a = self
+        let (a, selected) = self
             .self_attn
-            .forward(&xn, s, start, rope_start, kv, rope, pool)?;
+            .forward(&xn, s, start, rope_start, kv, rope, pool, shared)?;
         for (v, d) in x.iter_mut().zip(&a) {
             *v += d;
         }
-        Ok(())
+        Ok(selected)
+    }
+
+    /// An empty KV cache for this layer.
+    fn new_kv(&self, cfg: &ModelConfig) -> LayerKv {
+        LayerKv::new(
+            cfg.kv_lora_rank,
+            cfg.qk_rope_head_dim,
+            self.self_attn.index_key_dim(),
+        )
     }
 
     /// Feed-forward half: `x += FFN(post_attention_layernorm(x))`. `resident` is
@@ -162,14 +174,14 @@ struct MtpHead {
 }
 
 impl MtpHead {
-    fn load(c: &Container, cfg: &ModelConfig, index: usize) -> Result<Self> {
+    fn load(c: &Container, cfg: &ModelConfig, index: usize, dsa: bool) -> Result<Self> {
         let p = format!("model.layers.{index}");
         let h = cfg.hidden_size;
         Ok(MtpHead {
             enorm: linear::load_vector(c, &format!("{p}.enorm.weight"), h)?,
             hnorm: linear::load_vector(c, &format!("{p}.hnorm.weight"), h)?,
             eh_proj: linear::load(c, &format!("{p}.eh_proj.weight"), h, 2 * h)?,
-            layer: Layer::load(c, cfg, index)?,
+            layer: Layer::load(c, cfg, index, dsa)?,
             shared_head_norm: linear::load_vector(c, &format!("{p}.shared_head.norm.weight"), h)?,
         })
     }
@@ -216,6 +228,9 @@ pub struct Forward {
     pub logits: Vec<f32>,
     /// [s, hidden]: the residual stream after the last layer, before `model.norm`.
     pub hidden: Vec<f32>,
+    /// (layer, selection) of every DSA full layer, when [`Model::set_trace_selections`] is on
+    /// (tests and debugging; empty otherwise).
+    pub selections: Vec<(usize, Selection)>,
 }
 
 /// A loaded model with its KV caches.
@@ -235,6 +250,9 @@ pub struct Model {
     /// Shared so that [`Model::step`] can run a whole forward on it (see there).
     pool: Arc<rayon::ThreadPool>,
     prefetch_top_k: usize,
+    /// GLM DSA: the checkpoint's lightning indexers are in use (see `max_exact_context`).
+    dsa: bool,
+    trace_selections: bool,
 }
 
 impl Model {
@@ -267,9 +285,14 @@ impl Model {
         }
         let c = &*container;
         let h = cfg.hidden_size;
+        // GLM DSA runs when the checkpoint ships the indexers (layer 0 is always a full one);
+        // without them dense MLA is exact only up to index_topk keys.
+        let dsa = cfg.family == ModelFamily::GlmMoeDsa
+            && cfg.index_topk.is_some()
+            && Indexer::present(c, "model.layers.0");
         let embed_tokens = linear::load(c, "model.embed_tokens.weight", cfg.vocab_size, h)?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|l| Layer::load(c, &cfg, l))
+            .map(|l| Layer::load(c, &cfg, l, dsa))
             .collect::<Result<Vec<_>>>()?;
         let lm_head = if cfg.tie_word_embeddings && !c.contains("lm_head.weight") {
             None
@@ -277,7 +300,9 @@ impl Model {
             Some(linear::load(c, "lm_head.weight", cfg.vocab_size, h)?)
         };
         let mtp = match cfg.mtp_layer_index() {
-            Some(i) if opts.load_mtp && MtpHead::present(c, i) => Some(MtpHead::load(c, &cfg, i)?),
+            Some(i) if opts.load_mtp && MtpHead::present(c, i) => {
+                Some(MtpHead::load(c, &cfg, i, dsa)?)
+            }
             _ => None,
         };
         let threads = if opts.threads == 0 {
@@ -291,9 +316,14 @@ impl Model {
             .build()
             .map_err(|e| Error::Internal(format!("cannot start the compute pool: {e}")))
             .map(Arc::new)?;
+        let kv = layers.iter().map(|l| l.new_kv(&cfg)).collect();
+        let mtp_kv = match &mtp {
+            Some(m) => m.layer.new_kv(&cfg),
+            None => LayerKv::new(cfg.kv_lora_rank, cfg.qk_rope_head_dim, 0),
+        };
         Ok(Model {
             rope: Rope::new(&cfg),
-            kv: vec![LayerKv::default(); cfg.num_hidden_layers],
+            kv,
             norm: linear::load_vector(c, "model.norm.weight", h)?,
             cfg,
             container,
@@ -301,10 +331,12 @@ impl Model {
             layers,
             lm_head,
             mtp,
-            mtp_kv: LayerKv::default(),
+            mtp_kv,
             experts,
             pool,
             prefetch_top_k: opts.prefetch_top_k,
+            dsa,
+            trace_selections: false,
         })
     }
 
@@ -321,28 +353,41 @@ impl Model {
         self.pool.current_num_threads()
     }
 
+    /// Whether GLM's sparse attention (the DSA lightning indexers) is in use.
+    pub fn uses_dsa(&self) -> bool {
+        self.dsa
+    }
+
+    /// Return every DSA full layer's selection in [`Forward::selections`] (off by default:
+    /// a long prefill's selections are rows × index_topk × layers positions).
+    pub fn set_trace_selections(&mut self, on: bool) {
+        self.trace_selections = on;
+    }
+
     /// Rows in the main KV cache (= the next position to compute).
     pub fn kv_len(&self) -> usize {
-        self.kv.first().map_or(0, |k| k.len(self.cfg.kv_lora_rank))
+        self.kv.first().map_or(0, LayerKv::len)
     }
     pub fn mtp_kv_len(&self) -> usize {
-        self.mtp_kv.len(self.cfg.kv_lora_rank)
+        self.mtp_kv.len()
     }
-    /// Bytes held by the main KV cache.
+    /// Bytes held by the main KV cache (latents, roped keys and DSA indexer keys).
     pub fn kv_bytes(&self) -> usize {
         self.kv.iter().map(LayerKv::bytes).sum()
+    }
+    /// Bytes held by the MTP layer's KV cache.
+    pub fn mtp_kv_bytes(&self) -> usize {
+        self.mtp_kv.bytes()
     }
 
     /// Drop main-model KV rows from `len` on (roll back rejected positions).
     pub fn truncate(&mut self, len: usize) {
-        let (kl, rd) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
         for kv in &mut self.kv {
-            kv.truncate(len, kl, rd);
+            kv.truncate(len);
         }
     }
     pub fn mtp_truncate(&mut self, len: usize) {
-        let (kl, rd) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
-        self.mtp_kv.truncate(len, kl, rd);
+        self.mtp_kv.truncate(len);
     }
     /// Forget everything (a new sequence).
     pub fn reset(&mut self) {
@@ -350,12 +395,13 @@ impl Model {
         self.mtp_truncate(0);
     }
 
-    /// The longest context the engine computes exactly: GLM-5's DSA indexer selects at most
-    /// `index_topk` keys, so beyond that dense MLA would differ from the model.
+    /// The longest context the engine computes exactly: `max_position_embeddings`, or, for
+    /// a GLM checkpoint without its DSA indexers, `index_topk` (beyond it dense MLA would
+    /// differ from the model, which attends to at most that many keys).
     pub fn max_exact_context(&self) -> usize {
         let limit = self.cfg.max_position_embeddings.max(1);
-        match (self.cfg.family, self.cfg.index_topk) {
-            (ModelFamily::GlmMoeDsa, Some(k)) => limit.min(k),
+        match (self.cfg.family, self.cfg.index_topk, self.dsa) {
+            (ModelFamily::GlmMoeDsa, Some(k), false) => limit.min(k),
             _ => limit,
         }
     }
@@ -387,9 +433,10 @@ impl Model {
                     "{end} tokens exceed the {} this model is computed exactly for{}; shorten \
                      the prompt or max_new_tokens",
                     self.max_exact_context(),
-                    if self.cfg.family == ModelFamily::GlmMoeDsa {
-                        " (GLM-5's sparse DSA attention is not implemented yet, dense MLA is \
-                         exact only up to index_topk keys)"
+                    if self.cfg.family == ModelFamily::GlmMoeDsa && !self.dsa {
+                        " (this checkpoint has no DSA indexer tensors \
+                         (model.layers.0.self_attn.indexer.*), and dense MLA is exact only up \
+                         to index_topk keys)"
                     } else {
                         ""
                     }
@@ -438,10 +485,30 @@ impl Model {
         let mut x = self.embed(&self.embed_tokens, tokens);
         let pool = Some(&*self.pool);
         let top_k = self.prefetch_top_k;
+        let trace = self.trace_selections;
+        let mut traced = Vec::new();
         let result = (|| {
+            // The latest DSA full layer's selection, which shared layers reuse.
+            let mut selection: Option<Selection> = None;
             for (i, (layer, kv)) in self.layers.iter().zip(self.kv.iter_mut()).enumerate() {
                 self.experts.begin_layer(i);
-                layer.attend(&mut x, s, start, start, kv, &self.rope, eps, pool)?;
+                let selected = layer.attend(
+                    &mut x,
+                    s,
+                    start,
+                    start,
+                    kv,
+                    &self.rope,
+                    eps,
+                    pool,
+                    selection.as_ref(),
+                )?;
+                if let Some(sel) = selected {
+                    if trace {
+                        traced.push((i, sel.clone()));
+                    }
+                    selection = Some(sel);
+                }
                 // Router lookahead: predict layer i+1's experts from this residual plus this
                 // layer's resident feed-forward output, so their loads overlap this layer's
                 // routed experts. The resident output is reused, not recomputed.
@@ -474,7 +541,11 @@ impl Model {
         let xn = rmsnorm(last, &self.norm, eps);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         let logits = self.head_logits(head, &xn, rows)?;
-        Ok(Forward { logits, hidden: x })
+        Ok(Forward {
+            logits,
+            hidden: x,
+            selections: traced,
+        })
     }
 
     /// The state the MTP head consumes for main-model hidden states: `model.norm(hidden)`.
@@ -537,6 +608,8 @@ impl Model {
         let mut z = linear::apply(&mtp.eh_proj, &cat, s, Some(&*self.pool))?;
         // MTP row p pairs h_p with token p+1 and sits at rope position p+1 (transformers).
         let pool = Some(&*self.pool);
+        // The MTP layer's indexer (a full one: transformers builds the layer as index 0 of
+        // its own stack) selects among the MTP layer's own cached rows.
         let run = mtp
             .layer
             .attend(
@@ -548,23 +621,32 @@ impl Model {
                 &self.rope,
                 eps,
                 pool,
+                None,
             )
-            .and_then(|()| {
+            .and_then(|selected| {
                 mtp.layer
                     .feed_forward(&mut z, s, eps, &*self.experts, pool, None)
+                    .map(|()| selected)
             });
-        if let Err(err) = run {
-            let (kl, rd) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
-            self.mtp_kv.truncate(start, kl, rd);
-            return Err(err);
-        }
+        let selected = match run {
+            Ok(sel) => sel,
+            Err(err) => {
+                self.mtp_kv.truncate(start);
+                return Err(err);
+            }
+        };
         let out = rmsnorm(&z, &mtp.shared_head_norm, eps);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         let rows = if all_logits { s } else { 1 };
         let logits = self.head_logits(head, &out[(s - rows) * h..], rows)?;
+        let selections = match (self.trace_selections, selected) {
+            (true, Some(sel)) => vec![(self.cfg.num_hidden_layers, sel)],
+            _ => Vec::new(),
+        };
         Ok(Forward {
             logits,
             hidden: out,
+            selections,
         })
     }
 }

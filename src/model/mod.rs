@@ -1,8 +1,9 @@
 //! The forward pass of DeepSeek-V3-family models: MLA attention, dense and MoE feed-forward,
-//! the MTP head, and the KV caches.
+//! GLM-5's DSA lightning indexer, the MTP head, and the KV caches.
 
 pub mod attention;
 pub mod forward;
+pub mod indexer;
 pub mod linear;
 pub mod moe;
 pub mod norm;

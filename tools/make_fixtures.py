@@ -23,10 +23,12 @@ import argparse
 import copy
 import json
 import math
-import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ import torch
 from safetensors.numpy import load_file as np_load_file
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn import functional as F
 from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
@@ -48,11 +51,13 @@ from transformers.modeling_layers import MtpLayer, MtpModel
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
     GlmMoeDsaDecoderLayer,
+    GlmMoeDsaIndexer,
     GlmMoeDsaRMSNorm,
+    apply_rotary_pos_emb_interleave,
 )
 from transformers.utils import logging as transformers_logging
 
-PROMPT_LEN = 12
+PROMPT_LEN = 12  # default prompt length T (FixtureSpec.prompt_len)
 NEW_TOKENS = 32
 CHAIN_DEPTH = 3
 SEED = 20260529
@@ -66,6 +71,13 @@ TOL_NUMPY = 1e-4
 MIN_DISTINCT_GREEDY = 12
 MIN_EXPERT_SHARE = 0.75
 MAX_ATTEMPTS = 20
+# DSA fixtures (index_topk below the contexts): the index_topk-th and (index_topk+1)-th
+# largest visible index scores of every sparse row must differ by more than this, relative
+# to the row's max|score| (torch's CPU topk breaks exact ties in an implementation-defined
+# order; the engine breaks them toward the lower index), and attending densely instead must
+# move the logits by at least MIN_DENSE_DIFF.
+TIE_MARGIN = 1e-3
+MIN_DENSE_DIFF = 0.1
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,18 @@ class FixtureSpec:
     family: str  # "deepseek_v3" | "glm_moe_dsa"
     config: dict[str, Any]
     covers: list[str] = field(default_factory=list)
+    prompt_len: int = PROMPT_LEN
+
+    @property
+    def sparse_dsa(self) -> bool:
+        """True when DSA keeps fewer keys than some context of the goldens (GLM only)."""
+        topk = self.config.get("index_topk")
+        return self.family == "glm_moe_dsa" and topk is not None and topk < self.max_context
+
+    @property
+    def max_context(self) -> int:
+        """Longest main-model context in the goldens: prompt + continuation - 1."""
+        return self.prompt_len + NEW_TOKENS - 1
 
 
 COMMON: dict[str, Any] = {
@@ -252,6 +276,40 @@ SPECS: list[FixtureSpec] = [
             "YaRN rope on the interleaved GLM layout (mscale != mscale_all_dim)",
             "MTP layer (oracle: transformers' MtpLayer + GLM decoder layer, see docs)",
         ],
+    ),
+    FixtureSpec(
+        name="glm_dsa",
+        family="glm_moe_dsa",
+        config={
+            **COMMON,
+            "vocab_size": 256,
+            "moe_intermediate_size": 16,
+            "q_lora_rank": 48,
+            "n_routed_experts": 16,
+            "num_experts_per_tok": 4,
+            "n_group": 1,
+            "topk_group": 1,
+            "n_shared_experts": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 1,
+            "num_hidden_layers": 4,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+            "rope_theta": 10000.0,
+            "index_topk": 8,
+            "index_head_dim": 16,
+            "index_n_heads": 4,
+            "indexer_types": ["full", "shared", "full", "shared"],
+        },
+        covers=[
+            "DSA sparse: index_topk=8 < most contexts (T=40, contexts up to 71 tokens)",
+            "indexer_types full/shared/full/shared (layers 1, 3 reuse the previous selection)",
+            "indexer: 4 heads x 16 dims, interleaved rope on the first 8 dims",
+            "MTP layer with its own indexer over its own rows (indexer_types ['full'])",
+            "goldens: per-layer selections dsa_topk_L, mtp_dsa_topk, int4_dsa_topk_L",
+        ],
+        prompt_len=40,
     ),
 ]
 
@@ -579,6 +637,134 @@ def greedy(model: PreTrainedModel, prompt: torch.Tensor) -> tuple[torch.Tensor, 
     return new_ids, step_logits
 
 
+# --------------------------------------------------------------------------------------
+# DSA selections (GLM's lightning indexer)
+
+
+@dataclass
+class IndexerCall:
+    """One call of a ``GlmMoeDsaIndexer``: its top-k output and, without a cache, its scores."""
+
+    indices: torch.Tensor  # [S, k] int32, exactly as transformers returns them
+    scores: torch.Tensor | None  # [S, S] float32 index scores before the top-k (no cache only)
+
+
+@torch.no_grad()
+def indexer_scores(
+    mod: GlmMoeDsaIndexer,
+    hidden: torch.Tensor,
+    q_resid: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """The index scores ``GlmMoeDsaIndexer.forward`` computes without a cache, before top-k.
+
+    A line-by-line copy of transformers' code (which returns only the indices);
+    ``record_indexers`` asserts that its top-k equals the module's output bit for bit.
+    """
+    b, s, _ = hidden.shape
+    cos, sin = position_embeddings
+    rope = mod.qk_rope_head_dim
+    q = mod.wq_b(q_resid).view(b, s, mod.n_heads, mod.head_dim)
+    q_rot, q_pass = torch.split(q, [rope, mod.head_dim - rope], dim=-1)
+    k = mod.k_norm(mod.wk(hidden)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [rope, mod.head_dim - rope], dim=-1)
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)
+    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    scores = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * mod.softmax_scale
+    scores = F.relu(scores)
+    weights = mod.weights_proj(hidden.to(mod.weights_proj.weight.dtype)).float()
+    weights = weights * (mod.n_heads**-0.5)
+    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    if mask.dtype == torch.bool:
+        return index_scores.masked_fill(~mask, float("-inf"))
+    return index_scores + mask
+
+
+@contextmanager
+def record_indexers(root: nn.Module) -> Iterator[dict[str, list[IndexerCall]]]:
+    """Record every ``GlmMoeDsaIndexer`` call under ``root``, keyed by module name, in order.
+
+    Batch 1 only. Calls without a cache also get their index scores (``indexer_scores``).
+    """
+    calls: dict[str, list[IndexerCall]] = {}
+
+    def hook(
+        mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, key: str
+    ) -> None:
+        assert isinstance(mod, GlmMoeDsaIndexer)
+        scores = None
+        if kwargs.get("cache") is None:
+            full = indexer_scores(mod, *args[:4])
+            topk = min(mod.index_topk, full.shape[-1])
+            ref = full.topk(topk, dim=-1).indices.to(torch.int32)
+            assert torch.equal(ref, out), f"{key}: indexer_scores disagrees with the indexer"
+            scores = full[0]
+        calls.setdefault(key, []).append(IndexerCall(out[0].detach().clone(), scores))
+
+    handles = [
+        mod.register_forward_hook(partial(hook, key=name), with_kwargs=True)
+        for name, mod in root.named_modules()
+        if isinstance(mod, GlmMoeDsaIndexer)
+    ]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def dense_indexers(*roots: nn.Module) -> Iterator[None]:
+    """Temporarily set ``index_topk`` to 10**6 on every indexer (DSA keeps every key)."""
+    mods = [m for r in roots for m in r.modules() if isinstance(m, GlmMoeDsaIndexer)]
+    saved = [m.index_topk for m in mods]
+    for m in mods:
+        m.index_topk = 10**6
+    try:
+        yield
+    finally:
+        for m, k in zip(mods, saved, strict=True):
+            m.index_topk = k
+
+
+def canonical_topk(indices: torch.Tensor, topk: int, first_pos: int = 0) -> torch.Tensor:
+    """The golden form of a selection: I32 [S, topk], row r = key position ``first_pos + r``.
+
+    Keeps the causally visible indices (j <= first_pos + r; transformers' top-k also
+    returns masked future positions when a row sees fewer than ``topk`` keys), sorted
+    ascending, padded with -1.
+    """
+    rows = []
+    for r, row in enumerate(indices.tolist()):
+        visible = sorted(j for j in row if j <= first_pos + r)
+        assert len(set(visible)) == len(visible) == min(topk, first_pos + r + 1), (r, row)
+        rows.append(visible + [-1] * (topk - len(visible)))
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def boundary_margin(scores: torch.Tensor, topk: int) -> float:
+    """Smallest selection margin of a causal score matrix [S, S] (row r sees keys 0..r).
+
+    Over rows with more than ``topk`` visible keys: (topk-th largest - (topk+1)-th largest
+    visible score) / max|visible score|. ``inf`` when no row is sparse.
+    """
+    best = math.inf
+    for r in range(topk, scores.shape[0]):
+        visible = scores[r, : r + 1].double()
+        top = torch.sort(visible, descending=True).values
+        scale = visible.abs().max().item()
+        gap = (top[topk - 1] - top[topk]).item()
+        best = min(best, gap / scale if scale > 0 else 0.0)
+    return best
+
+
+def full_layers(cfg: PreTrainedConfig) -> list[int]:
+    """Main layers that run their own indexer (``indexer_types`` entry "full")."""
+    return [i for i, kind in enumerate(cfg.indexer_types) if kind == "full"]
+
+
 @dataclass
 class MtpGolden:
     """MTP oracle outputs of one fixture."""
@@ -759,13 +945,18 @@ def reload_glm_mtp(
     )
     layer.load_state_dict(fused, strict=True)
     _, hidden = prefill(reloaded, cand.prompt)
-    gold = mtp_goldens(
-        layer,
-        reloaded,
-        cand.prompt,
-        reloaded.model.norm(hidden),
-        int(cand.golden["greedy_ids"][0]),
-    )
+    with record_indexers(layer) as calls:
+        gold = mtp_goldens(
+            layer,
+            reloaded,
+            cand.prompt,
+            reloaded.model.norm(hidden),
+            int(cand.golden["greedy_ids"][0]),
+        )
+    if "mtp_dsa_topk" in cand.golden:
+        first = calls["mtp_block.self_attn.indexer"][0]
+        got = canonical_topk(first.indices, int(cfg.index_topk))[: cand.prompt.shape[0] - 1]
+        assert torch.equal(got, cand.golden["mtp_dsa_topk"]), "rebuilt MTP selects other keys"
     diff = max(
         (gold.logits - cand.mtp.logits).abs().max().item(),
         (gold.chain_logits - cand.mtp.chain_logits).abs().max().item(),
@@ -785,16 +976,25 @@ class NumpyReference:
 
     It reads only ``config.json`` and ``model.safetensors`` and shares no code with
     transformers, so agreement with the goldens shows the written spec is complete.
+    ``weights`` replaces the tensors of ``model.safetensors`` (the dequantised container).
     """
 
-    def __init__(self, fixture_dir: Path) -> None:
+    def __init__(self, fixture_dir: Path, weights: dict[str, np.ndarray] | None = None) -> None:
         """Load the config and all tensors (as float64)."""
         self.cfg: dict[str, Any] = json.loads((fixture_dir / "config.json").read_text())
-        raw = np_load_file(str(fixture_dir / "model.safetensors"))
+        if weights is None:
+            weights = np_load_file(str(fixture_dir / "model.safetensors"))
+        raw = weights
         self.w: dict[str, np.ndarray] = {k: v.astype(np.float64) for k, v in raw.items()}
         c = self.cfg
         self.n_layers = int(c["num_hidden_layers"])
         self.glm = c["model_type"] == "glm_moe_dsa"
+        # DSA (GLM): "full" layers run their own indexer, "shared" ones reuse the previous
+        # full layer's selection; the MTP layer always has its own indexer.
+        self.index_topk = int(c.get("index_topk") or 0)
+        self.idx_heads = int(c.get("index_n_heads") or 0)
+        self.idx_dim = int(c.get("index_head_dim") or 0)
+        self.indexer_types: list[str] = list(c.get("indexer_types") or ["full"] * self.n_layers)
         self.interleave = True if self.glm else bool(c.get("rope_interleave", True))
         self.eps = float(c["rms_norm_eps"])
         self.heads = int(c["num_attention_heads"])
@@ -849,15 +1049,51 @@ class NumpyReference:
             a, b = x[..., : self.rope // 2], x[..., self.rope // 2 :]
         return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
-    def attention(self, p: str, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """Causal MLA over all S rows (keys expanded through kv_b)."""
+    def indexer(self, p: str, x: np.ndarray, qa: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """DSA lightning indexer: the keys each row keeps, as a bool mask [S, S].
+
+        q = wq_b(qa) per head, k = LayerNorm(wk x) (eps 1e-6, weight + bias), both with
+        interleaved rope on their first ``qk_rope_head_dim`` dims; score[s, t] =
+        sum_h weights_proj(x)[h] * heads^-0.5 * relu(q_h . k_t * dim^-0.5); row s keeps the
+        ``index_topk`` best of keys 0..s (ties toward the lower index).
+        """
+        w, s, r = self.w, x.shape[0], self.rope
+        pre = p + "self_attn.indexer."
+        q = (qa @ w[pre + "wq_b.weight"].T).reshape(s, self.idx_heads, self.idx_dim)
+        q = np.concatenate([self.rotate(q[..., :r], pos), q[..., r:]], axis=-1)
+        k = x @ w[pre + "wk.weight"].T
+        k = (k - k.mean(-1, keepdims=True)) / np.sqrt(k.var(-1, keepdims=True) + 1e-6)
+        k = k * w[pre + "k_norm.weight"] + w[pre + "k_norm.bias"]
+        k = np.concatenate([self.rotate(k[:, None, :r], pos)[:, 0], k[:, r:]], axis=-1)
+        head_scores = np.maximum(np.einsum("shd,td->sht", q, k) * self.idx_dim**-0.5, 0.0)
+        weights = (x @ w[pre + "weights_proj.weight"].T) * self.idx_heads**-0.5
+        scores = np.einsum("sh,sht->st", weights, head_scores)
+        keep = np.zeros((s, s), dtype=bool)
+        for row in range(s):
+            keep[row, np.argsort(-scores[row, : row + 1], kind="stable")[: self.index_topk]] = True
+        return keep
+
+    def attention(
+        self, p: str, x: np.ndarray, pos: np.ndarray, keep: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Causal MLA over all S rows (keys expanded through kv_b), DSA-masked for GLM.
+
+        ``keep`` is the previous full layer's selection (used by "shared" layers); returns
+        the output and the selection this layer used.
+        """
         w, s = self.w, x.shape[0]
         if p + "self_attn.q_a_proj.weight" in w:
             qa = x @ w[p + "self_attn.q_a_proj.weight"].T
             qa = self.rmsnorm(qa, w[p + "self_attn.q_a_layernorm.weight"], 1e-6)
             q = qa @ w[p + "self_attn.q_b_proj.weight"].T
         else:
+            qa = None
             q = x @ w[p + "self_attn.q_proj.weight"].T
+        if p + "self_attn.indexer.wq_b.weight" in w:
+            assert qa is not None, "GLM always has q_a_proj"
+            keep = self.indexer(p, x, qa, pos)
+        elif self.glm:
+            assert keep is not None, f"{p}: a shared DSA layer needs a previous full layer"
         q = q.reshape(s, self.heads, self.nope + self.rope)
         q_nope, q_rot = q[..., : self.nope], self.rotate(q[..., self.nope :], pos)
         c = x @ w[p + "self_attn.kv_a_proj_with_mqa.weight"].T
@@ -870,11 +1106,14 @@ class NumpyReference:
         scores = np.einsum("shd,thd->hst", q_nope, k_nope)
         scores += np.einsum("shd,td->hst", q_rot, k_rot[:, 0])
         scores *= self.scaling
-        scores = np.where(np.tril(np.ones((s, s), dtype=bool))[None], scores, -np.inf)
+        allowed = np.tril(np.ones((s, s), dtype=bool))
+        if keep is not None:
+            allowed &= keep
+        scores = np.where(allowed[None], scores, -np.inf)
         scores = np.exp(scores - scores.max(-1, keepdims=True))
         probs = scores / scores.sum(-1, keepdims=True)
         out = np.einsum("hst,thd->shd", probs, v).reshape(s, self.heads * self.v_dim)
-        return out @ w[p + "self_attn.o_proj.weight"].T
+        return out @ w[p + "self_attn.o_proj.weight"].T, keep
 
     def mlp(self, p: str, x: np.ndarray) -> np.ndarray:
         """down(silu(gate x) * up x)."""
@@ -907,39 +1146,69 @@ class NumpyReference:
                 out[row] += wt * self.mlp(f"{p}mlp.experts.{e}.", h[row : row + 1])[0]
         return out
 
-    def layer(self, p: str, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """One decoder layer (dense or MoE, decided by the tensors present)."""
-        x = x + self.attention(
-            p, self.rmsnorm(x, self.w[p + "input_layernorm.weight"], self.eps), pos
-        )
-        h = self.rmsnorm(x, self.w[p + "post_attention_layernorm.weight"], self.eps)
-        return x + (self.moe(p, h) if p + "mlp.gate.weight" in self.w else self.mlp(p + "mlp.", h))
+    def layer(
+        self, p: str, x: np.ndarray, pos: np.ndarray, keep: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """One decoder layer (dense or MoE, decided by the tensors present).
 
-    def forward(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Main model: (logits [S, V], pre-norm hidden [S, H])."""
+        Returns the new residual stream and the DSA selection the layer used (GLM).
+        """
+        normed = self.rmsnorm(x, self.w[p + "input_layernorm.weight"], self.eps)
+        attn, keep = self.attention(p, normed, pos, keep)
+        x = x + attn
+        h = self.rmsnorm(x, self.w[p + "post_attention_layernorm.weight"], self.eps)
+        mlp = self.moe(p, h) if p + "mlp.gate.weight" in self.w else self.mlp(p + "mlp.", h)
+        return x + mlp, keep
+
+    def topk_rows(self, keep: np.ndarray) -> np.ndarray:
+        """A selection mask [S, S] in the golden form: I32 [S, index_topk], -1 padded."""
+        out = np.full((keep.shape[0], self.index_topk), -1, dtype=np.int32)
+        for row in range(keep.shape[0]):
+            ids = np.nonzero(keep[row])[0]
+            out[row, : len(ids)] = ids
+        return out
+
+    def forward(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+        """Main model: (logits [S, V], pre-norm hidden [S, H], {full layer: selection})."""
         pos = np.arange(len(ids))
         x = self.embed[ids]
+        keep: np.ndarray | None = None
+        selections: dict[int, np.ndarray] = {}
         for layer_idx in range(self.n_layers):
-            x = self.layer(f"model.layers.{layer_idx}.", x, pos)
+            p = f"model.layers.{layer_idx}."
+            if self.glm:
+                full = p + "self_attn.indexer.wq_b.weight" in self.w
+                assert full == (self.indexer_types[layer_idx] == "full"), f"{p}: indexer_types"
+            x, keep = self.layer(p, x, pos, keep)
+            if self.glm and self.indexer_types[layer_idx] == "full":
+                assert keep is not None
+                selections[layer_idx] = self.topk_rows(keep)
         normed = self.rmsnorm(x, self.w["model.norm.weight"], self.eps)
-        return normed @ self.head.T, x
+        return normed @ self.head.T, x, selections
 
     def mtp(
         self, tokens: np.ndarray, carried: np.ndarray, pos: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """MTP layer over rows: (raw block output z, shared_head.norm(z))."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """MTP layer over rows: (raw block output z, shared_head.norm(z), DSA selection)."""
         p = f"model.layers.{self.n_layers}."
         e = self.rmsnorm(self.embed[tokens], self.w[p + "enorm.weight"], self.eps)
         h = self.rmsnorm(carried, self.w[p + "hnorm.weight"], self.eps)
-        z = self.layer(p, np.concatenate([e, h], axis=-1) @ self.w[p + "eh_proj.weight"].T, pos)
-        return z, self.rmsnorm(z, self.w[p + "shared_head.norm.weight"], self.eps)
+        x = np.concatenate([e, h], axis=-1) @ self.w[p + "eh_proj.weight"].T
+        z, keep = self.layer(p, x, pos)
+        return z, self.rmsnorm(z, self.w[p + "shared_head.norm.weight"], self.eps), keep
 
     def compare(self, golden: dict[str, np.ndarray]) -> dict[str, float]:
-        """Max |reference - golden| for every golden float tensor (ids must match)."""
+        """Max |reference - golden| for every golden float tensor (ids, selections must match).
+
+        Every ``dsa_topk_{L}`` / ``mtp_dsa_topk`` golden present must be selected exactly.
+        """
         prompt, greedy_ids = golden["prompt_ids"], golden["greedy_ids"]
         t = len(prompt)
-        logits, hidden = self.forward(prompt)
-        full_logits, _ = self.forward(np.concatenate([prompt, greedy_ids]))
+        logits, hidden, _ = self.forward(prompt)
+        full_logits, _, selections = self.forward(np.concatenate([prompt, greedy_ids[:-1]]))
+        for layer, sel in selections.items():
+            if f"dsa_topk_{layer}" in golden:
+                assert np.array_equal(sel, golden[f"dsa_topk_{layer}"]), f"numpy dsa_topk_{layer}"
         gl = full_logits[t - 1 : t - 1 + len(greedy_ids)]
         assert np.array_equal(gl.argmax(-1), greedy_ids), "numpy greedy ids differ"
         hn = self.rmsnorm(hidden, self.w["model.norm.weight"], self.eps)
@@ -950,7 +1219,11 @@ class NumpyReference:
         }
         tokens = np.concatenate([prompt[1:], greedy_ids[:1]])
         pos = np.arange(1, t + 1)
-        z, zn = self.mtp(tokens, hn, pos)
+        z, zn, mtp_keep = self.mtp(tokens, hn, pos)
+        if "mtp_dsa_topk" in golden:
+            assert mtp_keep is not None
+            sel = self.topk_rows(mtp_keep)[: t - 1]
+            assert np.array_equal(sel, golden["mtp_dsa_topk"]), "numpy mtp_dsa_topk differs"
         mtp_logits = zn[: t - 1] @ self.head.T
         diffs["mtp_logits"] = float(np.abs(mtp_logits - golden["mtp_logits"]).max())
         for raw, key in ((False, "mtp_chain"), (True, "mtp_chain_raw")):
@@ -958,7 +1231,7 @@ class NumpyReference:
             chain_logits = []
             for depth in range(len(golden[key + "_ids"])):
                 if depth > 0:
-                    zz, zzn = self.mtp(toks, carry, ps)
+                    zz, zzn, _ = self.mtp(toks, carry, ps)
                 lg = zzn[-1] @ self.head.T
                 d = int(lg.argmax())
                 assert d == int(golden[key + "_ids"][depth]), f"numpy {key} id differs"
@@ -1026,6 +1299,107 @@ def routing_summary(model: PreTrainedModel, ids: torch.Tensor) -> tuple[dict[int
 
 
 @dataclass
+class DsaInputs:
+    """What ``build_candidate`` computed that the DSA goldens and checks need."""
+
+    prompt: torch.Tensor  # [T]
+    long_ids: torch.Tensor  # [T+31]: prompt + greedy_ids[:-1]
+    long_logits: torch.Tensor  # [T+31, V] the teacher-forced logits (greedy_logits inside)
+    hidden_normed: torch.Tensor  # [T, H] model.norm(hidden) of the prompt prefill
+    first_token: int  # greedy_ids[0]
+    mtp_logits: torch.Tensor  # [T-1, V]
+    long_calls: dict[str, list[IndexerCall]]  # main indexers in the long forward
+    decode_calls: dict[str, list[IndexerCall]]  # main indexers during generate()
+    mtp_calls: dict[str, list[IndexerCall]]  # the MTP indexer during mtp_goldens()
+
+
+@dataclass
+class DsaResult:
+    """DSA golden tensors, notes and seed problems of one candidate."""
+
+    tensors: dict[str, torch.Tensor]
+    notes: list[str]
+    problems: list[str]
+
+
+@torch.no_grad()
+def dsa_goldens(
+    spec: FixtureSpec, model: PreTrainedModel, mtp_layer: MtpLayer, inp: DsaInputs
+) -> DsaResult:
+    """Selections of every full DSA layer, and the checks that make them a sound oracle.
+
+    ``dsa_topk_{L}`` [T+31, topk] comes from the long teacher-forced forward,
+    ``mtp_dsa_topk`` [T-1, topk] from the MTP pass of ``mtp_logits`` (its first indexer
+    call). Checks: transformers' KV-cached decode selects the same sets; no near-tie at the
+    selection boundary in any full layer (main, MTP passes and the quantised container),
+    and attending densely visibly changes the logits.
+    """
+    cfg = model.config
+    topk = int(cfg.index_topk)
+    t, n = inp.prompt.shape[0], inp.long_ids.shape[0]
+    layers = full_layers(cfg)
+    keys = {f"model.layers.{i}.self_attn.indexer": i for i in layers}
+    assert set(inp.long_calls) == set(keys), f"indexers ran in {sorted(inp.long_calls)}"
+    tensors: dict[str, torch.Tensor] = {}
+    margins: dict[str, float] = {}
+    decode_mismatch = 0
+    for key, layer in keys.items():
+        (call,) = inp.long_calls[key]
+        assert call.scores is not None
+        sel = canonical_topk(call.indices, topk)
+        tensors[f"dsa_topk_{layer}"] = sel
+        margins[f"L{layer}"] = boundary_margin(call.scores, topk)
+        steps = inp.decode_calls[key]
+        assert len(steps) == NEW_TOKENS, f"{key}: {len(steps)} indexer calls in generate"
+        decode_mismatch += int((canonical_topk(steps[0].indices, topk) != sel[:t]).any(-1).sum())
+        for i, step in enumerate(steps[1:], start=1):
+            got = canonical_topk(step.indices, topk, first_pos=t - 1 + i)
+            decode_mismatch += int(not torch.equal(got[0], sel[t - 1 + i]))
+    assert decode_mismatch == 0, f"KV-cached decode selects other keys in {decode_mismatch} rows"
+
+    mtp_key = "mtp_block.self_attn.indexer"
+    assert set(inp.mtp_calls) == {mtp_key}, f"MTP indexers: {sorted(inp.mtp_calls)}"
+    mtp_pass = inp.mtp_calls[mtp_key]
+    tensors["mtp_dsa_topk"] = canonical_topk(mtp_pass[0].indices, topk)[: t - 1]
+    margins["MTP"] = min(boundary_margin(c.scores, topk) for c in mtp_pass if c.scores is not None)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_config(cfg, spec, Path(tmp) / "config.json")
+        cfg_json = json.loads((Path(tmp) / "config.json").read_text())
+    weights = {
+        k: v.detach().numpy()
+        for k, v in official_state_dict(model, bool(cfg.tie_word_embeddings)).items()
+    }
+    margins["int4"] = quantized_run(spec, cfg_json, weights, inp.long_ids).margin
+
+    with dense_indexers(model, mtp_layer):
+        dense_logits, _ = prefill(model, inp.long_ids)
+        dense_mtp = mtp_goldens(mtp_layer, model, inp.prompt, inp.hidden_normed, inp.first_token)
+    d_dense = (dense_logits - inp.long_logits).abs().max().item()
+    d_dense_mtp = (dense_mtp.logits - inp.mtp_logits).abs().max().item()
+    flips = int((dense_logits.argmax(-1) != inp.long_logits.argmax(-1)).sum())
+
+    problems: list[str] = []
+    worst = min(margins.values())
+    if worst <= TIE_MARGIN:
+        problems.append(f"near-tie at the DSA selection boundary (margins {margins})")
+    if min(d_dense, d_dense_mtp) < MIN_DENSE_DIFF:
+        problems.append(f"dense attention barely changes the logits ({d_dense}, {d_dense_mtp})")
+    sparse_rows = n - topk
+    notes = [
+        f"DSA: index_topk {topk}, full layers {layers} (+ MTP); sparse rows {sparse_rows}/{n}"
+        f" main, {max(t - 1 - topk, 0)}/{t - 1} MTP; KV-cached decode selects the same keys"
+        f" in all {len(keys) * n - len(keys) * (n - t - NEW_TOKENS + 1)} rows it computes",
+        "DSA boundary margin (relative, min over sparse rows): "
+        + ", ".join(f"{k} {v:.2e}" for k, v in margins.items())
+        + f"; min {worst:.2e} (threshold {TIE_MARGIN:g})",
+        f"dense attention (index_topk 1e6) moves the logits by up to {d_dense:.2f} (main,"
+        f" {flips}/{n} argmax flips) and {d_dense_mtp:.2f} (MTP)",
+    ]
+    return DsaResult(tensors, notes, problems)
+
+
+@dataclass
 class Candidate:
     """A random model with its goldens, before it is accepted and written."""
 
@@ -1047,21 +1421,29 @@ def build_candidate(spec: FixtureSpec, seed: int) -> Candidate:
     model = build_model(spec, gen)
     cfg = model.config
     mtp_layer = build_mtp_layer(spec, cfg, gen)
-    prompt = torch.randint(2, cfg.vocab_size, (PROMPT_LEN,), generator=gen, dtype=torch.int64)
+    t = spec.prompt_len
+    prompt = torch.randint(2, cfg.vocab_size, (t,), generator=gen, dtype=torch.int64)
 
     logits, hidden = prefill(model, prompt)
-    greedy_ids, step_logits = greedy(model, prompt)
+    with record_indexers(model) as decode_calls:
+        greedy_ids, step_logits = greedy(model, prompt)
     full = torch.cat([prompt, greedy_ids])
-    full_logits, _ = prefill(model, full)
-    greedy_logits = full_logits[PROMPT_LEN - 1 : PROMPT_LEN - 1 + NEW_TOKENS]
+    # The teacher-forced forward of greedy_logits (and of the DSA selections). The sparse
+    # DSA fixture runs it over prompt + greedy_ids[:-1], the tokens the engine is given; the
+    # older fixtures keep the prompt + greedy_ids forward they were generated with.
+    long_ids = full[:-1] if spec.sparse_dsa else full
+    with record_indexers(model) as long_calls:
+        full_logits, _ = prefill(model, long_ids)
+    greedy_logits = full_logits[t - 1 : t - 1 + NEW_TOKENS]
     assert torch.equal(greedy_logits.argmax(-1), greedy_ids), "greedy_logits argmax != greedy_ids"
     scale = greedy_logits.abs().max().item()
     d_decode = (greedy_logits - step_logits).abs().max().item()
     assert d_decode / scale < TOL_DECODE, f"prefill vs incremental decode differ by {d_decode}"
-    d_prefix = (full_logits[:PROMPT_LEN] - logits).abs().max().item()
+    d_prefix = (full_logits[:t] - logits).abs().max().item()
     assert d_prefix / scale < TOL_DECODE, f"prompt logits depend on later tokens ({d_prefix})"
     hidden_normed = model.model.norm(hidden)
-    mtp = mtp_goldens(mtp_layer, model, prompt, hidden_normed, int(greedy_ids[0]))
+    with record_indexers(mtp_layer) as mtp_calls:
+        mtp = mtp_goldens(mtp_layer, model, prompt, hidden_normed, int(greedy_ids[0]))
 
     used, bias_rows, group_rows = routing_summary(model, full)
     problems: list[str] = []
@@ -1078,7 +1460,8 @@ def build_candidate(spec: FixtureSpec, seed: int) -> Candidate:
         problems.append("the group limit never changes the routing")
     notes = [
         f"decode-vs-prefill max|d|={d_decode:.2e} (rel {d_decode / scale:.1e},"
-        f" max|logit| {scale:.1f})",
+        f" max|logit| {scale:.1f}); prompt rows of the long forward vs prefill"
+        f" max|d|={d_prefix:.2e}",
         "experts used over prompt+continuation: "
         + ", ".join(f"L{k}:{v}/{n_exp}" for k, v in sorted(used.items()))
         + f"; rows changed by bias: {bias_rows}, by group limit: {group_rows}",
@@ -1097,6 +1480,26 @@ def build_candidate(spec: FixtureSpec, seed: int) -> Candidate:
         "mtp_chain_raw_ids": mtp.raw_chain_ids,
         "mtp_chain_raw_logits": mtp.raw_chain_logits,
     }
+    if spec.sparse_dsa:
+        dsa = dsa_goldens(
+            spec,
+            model,
+            mtp_layer,
+            DsaInputs(
+                prompt=prompt,
+                long_ids=long_ids,
+                long_logits=full_logits,
+                hidden_normed=hidden_normed,
+                first_token=int(greedy_ids[0]),
+                mtp_logits=mtp.logits,
+                long_calls=long_calls,
+                decode_calls=decode_calls,
+                mtp_calls=mtp_calls,
+            ),
+        )
+        golden.update(dsa.tensors)
+        notes.extend(dsa.notes)
+        problems.extend(dsa.problems)
     return Candidate(seed, model, mtp_layer, prompt, golden, mtp, hidden_normed, notes, problems)
 
 
@@ -1148,28 +1551,32 @@ def fake_quantize(w: np.ndarray, fmt: str) -> np.ndarray:
     return out
 
 
-@torch.no_grad()
-def write_quantized_golden(spec: FixtureSpec, fixture_dir: Path) -> None:
-    """Write ``golden_int4.safetensors``: transformers' logits on the default container.
+@dataclass
+class QuantizedRun:
+    """transformers on the dequantised default container, over one token sequence."""
 
-    Reads the fixture's ``config.json``, ``model.safetensors`` and ``golden.safetensors``,
-    replaces every weight by its dequantised default-container value, loads that into
-    transformers and records float32 logits over ``prompt_ids + greedy_ids[:-1]`` (one
-    teacher-forced forward). The other fixture files are left untouched.
-    """
-    cfg = json.loads((fixture_dir / "config.json").read_text())
+    logits: torch.Tensor  # [S, V]
+    topk: dict[int, torch.Tensor]  # full layer -> canonical selection [S, topk] (sparse DSA)
+    margin: float  # smallest DSA boundary margin (inf without sparse DSA)
+    counts: dict[str, int]  # tensors per format
+    weights: dict[str, np.ndarray]  # the dequantised tensors
+
+
+@torch.no_grad()
+def quantized_run(
+    spec: FixtureSpec, cfg: dict[str, Any], weights: dict[str, np.ndarray], ids: torch.Tensor
+) -> QuantizedRun:
+    """Quantise + dequantise ``weights`` as ``colibri convert`` does, load them, run ``ids``."""
     n_layers = int(cfg["num_hidden_layers"])
-    weights = np_load_file(str(fixture_dir / "model.safetensors"))
-    golden = load_file(str(fixture_dir / "golden.safetensors"))
     counts: dict[str, int] = {}
-    deq: dict[str, torch.Tensor] = {}
+    deq_np: dict[str, np.ndarray] = {}
     for name in sorted(weights):
         fmt = default_format(name, weights[name].shape, n_layers)
         counts[fmt] = counts.get(fmt, 0) + 1
-        deq[name] = torch.from_numpy(np.ascontiguousarray(fake_quantize(weights[name], fmt)))
-    ids = torch.cat([golden["prompt_ids"], golden["greedy_ids"][:-1]])
+        deq_np[name] = np.ascontiguousarray(fake_quantize(weights[name], fmt))
+    deq = {k: torch.from_numpy(v) for k, v in deq_np.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(fixture_dir / "config.json", Path(tmp) / "config.json")
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         save_tensors(deq, Path(tmp) / "model.safetensors")
         model = model_class(spec).from_pretrained(
             tmp, dtype=torch.float32, attn_implementation="eager"
@@ -1177,14 +1584,65 @@ def write_quantized_golden(spec: FixtureSpec, fixture_dir: Path) -> None:
     model.eval()
     for name, tensor in official_state_dict(model, bool(cfg["tie_word_embeddings"])).items():
         assert torch.equal(tensor, deq[name]), f"{name}: loaded weight is not the dequantised one"
-    logits, _ = prefill(model, ids)
-    save_tensors({"int4_ids": ids, "int4_logits": logits}, fixture_dir / "golden_int4.safetensors")
+    with record_indexers(model) as calls:
+        logits, _ = prefill(model, ids)
+    topk: dict[int, torch.Tensor] = {}
+    margin = math.inf
+    if spec.sparse_dsa:
+        k = int(model.config.index_topk)
+        for layer in full_layers(model.config):
+            (call,) = calls[f"model.layers.{layer}.self_attn.indexer"]
+            assert call.scores is not None
+            topk[layer] = canonical_topk(call.indices, k)
+            margin = min(margin, boundary_margin(call.scores, k))
+    return QuantizedRun(logits, topk, margin, counts, deq_np)
+
+
+@torch.no_grad()
+def write_quantized_golden(spec: FixtureSpec, fixture_dir: Path) -> None:
+    """Write ``golden_int4.safetensors``: transformers' logits on the default container.
+
+    Reads the fixture's ``config.json``, ``model.safetensors`` and ``golden.safetensors``,
+    replaces every weight by its dequantised default-container value, loads that into
+    transformers and records float32 logits over ``prompt_ids + greedy_ids[:-1]`` (one
+    teacher-forced forward), and for a sparse DSA fixture the selection of every full layer
+    (``int4_dsa_topk_{L}``). The numpy reference on the same dequantised weights must agree.
+    The other fixture files are left untouched.
+    """
+    cfg = json.loads((fixture_dir / "config.json").read_text())
+    weights = np_load_file(str(fixture_dir / "model.safetensors"))
+    golden = load_file(str(fixture_dir / "golden.safetensors"))
+    ids = torch.cat([golden["prompt_ids"], golden["greedy_ids"][:-1]])
+    run = quantized_run(spec, cfg, weights, ids)
+    out = {"int4_ids": ids, "int4_logits": run.logits}
+    out.update({f"int4_dsa_topk_{k}": v for k, v in run.topk.items()})
+    save_tensors(out, fixture_dir / "golden_int4.safetensors")
+
+    ref = NumpyReference(fixture_dir, weights=run.weights)
+    ref_logits, _, ref_topk = ref.forward(ids.numpy())
+    d_ref = float(np.abs(ref_logits - run.logits.numpy()).max())
+    assert d_ref < TOL_NUMPY, f"numpy reference on the dequantised weights differs by {d_ref}"
+    for layer, sel in run.topk.items():
+        assert np.array_equal(ref_topk[layer], sel.numpy()), f"numpy int4 selection L{layer}"
     f32 = torch.cat([golden["logits"], golden["greedy_logits"][1:]])
-    agree = (logits.argmax(-1) == f32.argmax(-1)).float().mean().item()
+    agree = (run.logits.argmax(-1) == f32.argmax(-1)).float().mean().item()
     size = (fixture_dir / "golden_int4.safetensors").stat().st_size
+    dsa = ""
+    if run.topk:
+        f32_sel = [golden[f"dsa_topk_{k}"] for k in run.topk]
+        same = sum(
+            int((a == b).all(-1).sum()) for a, b in zip(f32_sel, run.topk.values(), strict=True)
+        )
+        dsa = (
+            f"; DSA selections int4_dsa_topk_{list(run.topk)}: boundary margin"
+            f" {run.margin:.2e}, rows equal to the float32 selection {same}/"
+            f"{len(run.topk) * ids.shape[0]}, numpy reference selects the same sets"
+        )
+        assert run.margin > TIE_MARGIN, f"int4 DSA near-tie (margin {run.margin})"
     print(
-        f"wrote {fixture_dir / 'golden_int4.safetensors'} ({size} B; formats {counts}); "
-        f"top-1 agreement with the float32 goldens {agree:.1%}"
+        f"wrote {fixture_dir / 'golden_int4.safetensors'} ({size} B; formats {run.counts}); "
+        f"top-1 agreement with the float32 goldens {agree:.1%}; numpy reference on the"
+        f" dequantised weights max|d|={d_ref:.2e}{dsa}"
     )
 
 
@@ -1228,9 +1686,18 @@ def make_fixture(spec: FixtureSpec, out_root: Path, index: int) -> None:
         (re_hidden - cand.golden["hidden"]).abs().max().item(),
     )
     assert d_reload < TOL_RELOAD, f"reloaded checkpoint differs by {d_reload}"
+    t = spec.prompt_len
     full = torch.cat([cand.prompt, cand.golden["greedy_ids"]])
-    re_full, _ = prefill(reloaded, full)
-    assert torch.equal(re_full[PROMPT_LEN - 1 : -1].argmax(-1), cand.golden["greedy_ids"])
+    long_ids = full[:-1] if spec.sparse_dsa else full
+    with record_indexers(reloaded) as calls:
+        re_full, _ = prefill(reloaded, long_ids)
+    greedy_rows = re_full[t - 1 : t - 1 + NEW_TOKENS]
+    assert torch.equal(greedy_rows.argmax(-1), cand.golden["greedy_ids"])
+    if spec.sparse_dsa:
+        for layer in full_layers(cfg):
+            (call,) = calls[f"model.layers.{layer}.self_attn.indexer"]
+            got = canonical_topk(call.indices, int(cfg.index_topk))
+            assert torch.equal(got, cand.golden[f"dsa_topk_{layer}"]), f"reloaded L{layer} DSA"
     if spec.family == "deepseek_v3":
         mtp_note = check_with_transformers_mtp(
             fixture_dir, cand.prompt, cand.mtp, cand.hidden_normed

@@ -57,6 +57,9 @@ impl LayerKv {
     pub fn len(&self) -> usize {
         self.latent.len() / self.kv_lora
     }
+    pub fn is_empty(&self) -> bool {
+        self.latent.is_empty()
+    }
     pub fn truncate(&mut self, len: usize) {
         self.latent.truncate(len * self.kv_lora);
         self.rope_key.truncate(len * self.rope_dim);
@@ -74,7 +77,7 @@ enum KeyChoice {
     /// Every earlier key (DeepSeek-V3; GLM without indexer tensors, exact up to index_topk).
     Dense,
     /// GLM DSA "full" layer: its own lightning indexer.
-    Indexed(Indexer),
+    Indexed(Box<Indexer>),
     /// GLM DSA "shared" layer: the previous full layer's selection.
     Shared,
 }
@@ -147,7 +150,7 @@ impl Attention {
             scale: cfg.softmax_scale(),
             keys: match (dsa, cfg.indexer_is_full(layer)) {
                 (false, _) => KeyChoice::Dense,
-                (true, true) => KeyChoice::Indexed(Indexer::load(c, cfg, prefix)?),
+                (true, true) => KeyChoice::Indexed(Box::new(Indexer::load(c, cfg, prefix)?)),
                 (true, false) => KeyChoice::Shared,
             },
         })

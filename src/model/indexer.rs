@@ -184,8 +184,8 @@ fn index_score(ops: &VecOps, k: &[f32], q: &[f32], w: &[f32], dim: usize, scale:
         }
         h += BATCH;
     }
-    for h in h..heads {
-        sum += w[h] * (ops.dot(k, head(h)) * scale).max(0.0);
+    for (h, wh) in w.iter().enumerate().skip(h) {
+        sum += wh * (ops.dot(k, head(h)) * scale).max(0.0);
     }
     sum
 }

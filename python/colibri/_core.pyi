@@ -113,6 +113,7 @@ class Engine:
         usage_file: bool = True,
         pin: str = "auto",
         resident_layers: list[int] | None = None,
+        max_context: int | None = None,
     ) -> None:
         """Load the model directory ``path``. ``io``: auto|mmap|pread|direct; ``prefetch``:
         auto|off|hint|real; ``ram_budget``: expert-cache bytes (None: sized from available
@@ -120,7 +121,8 @@ class Engine:
         ``usage_file``: persist routing history for the pinned set; ``pin``: auto|history
         (pin the history's hottest experts in half the budget) or off; ``resident_layers``:
         MoE layers whose experts are all loaded at open and kept, beyond ``ram_budget``
-        (the MTP layer is ``num_hidden_layers``)."""
+        (the MTP layer is ``num_hidden_layers``); ``max_context``: the longest context in
+        tokens (None: the model's exact limit, bounded by the RAM left for the KV cache)."""
     def config_json(self) -> str:
         """The model's ``config.json`` text."""
     @property
@@ -128,7 +130,7 @@ class Engine:
         """Whether the MTP head is loaded."""
     @property
     def max_context(self) -> int:
-        """The longest context the engine computes exactly."""
+        """The longest context (prompt + generated tokens) this engine runs."""
     @property
     def vocab_size(self) -> int:
         """The vocabulary size (rows of the logits)."""

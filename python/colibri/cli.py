@@ -122,6 +122,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="bytes the expert cache may hold, e.g. 8GB (default: from available memory)",
     )
+    g.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="longest context in tokens, bounds the KV cache (default: the model's limit, "
+        "or what fits in the RAM left for the KV cache)",
+    )
     g.add_argument("--no-mtp", action="store_true", help="do not load the MTP head")
     g.add_argument(
         "--pin-mtp",
@@ -191,6 +198,7 @@ def _load(args: argparse.Namespace) -> Any:
         threads=args.threads,
         mtp=not args.no_mtp,
         pin_mtp=args.pin_mtp and not args.no_mtp,
+        max_context=args.max_context,
     )
 
 

@@ -270,6 +270,12 @@ class Model:
             of ``ram_budget``), so a draft step reads nothing from disk. Worth it when the
             experts stream from disk and the RAM is there (GLM-5.2's int8 MTP layer is
             ~9.7 GB); see docs/benchmarks.md for what it changes.
+        max_context: the longest context (prompt + generated tokens) in tokens; it bounds
+            the KV cache's memory. ``None`` takes the model's limit
+            (``max_position_embeddings``), lowered to what fits in half of the memory left
+            after the dense weights and the expert budget. A generation that reaches it ends
+            with ``finish_reason == "length"``; a longer prompt is an
+            :class:`InvalidArgumentError`.
 
     Example:
         >>> import colibri
@@ -292,12 +298,18 @@ class Model:
         threads: int = 0,
         mtp: bool = True,
         pin_mtp: bool = False,
+        max_context: int | None = None,
     ) -> None:
         _check_choice("io", io, _IO_MODES)
         _check_choice("prefetch", prefetch, _PREFETCH_MODES)
         self.default_draft: DraftMode = _check_choice("draft", draft, _DRAFT_MODES)  # type: ignore[assignment]
         self.default_draft_depth = self._check_depth(draft_depth)
         threads = _check_int("threads", threads, minimum=0)
+        context = None if max_context is None else _check_int("max_context", max_context, minimum=1)
+        if context is not None and context >= 1 << 63:
+            raise InvalidArgumentError(
+                f"invalid value for 'max_context': {context} tokens is beyond any model's limit"
+            )
         budget = _parse_bytes("ram_budget", ram_budget)
         self.path: Path = resolve_model_dir(model, revision=revision)
         tok_file = self.path / "tokenizer.json"
@@ -317,6 +329,7 @@ class Model:
             prefetch=prefetch,
             mtp=bool(mtp),
             resident_layers=_mtp_layers(self.path) if pin_mtp and mtp else None,
+            max_context=context,
         )
         self.config: dict[str, Any] = json.loads(self._engine.config_json())
         # Read once: the engine's getters take its lock, which a running generation holds.
@@ -345,7 +358,8 @@ class Model:
 
     @property
     def max_context(self) -> int:
-        """The longest context (prompt + generated tokens) the engine computes exactly."""
+        """The longest context (prompt + generated tokens) this model runs: the
+        ``max_context`` it was opened with, or the default (see the class docstring)."""
         return self._max_context
 
     @property
@@ -397,8 +411,8 @@ class Model:
         toks = self._prompt_ids(ids)
         if len(toks) > self.max_context:
             raise InvalidArgumentError(
-                f"invalid value for 'ids': {len(toks)} tokens exceed the context this model is "
-                f"computed exactly for ({self.max_context} tokens)"
+                f"invalid value for 'ids': {len(toks)} tokens exceed this model's max_context "
+                f"({self.max_context} tokens)"
             )
         with self._lock:
             return self._engine.logits(toks)
@@ -552,8 +566,8 @@ class Model:
         if len(ids) >= self.max_context:
             raise InvalidArgumentError(
                 f"invalid value for 'prompt': {len(ids)} tokens leave no room to generate in "
-                f"the context this model is computed exactly for ({self.max_context} tokens); "
-                "shorten the prompt"
+                f"this model's max_context ({self.max_context} tokens); shorten the prompt or "
+                "open the model with a larger max_context"
             )
         # Generation ends at the context limit like at max_new_tokens (finish_reason "length").
         n = min(n, self.max_context - len(ids))

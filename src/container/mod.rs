@@ -427,6 +427,16 @@ impl Container {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+    /// Bytes of every tensor that is not a routed expert: what stays resident (dense
+    /// weights, norms, routers, shared experts, embeddings, the LM head).
+    pub fn resident_bytes(&self) -> u64 {
+        self.names()
+            .filter(|n| names::classify(self.config(), n).role != names::Role::RoutedExpert)
+            .filter_map(|n| self.info(n).ok())
+            .map(|t| t.nbytes() as u64)
+            .sum()
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
     }

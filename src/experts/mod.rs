@@ -171,17 +171,19 @@ impl Default for StoreOptions {
     }
 }
 
-/// Half of `MemAvailable` from /proc/meminfo (4 GiB where it cannot be read).
-pub fn auto_budget() -> u64 {
-    let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+/// `MemAvailable` from /proc/meminfo in bytes, where it can be read.
+pub fn mem_available() -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
         s.lines()
             .find_map(|l| l.strip_prefix("MemAvailable:"))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-    });
-    match avail {
-        Some(kb) => kb * 1024 / 2,
-        None => 4 << 30,
-    }
+            .map(|kb| kb * 1024)
+    })
+}
+
+/// Half of `MemAvailable` from /proc/meminfo (4 GiB where it cannot be read).
+pub fn auto_budget() -> u64 {
+    mem_available().map_or(4 << 30, |b| b / 2)
 }
 
 /// Which predictor made a prediction.

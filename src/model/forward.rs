@@ -375,6 +375,15 @@ impl Model {
     pub fn kv_bytes(&self) -> usize {
         self.kv.iter().map(LayerKv::bytes).sum()
     }
+    /// KV bytes one more token adds: every main layer's row plus the MTP layer's, when loaded.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        let row = |l: &Layer| {
+            self.cfg.kv_bytes_per_token_per_layer()
+                + l.self_attn.index_key_dim() * std::mem::size_of::<f32>()
+        };
+        self.layers.iter().map(row).sum::<usize>() + self.mtp.as_ref().map_or(0, |m| row(&m.layer))
+    }
+
     /// Bytes held by the MTP layer's KV cache.
     pub fn mtp_kv_bytes(&self) -> usize {
         self.mtp_kv.bytes()

@@ -2,6 +2,7 @@
 //! GLM-5's DSA lightning indexer, the MTP head, and the KV caches.
 
 pub mod attention;
+pub mod context;
 pub mod forward;
 pub mod indexer;
 pub mod linear;

@@ -16,7 +16,7 @@ use crate::container::Container;
 use crate::decode::{self, DraftDepth, DraftSource, GenerateOptions, SamplingParams};
 use crate::error::Error;
 use crate::experts::{ExpertStore, IoMode, PinPolicy, PrefetchMode, StoreOptions};
-use crate::model::{Model, ModelOptions};
+use crate::model::{context, Model, ModelOptions};
 use crate::python::{run, to_py_err};
 
 #[pyclass(name = "Engine", module = "colibri._core", frozen)]
@@ -80,7 +80,7 @@ fn parse_choice(param: &str, value: &str, choices: &[&str]) -> crate::Result<()>
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, pin="auto", resident_layers=None))]
+    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, pin="auto", resident_layers=None, max_context=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -94,6 +94,7 @@ impl PyEngine {
         usage_file: bool,
         pin: &str,
         resident_layers: Option<Vec<usize>>,
+        max_context: Option<usize>,
     ) -> PyResult<Self> {
         let (io, prefetch, pin) = (io.to_owned(), prefetch.to_owned(), pin.to_owned());
         run(py, move || {
@@ -137,10 +138,22 @@ impl PyEngine {
                 load_mtp: mtp,
                 prefetch_top_k: top_k,
             };
-            let model = Model::load_with_experts(container, &opts, store.clone())?;
+            let available = crate::experts::mem_available();
+            let model = Model::load_with_experts(container.clone(), &opts, store.clone())?;
+            let exact = model.max_exact_context();
+            let max_context = match max_context {
+                Some(n) => context::check_max_context(n, exact)?,
+                None => context::default_max_context(
+                    exact,
+                    model.kv_bytes_per_token(),
+                    available,
+                    container.resident_bytes(),
+                    store.budget_bytes(),
+                ),
+            };
             Ok(PyEngine {
                 has_mtp: model.has_mtp(),
-                max_context: model.max_exact_context(),
+                max_context,
                 vocab_size: model.config().vocab_size,
                 eos_token_ids: model.config().eos_token_ids.clone(),
                 model: Mutex::new(model),
@@ -227,7 +240,7 @@ impl PyEngine {
             stop_tokens: stop_ids.unwrap_or_else(|| model.config().eos_token_ids.clone()),
             draft,
             depth,
-            max_context: Some(model.max_exact_context()),
+            max_context: Some(self.max_context),
             ..GenerateOptions::default()
         };
         let m: &mut Model = &mut model;

@@ -7,7 +7,8 @@
 //! ```text
 //! cargo run --release --example make_synthetic -- --out /work/synth/glm52 \
 //!     [--moe-layers 3] [--experts 256] [--dense-layers 1] [--mtp] [--experts-only] \
-//!     [--experts-per-shard 64] [--vocab 1024] [--seed 1]
+//!     [--experts-per-shard 64] [--vocab 1024] [--seed 1] [--index-topk-freq 1] \
+//!     [--max-position-embeddings 4096]
 //! ```
 
 use std::path::PathBuf;
@@ -44,6 +45,10 @@ fn run() -> Result<(), String> {
             }
             "--vocab" => spec.vocab_size = num(args.next(), "--vocab")?,
             "--seed" => spec.seed = num(args.next(), "--seed")? as u64,
+            "--index-topk-freq" => spec.index_topk_freq = num(args.next(), "--index-topk-freq")?,
+            "--max-position-embeddings" => {
+                spec.max_position_embeddings = num(args.next(), "--max-position-embeddings")?
+            }
             "--mtp" => spec.mtp = true,
             "--experts-only" => spec.dense = false,
             "-h" | "--help" => {

@@ -235,8 +235,8 @@ pub fn expected_len(cfg: &ModelConfig, name: &str) -> Option<usize> {
 }
 
 /// Every tensor name a complete checkpoint of `cfg` holds (2-D weights and vectors), in
-/// layer order; the GLM DSA indexer weights are not listed. `lm_head.weight` is omitted
-/// when the embeddings are tied.
+/// layer order, including the GLM DSA indexer of every full layer (and of the MTP layer).
+/// `lm_head.weight` is omitted when the embeddings are tied.
 pub fn expected_names(cfg: &ModelConfig) -> Vec<String> {
     let mut v = vec!["model.embed_tokens.weight".to_string()];
     for l in 0..cfg.total_layers() {
@@ -256,6 +256,12 @@ pub fn expected_names(cfg: &ModelConfig) -> Vec<String> {
             "o_proj",
         ]) {
             v.push(format!("{p}.self_attn.{n}.weight"));
+        }
+        if cfg.index_topk.is_some() && cfg.q_lora_rank.is_some() && cfg.indexer_is_full(l) {
+            for n in ["wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias"] {
+                v.push(format!("{p}.self_attn.indexer.{n}"));
+            }
+            v.push(format!("{p}.self_attn.indexer.weights_proj.weight"));
         }
         if cfg.is_moe_layer(l) {
             v.push(format!("{p}.mlp.gate.weight"));

@@ -43,6 +43,11 @@ pub struct SynthSpec {
     pub glm_dims: bool,
     /// Vocabulary size in `config.json` (small: the synthetic model has no tokenizer).
     pub vocab_size: usize,
+    /// GLM DSA `index_topk_freq`: 1 gives every layer its own indexer; GLM-5.2 has 4 (21 full
+    /// and 57 shared of 78 layers).
+    pub index_topk_freq: usize,
+    /// `max_position_embeddings` in `config.json`.
+    pub max_position_embeddings: usize,
 }
 
 impl SynthSpec {
@@ -62,6 +67,8 @@ impl SynthSpec {
             dense: false,
             glm_dims: true,
             vocab_size: 1024,
+            index_topk_freq: 1,
+            max_position_embeddings: 4096,
         }
     }
 
@@ -81,6 +88,8 @@ impl SynthSpec {
             dense: false,
             glm_dims: false,
             vocab_size: 256,
+            index_topk_freq: 1,
+            max_position_embeddings: 4096,
         }
     }
 
@@ -128,9 +137,10 @@ impl SynthSpec {
             "index_head_dim": d.7,
             "index_n_heads": d.8,
             "index_topk": 2048,
+            "index_topk_freq": self.index_topk_freq,
             "rms_norm_eps": 1e-5,
             "rope_theta": 1000000.0,
-            "max_position_embeddings": 4096,
+            "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": false,
             "bos_token_id": 0,
             "eos_token_id": 1
@@ -346,8 +356,8 @@ fn normals(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
 }
 
 /// The dense part of the model in one shard `dense-00000.safetensors`: random weights with
-/// std 1/sqrt(I) (int8 per-row for embeddings, lm_head and the MTP layer, int4-gs64
-/// otherwise), norms 1, router weights F32, correction bias 0.
+/// std 1/sqrt(I) (int8 per-row for embeddings, lm_head, the DSA indexers and the MTP layer,
+/// int4-gs64 otherwise), norms 1, router weights F32, correction bias and norm biases 0.
 fn write_dense(dir: &Path, spec: &SynthSpec) -> Result<()> {
     use crate::config::ModelConfig;
     use crate::container::names::{classify, expected_len, expected_names, expected_shape};
@@ -380,7 +390,7 @@ fn write_dense(dir: &Path, spec: &SynthSpec) -> Result<()> {
                 blobs.push(f32_bytes(&w));
             }
             (_, Some((o, i))) => {
-                let int8 = matches!(role.role, Role::Embed | Role::LmHead)
+                let int8 = matches!(role.role, Role::Embed | Role::LmHead | Role::Indexer)
                     || role.layer.is_some_and(|l| cfg.is_mtp_layer(l));
                 let f = if int8 {
                     QuantFormat::Int8PerRow
@@ -407,7 +417,7 @@ fn write_dense(dir: &Path, spec: &SynthSpec) -> Result<()> {
                 let n = expected_len(&cfg, &name).ok_or_else(|| {
                     Error::Internal(format!("synthetic model: no shape known for '{name}'"))
                 })?;
-                let v: Vec<f32> = if r == Role::RouterBias {
+                let v: Vec<f32> = if r == Role::RouterBias || name.ends_with(".bias") {
                     vec![0.0; n]
                 } else {
                     vec![1.0; n]

@@ -979,6 +979,82 @@ mod tests {
     }
 
     #[test]
+    fn indexer_types_are_derived_as_transformers_does() {
+        // tests/fixtures/dsa_indexer_types.json: what transformers' GlmMoeDsaConfig derives
+        // (tools/make_fixtures.py --indexer-types-json).
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/dsa_indexer_types.json"
+        );
+        let cases: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        assert!(cases.len() >= 6);
+        for case in cases {
+            let mut v = tiny_deepseek();
+            let o = v.as_object_mut().unwrap();
+            o.insert("model_type".into(), "glm_moe_dsa".into());
+            for (k, val) in case["config"].as_object().unwrap() {
+                o.insert(k.clone(), val.clone());
+            }
+            let want: Vec<bool> = case["indexer_types"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t == "full")
+                .collect();
+            let layers = o["num_hidden_layers"].as_u64().unwrap() as usize;
+            o.insert("first_k_dense_replace".into(), 1.min(layers).into());
+            match parse(&v) {
+                Ok(c) => {
+                    assert_eq!(c.indexer_full, want, "{}", case["config"]);
+                    assert!((0..layers).all(|l| c.indexer_is_full(l) == want[l]));
+                    assert!(
+                        c.indexer_is_full(layers),
+                        "the MTP layer takes layer 0's kind"
+                    );
+                }
+                // transformers builds such a model but raises in its forward.
+                Err(e) => {
+                    assert!(!want[0], "{}: {e}", case["config"]);
+                    assert!(e.to_string().contains("indexer_types"), "{e}");
+                }
+            }
+        }
+        let glm52 = {
+            let mut v = tiny_deepseek();
+            let o = v.as_object_mut().unwrap();
+            o.insert("model_type".into(), "glm_moe_dsa".into());
+            o.insert("num_hidden_layers".into(), 78.into());
+            o.insert("index_topk_freq".into(), 4.into());
+            parse(&v).unwrap()
+        };
+        let full = glm52.indexer_full.iter().filter(|f| **f).count();
+        assert_eq!((full, 78 - full), (21, 57));
+    }
+
+    #[test]
+    fn bad_indexer_types_name_the_field() {
+        for (field, value) in [
+            (
+                "indexer_types",
+                serde_json::json!(["full", "sparse", "full"]),
+            ),
+            ("indexer_types", serde_json::json!(["full", "shared"])),
+            ("indexer_types", serde_json::json!("FSS")),
+            ("index_topk_pattern", serde_json::json!("FXS")),
+            ("index_topk_pattern", serde_json::json!(7)),
+            ("index_topk_freq", serde_json::json!(-1)),
+        ] {
+            let mut v = tiny_deepseek();
+            let o = v.as_object_mut().unwrap();
+            o.insert("model_type".into(), "glm_moe_dsa".into());
+            o.insert(field.into(), value.clone());
+            let e = parse(&v).unwrap_err().to_string();
+            assert!(e.contains(field), "{field} = {value}: {e}");
+        }
+    }
+
+    #[test]
     fn glm_defaults() {
         let mut v = tiny_deepseek();
         let o = v.as_object_mut().unwrap();

@@ -56,7 +56,7 @@ fn run(m: &mut Model, prompt: &[u32], opts: &GenerateOptions) -> Vec<u32> {
 
 #[test]
 fn drafting_never_changes_greedy_output() {
-    for name in ["dsv3_a", "glm_b"] {
+    for name in ["dsv3_a", "glm_b", "glm_dsa"] {
         let mut m = load(name);
         let vocab = m.config().vocab_size as u32;
         for prompt in prompts(vocab) {

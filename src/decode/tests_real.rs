@@ -119,31 +119,50 @@ fn tv(p: &std::collections::HashMap<u32, f64>, q: &std::collections::HashMap<u32
         .sum::<f64>()
 }
 
+/// MTP drafting at G=2 samples positions 1..3 from plain sampling's exact law, and accepting
+/// every draft (the negative control) does not.
+fn check_mtp_sampling(m: &mut Model, prompt: &[u32], label: &str) {
+    assert!(m.has_mtp(), "{label}");
+    let want = exact(m, prompt);
+    let got = empirical(m, prompt, Acceptance::Exact);
+    for pos in 0..3 {
+        let d = tv(&got[pos], &want[pos]);
+        eprintln!(
+            "{label}, MTP G=2, position {}: TV {d:.4} (bound {TV_BOUND})",
+            pos + 1
+        );
+        assert!(d <= TV_BOUND, "{label} position {}: TV {d}", pos + 1);
+    }
+    let bad = empirical(m, prompt, Acceptance::AcceptAll);
+    let worst = (0..3).map(|p| tv(&bad[p], &want[p])).fold(0.0, f64::max);
+    eprintln!("{label}, negative control (accept every draft): worst TV {worst:.4}");
+    assert!(
+        worst > TV_BOUND,
+        "{label}: the negative control passed the bound: TV {worst}"
+    );
+}
+
 #[test]
 fn mtp_sampling_on_the_trained_model_matches_plain_sampling() {
     let Some(mut m) = tiny() else {
         panic!("python/colibri/models/tiny is missing: the embedded model must ship with the repo");
     };
-    assert!(m.has_mtp());
     // `<|bos|>def fibonacci(n):` in the tiny tokenizer would do; any in-vocabulary ids work.
     let prompt: Vec<u32> = vec![0, 300, 301, 302, 303, 304];
-    let want = exact(&mut m, &prompt);
-    let got = empirical(&mut m, &prompt, Acceptance::Exact);
-    for pos in 0..3 {
-        let d = tv(&got[pos], &want[pos]);
-        eprintln!(
-            "real tiny model, MTP G=2, position {}: TV {d:.4} (bound {TV_BOUND})",
-            pos + 1
-        );
-        assert!(d <= TV_BOUND, "position {}: TV {d}", pos + 1);
-    }
-    let bad = empirical(&mut m, &prompt, Acceptance::AcceptAll);
-    let worst = (0..3).map(|p| tv(&bad[p], &want[p])).fold(0.0, f64::max);
-    eprintln!("real tiny model, negative control (accept every draft): worst TV {worst:.4}");
-    assert!(
-        worst > TV_BOUND,
-        "the negative control passed the bound: TV {worst}"
-    );
+    check_mtp_sampling(&mut m, &prompt, "real tiny model");
+}
+
+/// The same guarantee with GLM's sparse attention: the glm_dsa fixture (index_topk 8) after a
+/// 20-token prompt, so every verify row, draft row and plain row attends to a selection.
+#[test]
+fn mtp_sampling_with_dsa_matches_plain_sampling() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/glm_dsa");
+    let c = Container::open(&dir).expect("the glm_dsa fixture");
+    let mut m = Model::load(Arc::new(c), &ModelOptions::default()).expect("glm_dsa loads");
+    assert!(m.uses_dsa());
+    let prompt: Vec<u32> = (0..20).map(|i| 2 + (i * 37 % 250)).collect();
+    assert!(prompt.len() > m.config().index_topk.unwrap());
+    check_mtp_sampling(&mut m, &prompt, "glm_dsa (DSA)");
 }
 
 /// `step_last` / `mtp_step_last` return exactly the last row of `step_all` / `mtp_step` (and

@@ -4,7 +4,13 @@
 use criterion::criterion_main;
 
 mod bandwidth;
+mod context;
 mod experts;
 mod kernels;
 
-criterion_main!(bandwidth::benches, experts::benches, kernels::benches);
+criterion_main!(
+    bandwidth::benches,
+    context::benches,
+    experts::benches,
+    kernels::benches
+);

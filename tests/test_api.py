@@ -641,9 +641,71 @@ def test_long_generation_ends_at_the_context(model: colibri.Model) -> None:
     assert len(out.token_ids) == model.max_context - 250
 
 
+def test_max_context_bounds_the_context(test_model_dir: Path, model: colibri.Model) -> None:
+    m = colibri.Model(test_model_dir, threads=1, max_context=40)
+    assert m.max_context == 40 and m.info()["max_context"] == 40
+    kw: dict[str, Any] = {"temperature": 0, "stop_token_ids": []}
+    out = m.generate([5] * 30, max_new_tokens=100, **kw)
+    assert out.finish_reason == "length"
+    assert len(out.token_ids) == 10
+    # The same tokens as the unbounded model: the bound cuts, it does not change the output.
+    assert out.token_ids == model.generate([5] * 30, max_new_tokens=10, **kw).token_ids
+    with pytest.raises(colibri.InvalidArgumentError, match="max_context"):
+        m.generate([5] * 40, max_new_tokens=1)
+    with pytest.raises(colibri.InvalidArgumentError, match="max_context"):
+        m.logits([3] * 41)
+    # The default: the config's limit (this model's KV fits easily).
+    assert (
+        model.max_context
+        == json.loads((test_model_dir / "config.json").read_text())["max_position_embeddings"]
+    )
+
+
+def _glm_dsa_dir(tmp_path: Path, drop_indexer: bool) -> Path:
+    from safetensors.numpy import load_file, save_file
+
+    d = make_test_model(tmp_path / "glm_dsa", fixture="glm_dsa")
+    if drop_indexer:
+        tensors = load_file(str(d / "model.safetensors"))
+        kept = {k: v for k, v in tensors.items() if ".indexer." not in k}
+        assert len(kept) < len(tensors)
+        save_file(kept, str(d / "model.safetensors"))
+    return d
+
+
+def test_glm_dsa_runs_past_index_topk_as_transformers(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    golden = load_file(str(ROOT / "tests/fixtures/glm_dsa/golden.safetensors"))
+    m = colibri.Model(_glm_dsa_dir(tmp_path, drop_indexer=False), threads=1)
+    cfg = m.config
+    assert m.max_context == cfg["max_position_embeddings"] > 8 * cfg["index_topk"]
+    prompt = [int(t) for t in golden["prompt_ids"]]
+    assert len(prompt) > cfg["index_topk"]
+    got = m.logits(prompt)
+    want = golden["logits"]
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+    out = m.generate(prompt, max_new_tokens=32, temperature=0, stop_token_ids=[])
+    assert out.token_ids == [int(t) for t in golden["greedy_ids"]]
+
+
+def test_glm_without_indexer_tensors_is_limited_to_index_topk(tmp_path: Path) -> None:
+    m = colibri.Model(_glm_dsa_dir(tmp_path, drop_indexer=True), threads=1)
+    topk = m.config["index_topk"]
+    assert m.max_context == topk
+    with pytest.raises(colibri.InvalidArgumentError, match="max_context"):
+        m.logits([3] * (topk + 1))
+    with pytest.raises(colibri.InvalidArgumentError, match="index_topk"):
+        colibri.Model(_glm_dsa_dir(tmp_path / "b", drop_indexer=True), max_context=topk + 1)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
+        ({"max_context": 0}, "max_context"),
+        ({"max_context": 10**6}, "max_context"),
+        ({"max_context": 2**70}, "max_context"),
+        ({"max_context": "long"}, "max_context"),
         ({"io": "turbo"}, "io"),
         ({"prefetch": "maybe"}, "prefetch"),
         ({"draft": "eagle"}, "draft"),

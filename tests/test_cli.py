@@ -233,3 +233,11 @@ def test_subprocess(test_model_dir: Path, model: colibri.Model) -> None:
     assert bad.returncode == 1
     assert bad.stderr.startswith("error: ") and "top_k" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_max_context_flag(capsys: Capsys, test_model_dir: Path) -> None:
+    argv = ["generate", "Hello", "-m", str(test_model_dir), "-n", "100", "-t", "0"]
+    got = run_json(capsys, *argv, "--max-context", "20", "--ignore-eos", "--json")
+    assert got["finish_reason"] == "length"
+    prompt = len(colibri.Model(test_model_dir).encode("Hello"))
+    assert len(got["token_ids"]) == 20 - prompt

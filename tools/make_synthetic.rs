@@ -8,7 +8,7 @@
 //! cargo run --release --example make_synthetic -- --out /work/synth/glm52 \
 //!     [--moe-layers 3] [--experts 256] [--dense-layers 1] [--mtp] [--experts-only] \
 //!     [--experts-per-shard 64] [--vocab 1024] [--seed 1] [--index-topk-freq 1] \
-//!     [--max-position-embeddings 4096]
+//!     [--index-skip-topk-offset 2] [--max-position-embeddings 4096]
 //! ```
 
 use std::path::PathBuf;
@@ -46,6 +46,9 @@ fn run() -> Result<(), String> {
             "--vocab" => spec.vocab_size = num(args.next(), "--vocab")?,
             "--seed" => spec.seed = num(args.next(), "--seed")? as u64,
             "--index-topk-freq" => spec.index_topk_freq = num(args.next(), "--index-topk-freq")?,
+            "--index-skip-topk-offset" => {
+                spec.index_skip_topk_offset = num(args.next(), "--index-skip-topk-offset")?
+            }
             "--max-position-embeddings" => {
                 spec.max_position_embeddings = num(args.next(), "--max-position-embeddings")?
             }

@@ -46,6 +46,8 @@ pub struct SynthSpec {
     /// GLM DSA `index_topk_freq`: 1 gives every layer its own indexer; GLM-5.2 has 4 (21 full
     /// and 57 shared of 78 layers).
     pub index_topk_freq: usize,
+    /// GLM DSA `index_skip_topk_offset` (transformers' default 2).
+    pub index_skip_topk_offset: usize,
     /// `max_position_embeddings` in `config.json`.
     pub max_position_embeddings: usize,
 }
@@ -68,6 +70,7 @@ impl SynthSpec {
             glm_dims: true,
             vocab_size: 1024,
             index_topk_freq: 1,
+            index_skip_topk_offset: 2,
             max_position_embeddings: 4096,
         }
     }
@@ -89,6 +92,7 @@ impl SynthSpec {
             glm_dims: false,
             vocab_size: 256,
             index_topk_freq: 1,
+            index_skip_topk_offset: 2,
             max_position_embeddings: 4096,
         }
     }
@@ -138,6 +142,7 @@ impl SynthSpec {
             "index_n_heads": d.8,
             "index_topk": 2048,
             "index_topk_freq": self.index_topk_freq,
+            "index_skip_topk_offset": self.index_skip_topk_offset,
             "rms_norm_eps": 1e-5,
             "rope_theta": 1000000.0,
             "max_position_embeddings": self.max_position_embeddings,

@@ -65,6 +65,16 @@ impl LayerKv {
         self.rope_key.truncate(len * self.rope_dim);
         self.index_key.truncate(len * self.index_dim);
     }
+    /// Append `rows` rows of standard-normal values (what the latent, key and indexer-key
+    /// norms produce in scale): a stand-in context for timing decode at a long context
+    /// without its prefill. `next` yields the values.
+    pub fn append_random(&mut self, rows: usize, next: &mut impl FnMut() -> f32) {
+        self.latent.extend((0..rows * self.kv_lora).map(|_| next()));
+        self.rope_key
+            .extend((0..rows * self.rope_dim).map(|_| next()));
+        self.index_key
+            .extend((0..rows * self.index_dim).map(|_| next()));
+    }
     /// Bytes held (the KV accounting the tests check).
     pub fn bytes(&self) -> usize {
         (self.latent.len() + self.rope_key.len() + self.index_key.len())
@@ -154,6 +164,14 @@ impl Attention {
                 (true, false) => KeyChoice::Shared,
             },
         })
+    }
+
+    /// Seconds this layer's indexer has spent selecting keys (0 without one).
+    pub fn indexer_seconds(&self) -> f64 {
+        match &self.keys {
+            KeyChoice::Indexed(ix) => ix.busy_seconds(),
+            _ => 0.0,
+        }
     }
 
     /// Width of this layer's cached indexer keys (0 when it has no indexer).

@@ -27,8 +27,8 @@ pub fn default_max_context(
         .max(1)
 }
 
-/// Check a user's `max_context` against the model's exact limit.
-pub fn check_max_context(requested: usize, exact: usize) -> Result<usize> {
+/// Check a user's `max_context` against the model's exact limit (`why`: what sets it).
+pub fn check_max_context(requested: usize, exact: usize, why: &str) -> Result<usize> {
     if requested == 0 {
         return Err(Error::invalid("max_context", "must be at least 1 token"));
     }
@@ -37,7 +37,7 @@ pub fn check_max_context(requested: usize, exact: usize) -> Result<usize> {
             "max_context",
             format!(
                 "{requested} exceeds the {exact} tokens this model is computed exactly for \
-                 (max_position_embeddings)"
+                 ({why})"
             ),
         ));
     }
@@ -65,9 +65,13 @@ mod tests {
 
     #[test]
     fn a_requested_context_is_checked() {
-        assert_eq!(check_max_context(100, 4096).unwrap(), 100);
-        assert!(check_max_context(0, 4096).is_err());
-        let e = check_max_context(5000, 4096).unwrap_err().to_string();
-        assert!(e.contains("max_context") && e.contains("4096"), "{e}");
+        let why = "max_position_embeddings";
+        assert_eq!(check_max_context(100, 4096, why).unwrap(), 100);
+        assert!(check_max_context(0, 4096, why).is_err());
+        let e = check_max_context(5000, 4096, why).unwrap_err().to_string();
+        assert!(
+            e.contains("max_context") && e.contains("4096") && e.contains(why),
+            "{e}"
+        );
     }
 }

@@ -389,6 +389,37 @@ impl Model {
         self.mtp_kv.bytes()
     }
 
+    /// Benchmarks only: append `rows` rows of random values to every KV cache (main layers,
+    /// indexer keys, the MTP layer), so that a decode step can be timed at a long context
+    /// without prefilling it. The rows are not a real context; what follows computes
+    /// nothing meaningful, at the cost of a real one.
+    pub fn append_synthetic_context(&mut self, rows: usize, seed: u64) {
+        let mut state = seed | 1;
+        // xorshift64 → two uniforms → one Box-Muller normal.
+        let mut uniform = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        let mut normal = move || {
+            let (u, v) = (uniform(), uniform());
+            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+        };
+        for kv in self.kv.iter_mut().chain(std::iter::once(&mut self.mtp_kv)) {
+            kv.append_random(rows, &mut normal);
+        }
+    }
+
+    /// Seconds the DSA indexers have spent selecting keys since the model was loaded.
+    pub fn indexer_seconds(&self) -> f64 {
+        let layers = self
+            .layers
+            .iter()
+            .chain(self.mtp.as_ref().map(|m| &m.layer));
+        layers.map(|l| l.self_attn.indexer_seconds()).sum()
+    }
+
     /// Drop main-model KV rows from `len` on (roll back rejected positions).
     pub fn truncate(&mut self, len: usize) {
         for kv in &mut self.kv {
@@ -412,6 +443,16 @@ impl Model {
         match (self.cfg.family, self.cfg.index_topk, self.dsa) {
             (ModelFamily::GlmMoeDsa, Some(k), false) => limit.min(k),
             _ => limit,
+        }
+    }
+
+    /// What sets [`max_exact_context`](Self::max_exact_context), for error messages.
+    pub fn context_limit_reason(&self) -> &'static str {
+        if self.max_exact_context() < self.cfg.max_position_embeddings.max(1) {
+            "index_topk: this GLM checkpoint has no DSA indexer tensors, and dense attention \
+             is the model only up to index_topk keys"
+        } else {
+            "max_position_embeddings"
         }
     }
 

@@ -19,6 +19,8 @@
 //! rule keeps every S (prefill, decode, verify, chunked prefill) selecting the same keys.
 
 use std::cmp::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+use std::time::Instant;
 
 use rayon::prelude::*;
 
@@ -51,6 +53,8 @@ pub struct Indexer {
     dim: usize,
     rope_dim: usize,
     topk: usize,
+    /// Nanoseconds spent in `select` (the indexer's share of a step, for benchmarks).
+    busy_ns: AtomicU64,
 }
 
 impl Indexer {
@@ -82,7 +86,13 @@ impl Indexer {
             dim,
             rope_dim: cfg.qk_rope_head_dim,
             topk,
+            busy_ns: AtomicU64::new(0),
         })
+    }
+
+    /// Seconds spent selecting keys since load.
+    pub fn busy_seconds(&self) -> f64 {
+        self.busy_ns.load(AtomicOrdering::Relaxed) as f64 * 1e-9
     }
 
     /// Width of one cached indexer key.
@@ -98,6 +108,25 @@ impl Indexer {
     /// [s, q_lora_rank].
     #[allow(clippy::too_many_arguments)]
     pub fn select(
+        &self,
+        xn: &[f32],
+        q_a: &[f32],
+        s: usize,
+        start: usize,
+        rope_start: usize,
+        keys: &mut Vec<f32>,
+        rope: &Rope,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<Selection> {
+        let t0 = Instant::now();
+        let out = self.select_timed(xn, q_a, s, start, rope_start, keys, rope, pool);
+        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.busy_ns.fetch_add(ns, AtomicOrdering::Relaxed);
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn select_timed(
         &self,
         xn: &[f32],
         q_a: &[f32],

@@ -142,7 +142,7 @@ impl PyEngine {
             let model = Model::load_with_experts(container.clone(), &opts, store.clone())?;
             let exact = model.max_exact_context();
             let max_context = match max_context {
-                Some(n) => context::check_max_context(n, exact)?,
+                Some(n) => context::check_max_context(n, exact, model.context_limit_reason())?,
                 None => context::default_max_context(
                     exact,
                     model.kv_bytes_per_token(),

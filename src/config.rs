@@ -901,14 +901,21 @@ impl ModelConfig {
         (self.kv_lora_rank + self.qk_rope_head_dim) * std::mem::size_of::<f32>()
     }
 
-    /// KV-cache bytes per token of the main model: every layer's latent and roped key, plus
-    /// the indexer key of each DSA full layer.
-    pub fn kv_bytes_per_token(&self) -> usize {
-        let full = (0..self.num_hidden_layers)
-            .filter(|&l| self.indexer_is_full(l))
-            .count();
-        self.num_hidden_layers * self.kv_bytes_per_token_per_layer()
-            + full * self.index_head_dim * std::mem::size_of::<f32>()
+    /// KV-cache bytes one more token adds: every main layer's latent and roped key, the
+    /// indexer key of each DSA full layer when the indexers are in use (`dsa`), and the MTP
+    /// layer's row (with its indexer key under DSA) when it is loaded (`mtp`).
+    pub fn kv_bytes_per_token(&self, dsa: bool, mtp: bool) -> usize {
+        let index_key = self.index_head_dim * std::mem::size_of::<f32>();
+        let row = |layer: usize| {
+            self.kv_bytes_per_token_per_layer()
+                + if dsa && self.indexer_is_full(layer) {
+                    index_key
+                } else {
+                    0
+                }
+        };
+        let main: usize = (0..self.num_hidden_layers).map(row).sum();
+        main + if mtp { row(self.num_hidden_layers) } else { 0 }
     }
 
     /// Output width of `q_b_proj` / `q_proj`: heads × q_head_dim.

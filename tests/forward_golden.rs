@@ -194,7 +194,14 @@ fn kv_cache_holds_latent_rope_key_and_indexer_key_only() {
         let full_layers = cfg.indexer_full.iter().filter(|f| **f).count();
         assert_eq!(m.uses_dsa(), name.starts_with("glm"), "{name}");
         let token = per * cfg.num_hidden_layers + full_layers * cfg.index_head_dim * 4;
-        assert_eq!(cfg.kv_bytes_per_token(), token, "{name}");
+        assert_eq!(cfg.kv_bytes_per_token(m.uses_dsa(), false), token, "{name}");
+        let mtp_row = per
+            + if m.uses_dsa() {
+                cfg.index_head_dim * 4
+            } else {
+                0
+            };
+        assert_eq!(m.kv_bytes_per_token(), token + mtp_row, "{name}");
         assert_eq!(m.kv_bytes(), token * prompt.len(), "{name}");
         m.truncate(5);
         assert_eq!(m.kv_len(), 5);

@@ -687,12 +687,21 @@ def test_glm_dsa_runs_past_index_topk_as_transformers(tmp_path: Path) -> None:
     assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
     out = m.generate(prompt, max_new_tokens=32, temperature=0, stop_token_ids=[])
     assert out.token_ids == [int(t) for t in golden["greedy_ids"]]
+    # KV per token: latent + roped key per layer, an indexer key per full layer, and the
+    # MTP layer's row with its own indexer key.
+    row = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    full = cfg["indexer_types"].count("full")
+    index_key = cfg["index_head_dim"] * 4
+    want_kv = cfg["num_hidden_layers"] * row + full * index_key + row + index_key
+    assert m.info()["memory"]["kv_bytes_per_token"] == want_kv
 
 
 def test_glm_without_indexer_tensors_is_limited_to_index_topk(tmp_path: Path) -> None:
     m = colibri.Model(_glm_dsa_dir(tmp_path, drop_indexer=True), threads=1)
     topk = m.config["index_topk"]
     assert m.max_context == topk
+    row = (m.config["kv_lora_rank"] + m.config["qk_rope_head_dim"]) * 4
+    assert m.info()["memory"]["kv_bytes_per_token"] == (m.config["num_hidden_layers"] + 1) * row
     with pytest.raises(colibri.InvalidArgumentError, match="max_context"):
         m.logits([3] * (topk + 1))
     with pytest.raises(colibri.InvalidArgumentError, match="index_topk"):

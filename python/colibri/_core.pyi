@@ -32,6 +32,9 @@ class Container:
     @property
     def family(self) -> str:
         """``model_type`` of the config (``"deepseek_v3"`` or ``"glm_moe_dsa"``)."""
+    def kv_bytes_per_token(self, mtp_loaded: bool = True) -> int:
+        """KV-cache bytes per token of a model opened from this directory (latents, roped
+        keys, DSA indexer keys, and the MTP layer's row when loaded)."""
     def names(self) -> list[str]:
         """Every tensor name (scales ``NAME.qs`` included) in shard and offset order."""
     def __len__(self) -> int:

@@ -772,7 +772,7 @@ def model_info(path: str | os.PathLike[str], *, mtp_loaded: bool = True) -> dict
     ``dense_bytes`` (resident in RAM: everything but the routed experts, the MTP layer only
     when ``mtp_loaded``), ``expert_bytes`` (routed experts, streamed from disk),
     ``kv_bytes_per_token`` (the KV cache: the normed latent and the roped key per layer,
-    float32, plus the MTP layer's when loaded).
+    float32, the GLM DSA indexer key per full layer, plus the MTP layer's row when loaded).
     """
     c = _core.Container(os.fspath(path))
     cfg = json.loads((Path(c.dir) / "config.json").read_text(encoding="utf-8"))
@@ -797,8 +797,6 @@ def model_info(path: str | os.PathLike[str], *, mtp_loaded: bool = True) -> dict
     dense_roles = [r for r in total if r not in ("routed_experts", "mtp_routed_experts")]
     if not mtp_loaded:
         dense_roles = [r for r in dense_roles if r != "mtp"]
-    kv_layers = n_layers + (1 if has_mtp and mtp_loaded else 0)
-    kv_row = int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
     summary = {
         "model_type": cfg.get("model_type"),
         "hidden_size": cfg.get("hidden_size"),
@@ -824,6 +822,6 @@ def model_info(path: str | os.PathLike[str], *, mtp_loaded: bool = True) -> dict
         "memory": {
             "dense_bytes": sum(total[r] for r in dense_roles),
             "expert_bytes": sum(total.get(r, 0) for r in expert_roles),
-            "kv_bytes_per_token": kv_layers * kv_row * 4,
+            "kv_bytes_per_token": int(c.kv_bytes_per_token(has_mtp and mtp_loaded)),
         },
     }

@@ -200,6 +200,23 @@ impl MtpHead {
     }
 }
 
+/// Whether a model opened from `c` runs GLM's DSA sparse attention: a GLM checkpoint that
+/// ships the indexers (layer 0 always has one). Without them dense MLA is the model only up
+/// to index_topk keys.
+pub fn uses_dsa(c: &Container) -> bool {
+    let cfg = c.config();
+    cfg.family == ModelFamily::GlmMoeDsa
+        && cfg.index_topk.is_some()
+        && Indexer::present(c, "model.layers.0")
+}
+
+/// Whether `c` ships a complete MTP head (a model opened with `load_mtp` loads it).
+pub fn has_mtp_head(c: &Container) -> bool {
+    c.config()
+        .mtp_layer_index()
+        .is_some_and(|i| MtpHead::present(c, i))
+}
+
 /// Options fixed at load time.
 #[derive(Debug, Clone)]
 pub struct ModelOptions {
@@ -285,11 +302,7 @@ impl Model {
         }
         let c = &*container;
         let h = cfg.hidden_size;
-        // GLM DSA runs when the checkpoint ships the indexers (layer 0 is always a full one);
-        // without them dense MLA is exact only up to index_topk keys.
-        let dsa = cfg.family == ModelFamily::GlmMoeDsa
-            && cfg.index_topk.is_some()
-            && Indexer::present(c, "model.layers.0");
+        let dsa = uses_dsa(c);
         let embed_tokens = linear::load(c, "model.embed_tokens.weight", cfg.vocab_size, h)?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|l| Layer::load(c, &cfg, l, dsa))
@@ -377,11 +390,7 @@ impl Model {
     }
     /// KV bytes one more token adds: every main layer's row plus the MTP layer's, when loaded.
     pub fn kv_bytes_per_token(&self) -> usize {
-        let row = |l: &Layer| {
-            self.cfg.kv_bytes_per_token_per_layer()
-                + l.self_attn.index_key_dim() * std::mem::size_of::<f32>()
-        };
-        self.layers.iter().map(row).sum::<usize>() + self.mtp.as_ref().map_or(0, |m| row(&m.layer))
+        self.cfg.kv_bytes_per_token(self.dsa, self.mtp.is_some())
     }
 
     /// Bytes held by the MTP layer's KV cache.

@@ -42,6 +42,18 @@ impl PyContainer {
         self.inner.config().family.model_type()
     }
 
+    /// KV-cache bytes per token of a model opened from this directory: latents and roped
+    /// keys, GLM DSA indexer keys when the checkpoint has indexers, and the MTP layer's row
+    /// when `mtp_loaded` and the checkpoint has one.
+    #[pyo3(signature = (mtp_loaded=true))]
+    fn kv_bytes_per_token(&self, mtp_loaded: bool) -> usize {
+        use crate::model::forward::{has_mtp_head, uses_dsa};
+        let mtp = mtp_loaded && has_mtp_head(&self.inner);
+        self.inner
+            .config()
+            .kv_bytes_per_token(uses_dsa(&self.inner), mtp)
+    }
+
     /// Every tensor name (scales included) in shard and offset order.
     fn names(&self) -> Vec<String> {
         self.inner.names().map(str::to_owned).collect()

@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,57 @@ def test_stream_can_be_abandoned(model: colibri.Model) -> None:
     assert it.result.text.startswith(first)
     # The model is free again.
     assert model.generate("abc", max_new_tokens=3, temperature=0).token_ids
+
+
+class _SlowEngine:
+    """Wraps ``_core.Engine`` so each forward's callback takes ``delay`` seconds (a long
+    generation on a tiny model) and records every generation's finish reason and length."""
+
+    def __init__(self, engine: Any, delay: float) -> None:
+        self._engine = engine
+        self._delay = delay
+        self.finished: list[tuple[str, int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def generate(self, ids: list[int], *, on_tokens: Any, **kw: Any) -> Any:
+        def slow(toks: list[int]) -> bool:
+            time.sleep(self._delay)
+            return bool(on_tokens(toks))
+
+        raw = self._engine.generate(ids, on_tokens=slow, **kw)
+        self.finished.append((str(raw["finish_reason"]), len(raw["tokens"])))
+        return raw
+
+
+@pytest.mark.parametrize("how", ["break", "del"])
+def test_abandoned_stream_cancels_its_generation(model: colibri.Model, how: str) -> None:
+    """Breaking out of ``for chunk in generate(stream=True)`` (or dropping the stream) stops
+    the engine within a forward: the abandoned generation does not run to
+    ``max_new_tokens`` and the next call does not wait for it."""
+    slow = _SlowEngine(model._engine, 0.01)  # 250 forwards: 2.5 s if it ran to the end
+    real_engine = model._engine
+    model._engine = slow
+    try:
+        kw: dict[str, Any] = {"max_new_tokens": 250, "stop_token_ids": [], "draft": "off"}
+        if how == "break":
+            for chunk in model.generate("abc", stream=True, **kw):
+                assert chunk
+                break
+        else:
+            stream = model.generate("abc", stream=True, **kw)
+            assert next(stream)
+            del stream
+        t0 = time.perf_counter()
+        out = model.generate("abc", max_new_tokens=2, temperature=0)
+        waited = time.perf_counter() - t0
+    finally:
+        model._engine = real_engine
+    assert len(out.token_ids) == 2
+    assert waited < 1.0, f"the second call waited {waited:.2f}s for the abandoned one"
+    reason, n = slow.finished[0]
+    assert reason == "cancelled" and n < 50, slow.finished
 
 
 def test_stream_errors_reach_the_consumer(model: colibri.Model) -> None:

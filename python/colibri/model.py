@@ -150,7 +150,9 @@ class GenerationStream(Iterator[str]):
     :attr:`result` holds the :class:`GenerationResult` (text, token ids, stats). Generation
     starts at the first ``next()`` and runs on a worker thread; :meth:`close` (or leaving a
     ``with`` block, or Ctrl-C while waiting) stops it within one forward, and :attr:`result`
-    then describes the partial generation (``finish_reason == "cancelled"``).
+    then describes the partial generation (``finish_reason == "cancelled"``). Abandoning the
+    stream (``break`` out of a ``for`` loop over it, or dropping the last reference) stops it
+    within one forward too, as a generator is closed when it is dropped.
     """
 
     def __init__(
@@ -165,17 +167,15 @@ class GenerationStream(Iterator[str]):
         self.result: GenerationResult | None = None
 
     def _start(self) -> None:
-        def on_text(delta: str) -> bool:
-            self._queue.put(delta)
-            return not self._cancel.is_set()
-
-        def worker() -> None:
-            try:
-                self._queue.put(_Finished(self._run(on_text, self._cancel), None))
-            except BaseException as e:  # handed to the consumer
-                self._queue.put(_Finished(None, e))
-
-        self._thread = threading.Thread(target=worker, name="colibri-generate", daemon=True)
+        # The worker must not reference the stream: a running thread is a GC root, and a
+        # stream it kept alive could never be collected, so abandoning it (``break`` out of
+        # the loop, ``del``) would not reach ``__del__`` and the generation would run on.
+        self._thread = threading.Thread(
+            target=_stream_worker,
+            args=(self._run, self._queue, self._cancel),
+            name="colibri-generate",
+            daemon=True,
+        )
         self._thread.start()
 
     def __iter__(self) -> GenerationStream:
@@ -230,7 +230,29 @@ class GenerationStream(Iterator[str]):
         self.close()
 
     def __del__(self) -> None:
-        self._cancel.set()
+        # An abandoned stream (dropped or garbage-collected unfinished) stops its generation
+        # within one forward; the next call on the model then waits at most that long.
+        cancel = getattr(self, "_cancel", None)
+        if cancel is not None:
+            cancel.set()
+
+
+def _stream_worker(
+    run: Callable[[Callable[[str], bool], threading.Event], GenerationResult],
+    out: queue.Queue[str | _Finished],
+    cancel: threading.Event,
+) -> None:
+    """The body of a :class:`GenerationStream`'s worker thread (it holds no reference to the
+    stream itself, see ``GenerationStream._start``)."""
+
+    def on_text(delta: str) -> bool:
+        out.put(delta)
+        return not cancel.is_set()
+
+    try:
+        out.put(_Finished(run(on_text, cancel), None))
+    except BaseException as e:  # handed to the consumer
+        out.put(_Finished(None, e))
 
 
 def _mtp_layers(path: Path) -> list[int]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -194,6 +196,9 @@ def test_bench(capsys: Capsys, test_model_dir: Path) -> None:
         (["generate", "x", "--ram-budget", "lots"], "ram_budget"),
         (["generate", ""], "empty"),
         (["info", "-m", "/no/such/model"], "does not exist"),
+        (["bench", "--runs", "0"], "--runs"),
+        (["bench", "--runs", "-2"], "--runs"),
+        (["bench", "--warmup", "-1"], "--warmup"),
     ],
 )
 def test_errors_print_one_line(
@@ -241,3 +246,54 @@ def test_max_context_flag(capsys: Capsys, test_model_dir: Path) -> None:
     assert got["finish_reason"] == "length"
     prompt = len(colibri.Model(test_model_dir).encode("Hello"))
     assert len(got["token_ids"]) == 20 - prompt
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "Hello", "-n", "64", "--ignore-eos", "--stream"],
+        ["generate", "Hello", "-n", "64", "--ignore-eos", "--no-stream"],
+        ["generate", "Hello", "-n", "8", "--json"],
+        ["info"],
+        ["bench", "-n", "4", "--runs", "1", "--warmup", "0"],
+        ["version"],
+    ],
+)
+def test_a_closed_pipe_exits_quietly(test_model_dir: Path, argv: list[str]) -> None:
+    """``colibri ... | head -c 10``: once the reader has gone, writing to stdout fails
+    (EPIPE); the command stops quietly, as Unix tools do (no BrokenPipeError traceback),
+    with the status of a process killed by SIGPIPE."""
+    if argv[0] != "version":
+        argv = [*argv, "-m", str(test_model_dir)]
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader (head) has already exited
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "colibri.cli", *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr == "", done.stderr
+    assert done.returncode == 128 + signal.SIGPIPE
+
+
+def test_piping_into_head(test_model_dir: Path) -> None:
+    """The real thing: a long streamed generation piped into ``head -c 10``."""
+    cmd = [sys.executable, "-m", "colibri.cli", "generate", "Hello", "-m", str(test_model_dir)]
+    cmd += ["-n", "250", "--ignore-eos", "--stream", "--draft", "off"]
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        head = proc.stdout.read(10)
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=60)
+    assert len(head) == 10
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -332,6 +334,16 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    from colibri.errors import InvalidArgumentError
+
+    if args.runs < 1:
+        raise InvalidArgumentError(
+            f"invalid value for '--runs': {args.runs}; measure at least 1 run per mode"
+        )
+    if args.warmup < 0:
+        raise InvalidArgumentError(
+            f"invalid value for '--warmup': {args.warmup}; must be >= 0 (0 = no warm-up run)"
+        )
     m = _load(args)
     modes = args.compare or ["off", m.default_draft]
     modes = list(dict.fromkeys(modes))
@@ -417,8 +429,8 @@ def _add_model_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
     _add_model_options(p)
     _add_sampling_options(p, max_new_tokens=64)
     p.add_argument("--prompt", default="The capital of France is", help="the prompt")
-    p.add_argument("--runs", type=int, default=3, help="measured runs per mode (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured runs first (default 1)")
+    p.add_argument("--runs", type=int, default=3, help="measured runs per mode, >= 1 (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured runs first, >= 0 (default 1)")
     p.add_argument(
         "--compare",
         action="append",
@@ -447,7 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``colibri`` console script.
 
     A :class:`colibri.ColibriError` prints ``error: <message>`` to stderr and returns 1;
-    Ctrl-C returns 130.
+    Ctrl-C returns 130. When stdout's reader goes away (``colibri generate ... | head``) the
+    command stops quietly and returns 141, the status of a process killed by SIGPIPE.
     """
     from colibri.errors import ColibriError
 
@@ -457,14 +470,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args))
-    except ColibriError as e:
-        sys.stdout.flush()
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+        try:
+            status = int(args.func(args))
+            sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+            return status
+        except ColibriError as e:
+            sys.stdout.flush()
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            return 130
+    except BrokenPipeError:
+        _discard_stdout()
+        return 128 + signal.SIGPIPE
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null after its reader closed the pipe, so the interpreter's own
+    flush at exit does not print a BrokenPipeError of its own (the recipe of Python's
+    ``signal`` documentation, note on SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is not a file (tests, embedding)
+        pass
 
 
 if __name__ == "__main__":

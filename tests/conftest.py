@@ -87,6 +87,16 @@ def make_test_model(dst: Path, fixture: str = "dsv3_a") -> Path:
     return dst
 
 
+@pytest.fixture(scope="session", autouse=True)
+def colibri_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Per-model state (the routing history) goes to a scratch cache for the whole run, so
+    tests never write into the real ``~/.cache/colibri`` (subprocesses inherit it)."""
+    cache = tmp_path_factory.mktemp("colibri-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COLIBRI_CACHE_DIR", str(cache))
+        yield cache
+
+
 @pytest.fixture(scope="session")
 def test_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model directory: the ``dsv3_a`` fixture plus a byte-level tokenizer."""

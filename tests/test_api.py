@@ -840,6 +840,67 @@ def _stub_names() -> tuple[set[str], dict[str, set[str]]]:
     return names, classes
 
 
+def _snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.iterdir()}
+
+
+def test_routing_history_goes_to_the_cache_not_the_model_dir(
+    tmp_path: Path, colibri_cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The routing history is per-model state: it is saved in the user cache directory under
+    the model's fingerprint, never next to the weights (an installed package, the hub
+    cache)."""
+    model_dir = make_test_model(tmp_path / "m")
+    before = _snapshot(model_dir)
+    m = colibri.Model(model_dir)
+    m.generate("abc", max_new_tokens=4, temperature=0)
+    assert _snapshot(model_dir) == before, "wrote into the model directory"
+    path = m.usage_path
+    assert path is not None and path.is_file()
+    assert path.parent.parent == colibri_cache_dir / "models"
+    assert json.loads(path.read_text())["format"] == "colibri-usage"
+    # The embedded model (inside the installed package) is left alone too.
+    tiny_before = _snapshot(EMBEDDED_TINY)
+    colibri.Model().generate("def", max_new_tokens=4, temperature=0)
+    assert _snapshot(EMBEDDED_TINY) == tiny_before, "wrote into the installed package"
+    # An explicit cache_dir wins over the environment; XDG_CACHE_HOME and HOME follow.
+    mine = tmp_path / "mine"
+    m = colibri.Model(model_dir, cache_dir=mine)
+    m.generate("abc", max_new_tokens=4, temperature=0)
+    assert m.usage_path is not None and m.usage_path.is_relative_to(mine)
+    assert m.usage_path.is_file()
+    monkeypatch.delenv("COLIBRI_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    m = colibri.Model(model_dir)
+    assert m.usage_path is not None
+    assert m.usage_path.is_relative_to(tmp_path / "xdg" / "colibri" / "models")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    m = colibri.Model(model_dir)
+    assert m.usage_path is not None
+    assert m.usage_path.is_relative_to(tmp_path / "home" / ".cache" / "colibri")
+
+
+def test_a_legacy_history_next_to_the_weights_is_migrated(
+    tmp_path: Path, colibri_cache_dir: Path
+) -> None:
+    """A ``colibri-usage.json`` left in the model directory by an older colibri is read (it
+    still picks the pinned set) and its counts move to the cache; the file is not touched."""
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(EMBEDDED_TINY, model_dir)
+    legacy = model_dir / "colibri-usage.json"
+    assert legacy.is_file()
+    legacy_total = sum(map(sum, json.loads(legacy.read_text())["layers"].values()))
+    before = _snapshot(model_dir)
+    m = colibri.Model(model_dir, cache_dir=tmp_path / "cache")
+    assert m._engine.expert_stats()["pin_set_len"] > 0, "the legacy history was not read"
+    m.generate("def", max_new_tokens=8, temperature=0)
+    assert _snapshot(model_dir) == before
+    assert m.usage_path is not None
+    saved = json.loads(m.usage_path.read_text())
+    assert sum(map(sum, saved["layers"].values())) > legacy_total
+
+
 def test_core_stub_matches_the_binary() -> None:
     stub, classes = _stub_names()
     runtime = {n for n in dir(_core) if not (n.startswith("__") and n.endswith("__"))}

@@ -78,6 +78,37 @@ def test_bf16_checkpoint(tmp_path: Path) -> None:
         assert all(a["end"] == b["start"] for a, b in itertools.pairwise(infos))
 
 
+def test_convert_copies_only_what_a_container_needs(tmp_path: Path) -> None:
+    """The tokenizer, generation config and chat template files travel with the weights; a
+    source's routing history (state of another model), README, notes, numpy dumps and the
+    like do not."""
+    cfg = tiny_config()
+    src = tmp_path / "src"
+    write_hf_checkpoint(src, cfg, random_weights(cfg, seed=3))
+    wanted = [
+        "tokenizer.json",
+        "tokenizer.model",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "merges.txt",
+        "chat_template.jinja",
+        "chat_template.json",
+        "LICENSE",
+    ]
+    unwanted = ["colibri-usage.json", "activations.npz", "README.md", "notes.txt", "run.log"]
+    for name in wanted + unwanted:
+        if not (src / name).exists():
+            (src / name).write_text(f"{name}\n")
+    (src / "subdir").mkdir()
+    convert(src, tmp_path / "dst", progress=False)
+    dst = tmp_path / "dst"
+    for name in [*wanted, "tokenizer_config.json", "generation_config.json"]:
+        assert (dst / name).read_bytes() == (src / name).read_bytes(), name
+    got = {p.name for p in dst.iterdir() if not p.name.endswith(".safetensors")}
+    assert got == {*wanted, "tokenizer_config.json", "generation_config.json", "config.json"}
+
+
 def test_fp8_checkpoint_matches_numpy_decode(tmp_path: Path) -> None:
     # Odd widths (kv_lora_rank 33 → kv_b_proj has I = 33) and I = 100 (not a multiple of 64).
     cfg = tiny_config(kv_lora_rank=33, moe_intermediate_size=100)

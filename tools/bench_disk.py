@@ -23,8 +23,9 @@ bytes this cell reads). Greedy output must be the same in every cell; the tool a
     python tools/bench_disk.py S --budgets 0.1 --drafts off auto --prefetch real --pins off
 
 Pins ``learned``: the routing history of a *different* workload (``LEARN_PROMPTS``, generated
-once, draft off) is written as the stand-in's ``colibri-usage.json`` before each such run and
-restored after it, so measured runs never teach the pins what they are then tested on.
+once, draft off, into a scratch cache) is put in a fresh scratch cache directory before each
+such run and removed after it, so measured runs never teach the pins what they are then tested
+on (nor write into the stand-in or the user's cache).
 ``--pin-mtp`` keeps the MTP layer's experts resident (loaded at open, beyond the budget), as a
 user with RAM to spare would, so a draft step costs compute, not disk (docs/benchmarks.md).
 """
@@ -128,24 +129,31 @@ def _open_direct(path: Path) -> int:
 
 
 class UsageFile:
-    """The stand-in's routing history: the learned copy, put in place around pinned runs."""
+    """The stand-in's routing history: the learned copy, put in a scratch cache directory
+    (at the path relative to the cache the engine keeps it at) around pinned runs."""
 
-    def __init__(self, model: Path, learned: Path) -> None:
-        self.path, self.learned = model / USAGE, learned
+    def __init__(self, learned: Path, relative: Path) -> None:
+        self.learned, self.relative = learned, relative
+        self.cache = Path(os.environ.get("TMPDIR", "/tmp")) / f"colibri-cache-{os.getpid()}"
 
     def install(self) -> None:
-        shutil.copyfile(self.learned, self.path)
+        path = self.cache / self.relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self.learned, path)
 
     def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
+        shutil.rmtree(self.cache, ignore_errors=True)
 
 
 def learn(
     model: Path, tok: Tokenizer, tokens: int, resident: list[int], out: Path, budget: int
-) -> None:
-    """Generate the learn workload once with the history on, and keep the file it wrote
-    (routing does not depend on the budget; a cache only makes this faster)."""
-    (model / USAGE).unlink(missing_ok=True)
+) -> Path:
+    """Generate the learn workload once with the history on (in a scratch cache), keep the
+    file it wrote as ``out``, and return its path relative to the cache directory (routing
+    does not depend on the budget; a cache only makes this faster)."""
+    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f"colibri-learn-{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    (model / USAGE).unlink(missing_ok=True)  # a legacy history would be merged in
     eng = _core.Engine(
         str(model),
         io="direct",
@@ -153,12 +161,17 @@ def learn(
         prefetch="off",
         pin="off",
         usage_file=True,
+        cache_dir=str(scratch),
         resident_layers=resident,
     )
     for p in LEARN_PROMPTS:
         eng.generate(tok.encode(p).ids, max_new_tokens=tokens, draft="off", stop_ids=[])
+    written = eng.usage_path
     del eng
-    shutil.move(model / USAGE, out)
+    assert written is not None
+    shutil.move(written, out)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return Path(written).relative_to(scratch)
 
 
 def run_cell(
@@ -183,6 +196,7 @@ def run_cell(
             prefetch=cell["prefetch"],
             pin="history" if learned else "off",
             usage_file=learned,
+            cache_dir=str(usage.cache),
             resident_layers=resident,
             threads=args.threads,
         )
@@ -321,10 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     elif "learned" not in args.pins:
         args.pins = [*args.pins, "learned"]
     learned_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"colibri-learned-{os.getpid()}.json"
+    relative = Path("unused")
     if "learned" in args.pins:
         print("learning pins on a different workload ...", file=sys.stderr)
-        learn(model, tok, args.learn_tokens, resident, learned_file, total // 2)
-    usage = UsageFile(model, learned_file)
+        relative = learn(model, tok, args.learn_tokens, resident, learned_file, total // 2)
+    usage = UsageFile(learned_file, relative)
     print(
         f"model {model}: {len(main_layers)} MoE layers x {cfg['n_routed_experts']} experts x "
         f"{expert_bytes / 1e6:.1f} MB = {total / 1e9:.2f} GB routed; top-"

@@ -114,6 +114,7 @@ class Engine:
         prefetch_top_k: int = 0,
         mtp: bool = True,
         usage_file: bool = True,
+        cache_dir: str | PathLike[str] | None = None,
         pin: str = "auto",
         resident_layers: list[int] | None = None,
         max_context: int | None = None,
@@ -121,7 +122,9 @@ class Engine:
         """Load the model directory ``path``. ``io``: auto|mmap|pread|direct; ``prefetch``:
         auto|off|hint|real; ``ram_budget``: expert-cache bytes (None: sized from available
         memory); ``prefetch_top_k``: experts predicted per layer (0: the model's top-k);
-        ``usage_file``: persist routing history for the pinned set; ``pin``: auto|history
+        ``usage_file``: persist routing history for the pinned set, in ``cache_dir`` (None:
+        ``$COLIBRI_CACHE_DIR``, ``$XDG_CACHE_HOME/colibri`` or ``~/.cache/colibri``; a
+        legacy history in the model directory is read, never written); ``pin``: auto|history
         (pin the history's hottest experts in half the budget) or off; ``resident_layers``:
         MoE layers whose experts are all loaded at open and kept, beyond ``ram_budget``
         (the MTP layer is ``num_hidden_layers``); ``max_context``: the longest context in
@@ -131,6 +134,9 @@ class Engine:
     @property
     def has_mtp(self) -> bool:
         """Whether the MTP head is loaded."""
+    @property
+    def usage_path(self) -> Path | None:
+        """Where the routing history is saved, or None when it is not saved."""
     @property
     def max_context(self) -> int:
         """The longest context (prompt + generated tokens) this engine runs."""

@@ -131,6 +131,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         help="longest context in tokens, bounds the KV cache (default: the model's limit, "
         "or what fits in the RAM left for the KV cache)",
     )
+    g.add_argument(
+        "--cache-dir",
+        default=None,
+        help="per-model state (routing history) directory (default: $COLIBRI_CACHE_DIR, "
+        "$XDG_CACHE_HOME/colibri or ~/.cache/colibri)",
+    )
     g.add_argument("--no-mtp", action="store_true", help="do not load the MTP head")
     g.add_argument(
         "--pin-mtp",
@@ -201,6 +207,7 @@ def _load(args: argparse.Namespace) -> Any:
         mtp=not args.no_mtp,
         pin_mtp=args.pin_mtp and not args.no_mtp,
         max_context=args.max_context,
+        cache_dir=args.cache_dir,
     )
 
 

@@ -298,6 +298,10 @@ class Model:
             after the dense weights and the expert budget. A generation that reaches it ends
             with ``finish_reason == "length"``; a longer prompt is an
             :class:`InvalidArgumentError`.
+        cache_dir: where per-model state (the routing history that picks the pinned
+            experts) is kept, under a directory named by the model's fingerprint. ``None``:
+            ``$COLIBRI_CACHE_DIR``, else ``$XDG_CACHE_HOME/colibri``, else
+            ``~/.cache/colibri``. Nothing is ever written into the model directory.
 
     Example:
         >>> import colibri
@@ -321,6 +325,7 @@ class Model:
         mtp: bool = True,
         pin_mtp: bool = False,
         max_context: int | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         _check_choice("io", io, _IO_MODES)
         _check_choice("prefetch", prefetch, _PREFETCH_MODES)
@@ -352,6 +357,7 @@ class Model:
             mtp=bool(mtp),
             resident_layers=_mtp_layers(self.path) if pin_mtp and mtp else None,
             max_context=context,
+            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
         )
         self.config: dict[str, Any] = json.loads(self._engine.config_json())
         # Read once: the engine's getters take its lock, which a running generation holds.
@@ -359,6 +365,7 @@ class Model:
         self._max_context = int(self._engine.max_context)
         self._eos_token_ids = [int(t) for t in self._engine.eos_token_ids]
         self._vocab_size = int(self._engine.vocab_size)
+        self._usage_path = self._engine.usage_path
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------------------- helpers
@@ -383,6 +390,13 @@ class Model:
         """The longest context (prompt + generated tokens) this model runs: the
         ``max_context`` it was opened with, or the default (see the class docstring)."""
         return self._max_context
+
+    @property
+    def usage_path(self) -> Path | None:
+        """The file the routing history is saved to (in the cache directory), or ``None``
+        when none could be determined."""
+        path = self._usage_path
+        return None if path is None else Path(path)
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -804,8 +804,9 @@ impl Plan {
         Ok(written)
     }
 
-    /// Copy the tokenizer and other sidecar files, write config.json (without the source's
-    /// `quantization_config`), and check that the result opens as a container.
+    /// Copy the files a container needs besides its weights ([`is_container_sidecar`]: the
+    /// tokenizer, generation config, chat template, license), write config.json (without
+    /// the source's `quantization_config`), and check that the result opens as a container.
     pub fn finish(&self) -> Result<()> {
         std::fs::create_dir_all(&self.dst).map_err(|e| Error::io(&self.dst, e))?;
         let rd = std::fs::read_dir(&self.src.dir).map_err(|e| Error::io(&self.src.dir, e))?;
@@ -813,14 +814,7 @@ impl Plan {
             let entry = entry.map_err(|e| Error::io(&self.src.dir, e))?;
             let p = entry.path();
             let name = entry.file_name().to_string_lossy().into_owned();
-            let skip = name.starts_with('.')
-                || name == "config.json"
-                || name.ends_with(".safetensors")
-                || name.ends_with(".safetensors.index.json")
-                || [".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack"]
-                    .iter()
-                    .any(|e| name.ends_with(e));
-            if skip || !p.is_file() {
+            if !is_container_sidecar(&name) || !p.is_file() {
                 continue;
             }
             let to = self.dst.join(&name);
@@ -874,6 +868,31 @@ pub fn convert(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Conve
     }
     plan.finish()?;
     Ok(report)
+}
+
+/// Whether a file of a source checkpoint belongs in the container: what loading and
+/// prompting the model reads (the tokenizer in any of its Hugging Face forms, the generation
+/// config, the chat template) and its license. Everything else stays behind: the weights
+/// are rewritten, `config.json` is written separately, and other files (a README describing
+/// the source's format, a routing history of another container, notes, numpy dumps) are
+/// not the container's.
+pub fn is_container_sidecar(name: &str) -> bool {
+    const EXACT: [&str; 8] = [
+        "generation_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "chat_template.json",
+        "preprocessor_config.json",
+    ];
+    !name.starts_with('.')
+        && (EXACT.contains(&name)
+            || name.starts_with("tokenizer")
+            || name.ends_with(".jinja")
+            || name.starts_with("LICENSE")
+            || name.starts_with("LICENCE"))
 }
 
 #[cfg(test)]

@@ -420,3 +420,31 @@ fn bad_sources_are_errors_naming_file_and_tensor() {
         .to_string();
     assert!(e.contains("truncated"), "{e}");
 }
+
+#[test]
+fn only_container_sidecars_are_copied() {
+    for keep in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "generation_config.json",
+        "chat_template.jinja",
+        "special_tokens_map.json",
+        "LICENSE",
+    ] {
+        assert!(is_container_sidecar(keep), "{keep}");
+    }
+    for drop in [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "colibri-usage.json",
+        "activations.npz",
+        "README.md",
+        ".gitattributes",
+        "notes.txt",
+    ] {
+        assert!(!is_container_sidecar(drop), "{drop}");
+    }
+}

@@ -9,8 +9,9 @@
 //! - [`ExpertStore::prefetch`] / [`ExpertStore::hint_previous`] take predictions (router
 //!   lookahead / the previous token's experts) into a bounded queue served by prefetch
 //!   threads: real loads into the layer's cache under an eviction guard, or page-cache hints.
-//! - The routing history (`colibri-usage.json` in the model directory) picks the pinned set
-//!   and is merged back by [`ExpertStore::save_usage`].
+//! - The routing history (`colibri-usage.json` in the user cache directory, keyed by the
+//!   model's fingerprint; see [`usage`]) picks the pinned set and is merged back by
+//!   [`ExpertStore::save_usage`]. Nothing is ever written into the model directory.
 //!
 //! Results never depend on the mode, cache size, pins, worker count or prefetch: the bytes
 //! handed to the caller are the file's bytes, and the caller sums per-expert outputs in a
@@ -137,8 +138,12 @@ pub struct StoreOptions {
     /// The guard: a prefetch never evicts an expert used within this many of the layer's
     /// latest calls (nor a pinned one, nor a prediction still waiting to be used). Default 1.
     pub guard_tokens: u64,
-    /// Read and save the routing history in the model directory. Default true.
+    /// Read and save the routing history (see [`usage`]). Default true.
     pub usage_file: bool,
+    /// The cache directory the routing history is kept in (under
+    /// `models/<fingerprint>/`). Default `None`: [`usage::default_cache_dir`]
+    /// (`$COLIBRI_CACHE_DIR`, `$XDG_CACHE_HOME/colibri`, `~/.cache/colibri`).
+    pub cache_dir: Option<PathBuf>,
     /// Layers whose routed experts are all loaded at open and never evicted, in RAM *beyond*
     /// `ram_budget_bytes` (a user with memory to spare pins a whole layer, typically the MTP
     /// layer: its experts are read on every draft step). Default: none.
@@ -165,6 +170,7 @@ impl Default for StoreOptions {
             prefetch_queue: 64,
             guard_tokens: 1,
             usage_file: true,
+            cache_dir: None,
             prefetch_min_precision: 0.7,
             resident_layers: Vec::new(),
         }
@@ -306,16 +312,36 @@ impl ExpertStore {
             ));
         }
         let fingerprint = source.fingerprint();
-        let usage_path = opts.usage_file.then(|| source.model_dir().join(USAGE_FILE));
-        let base = match &usage_path {
-            Some(p) => {
-                let (c, warning) = usage::load(p, &fingerprint, &shape);
-                if let Some(w) = warning {
-                    warn_once(&format!("usage-load:{}", p.display()), &w);
-                }
-                c
+        let legacy = source.model_dir().join(USAGE_FILE);
+        let cache_dir = if opts.usage_file {
+            let dir = opts.cache_dir.clone().or_else(usage::default_cache_dir);
+            if dir.is_none() {
+                warn_once(
+                    "usage-no-cache-dir",
+                    &format!(
+                        "no cache directory for the routing history (set {} or HOME); it \
+                         will not be saved",
+                        usage::CACHE_DIR_ENV
+                    ),
+                );
             }
-            None => UsageCounts::zeros(&shape),
+            dir
+        } else {
+            None
+        };
+        let usage_path = cache_dir.map(|d| usage::history_path(&d, &fingerprint));
+        let base = if !opts.usage_file {
+            UsageCounts::zeros(&shape)
+        } else {
+            let (c, warning) = match &usage_path {
+                Some(p) => usage::load_or_migrate(p, Some(&legacy), &fingerprint, &shape),
+                None => usage::load(&legacy, &fingerprint, &shape),
+            };
+            if let Some(w) = warning {
+                let key = usage_path.as_deref().unwrap_or(&legacy).display();
+                warn_once(&format!("usage-load:{key}"), &w);
+            }
+            c
         };
         let budget = opts.ram_budget_bytes.unwrap_or_else(auto_budget);
         let est_of = |l: usize, e: usize| -> Option<u64> {
@@ -630,12 +656,20 @@ impl ExpertStore {
         self.inner.busy.reset();
     }
 
+    /// Where the routing history is saved (in the cache directory), or `None` when it is
+    /// not (`usage_file` off, or no cache directory could be determined).
+    pub fn usage_path(&self) -> Option<&std::path::Path> {
+        self.inner.usage_path.as_deref()
+    }
+
     /// Merge this session's routing counts into the history file (atomic write). A failure to
     /// write (read-only directory...) warns once and returns `Skipped`; it is never an error.
     pub fn save_usage(&self) -> Result<SaveOutcome> {
         let inner = &self.inner;
         let Some(path) = &inner.usage_path else {
-            return Ok(SaveOutcome::Skipped("the usage file is disabled".into()));
+            return Ok(SaveOutcome::Skipped(
+                "the routing history is not saved (usage_file off, or no cache directory)".into(),
+            ));
         };
         let delta = UsageCounts {
             layers: inner

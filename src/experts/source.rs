@@ -104,7 +104,7 @@ impl ExpertLoc {
 
 /// Where the routed experts of a model are.
 pub trait ExpertSource: Send + Sync {
-    /// The model directory (the routing history is kept there).
+    /// The model directory (read-only to colibri: a legacy routing history there is read).
     fn model_dir(&self) -> &Path;
     /// The shard files that [`ByteRange::file`] indexes.
     fn files(&self) -> &[PathBuf];

@@ -608,8 +608,10 @@ fn routing_history_pins_the_hot_set_across_runs() {
     let one = ExpertStore::open_source(src.clone(), opts(IoMode::Pread, 0))
         .and_then(|s| s.charged_bytes(1, 0))
         .expect("charged");
+    let cache = tempfile::tempdir().expect("cache dir");
     let o = StoreOptions {
         usage_file: true,
+        cache_dir: Some(cache.path().to_path_buf()),
         pin: PinPolicy::History { fraction: 0.5 },
         ..opts(IoMode::Pread, 8 * one)
     };
@@ -629,7 +631,12 @@ fn routing_history_pins_the_hot_set_across_runs() {
         // A second save adds nothing new.
         store.save_usage().expect("save");
     }
-    let p = d.path().join(USAGE_FILE);
+    // Kept in the cache under the model's fingerprint, never in the model directory.
+    let p = usage::history_path(cache.path(), &src.fingerprint);
+    assert!(
+        !d.path().join(USAGE_FILE).exists(),
+        "wrote into the model directory"
+    );
     let (c, w) = usage::load(&p, &src.fingerprint, &[(1, 8), (2, 8), (3, 8)]);
     assert_eq!(w, None);
     assert_eq!(
@@ -667,6 +674,72 @@ fn routing_history_pins_the_hot_set_across_runs() {
         store.save_usage().expect("no error"),
         SaveOutcome::Skipped(_)
     ));
+}
+
+#[test]
+fn a_legacy_history_in_the_model_directory_is_read_but_never_written() {
+    let spec = SynthSpec::tiny(G64);
+    let (d, src) = make(&spec);
+    let shape = [(1, 8), (2, 8), (3, 8)];
+    let one = ExpertStore::open_source(src.clone(), opts(IoMode::Pread, 0))
+        .and_then(|s| s.charged_bytes(1, 0))
+        .expect("charged");
+    // A history from before it moved to the cache: expert 5 of layer 2 is hot.
+    let legacy = d.path().join(USAGE_FILE);
+    let mut hot = UsageCounts::zeros(&shape);
+    hot.layers.get_mut(&2).expect("layer 2")[5] = 9;
+    usage::save(
+        &legacy,
+        &src.fingerprint,
+        &shape,
+        &hot,
+        &UsageCounts::zeros(&shape),
+    )
+    .expect("legacy");
+    let before = std::fs::read(&legacy).expect("read");
+    let cache = tempfile::tempdir().expect("cache dir");
+    let o = StoreOptions {
+        usage_file: true,
+        cache_dir: Some(cache.path().to_path_buf()),
+        pin: PinPolicy::History { fraction: 0.5 },
+        ..opts(IoMode::Pread, 8 * one)
+    };
+    let store = ExpertStore::open_source(src.clone(), o.clone()).expect("open");
+    assert_eq!(
+        store.stats().pin_set_len,
+        1,
+        "the legacy history picks the pins"
+    );
+    let mut ok = |_: usize, _: &ExpertView<'_>| Ok(());
+    store.with_experts(1, &[0], &mut ok).expect("call");
+    let p = usage::history_path(cache.path(), &src.fingerprint);
+    assert_eq!(store.usage_path(), Some(p.as_path()));
+    assert!(matches!(
+        store.save_usage().expect("save"),
+        SaveOutcome::Written(_)
+    ));
+    drop(store);
+    assert_eq!(
+        std::fs::read(&legacy).expect("read"),
+        before,
+        "legacy file modified"
+    );
+    // The cache now holds the legacy counts plus this run's, and takes precedence.
+    let (c, w) = usage::load(&p, &src.fingerprint, &shape);
+    assert_eq!(w, None);
+    assert_eq!((c.layers[&2][5], c.layers[&1][0], c.total()), (9, 1, 10));
+    std::fs::remove_file(&legacy).expect("rm");
+    let store = ExpertStore::open_source(src.clone(), o).expect("open");
+    assert_eq!(store.stats().pin_set_len, 2, "read from the cache");
+    // No history file: nothing is read or written anywhere.
+    drop(store);
+    let off = ExpertStore::open_source(src, opts(IoMode::Pread, 8 * one)).expect("open");
+    assert_eq!(off.usage_path(), None);
+    assert!(matches!(
+        off.save_usage().expect("save"),
+        SaveOutcome::Skipped(_)
+    ));
+    assert!(!d.path().join(USAGE_FILE).exists());
 }
 
 #[test]

@@ -1,10 +1,14 @@
-//! Routing history: how often each (layer, expert) was routed to, kept across runs in a
-//! sidecar file in the model directory (`colibri-usage.json`) and used to choose the pinned
-//! hot set. The file carries a fingerprint of the model; a file from another model, or one
-//! that cannot be parsed, is ignored with a warning. Saving is atomic (temporary file +
-//! rename in the same directory) and merges with whatever another run saved meanwhile.
-//! Failing to save (read-only model directory, full disk) never fails generation: it warns
-//! and reports [`SaveOutcome::Skipped`].
+//! Routing history: how often each (layer, expert) was routed to, kept across runs and used
+//! to choose the pinned hot set. It is per-model state, so it lives in the user's cache
+//! directory ([`default_cache_dir`]: `$COLIBRI_CACHE_DIR`, else `$XDG_CACHE_HOME/colibri`,
+//! else `~/.cache/colibri`), at `models/<fingerprint>/colibri-usage.json` ([`history_path`]),
+//! never in the model directory (an installed package, the Hugging Face cache). A legacy
+//! `colibri-usage.json` next to the weights is still read when the cache has none yet
+//! (migration); the first save then writes its counts, merged, to the cache. The file carries
+//! the model's fingerprint; a file from another model, or one that cannot be parsed, is
+//! ignored with a warning. Saving is atomic (temporary file + rename in the same directory)
+//! and merges with whatever another run saved meanwhile. Failing to save (read-only cache,
+//! full disk) never fails generation: it warns and reports [`SaveOutcome::Skipped`].
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -12,8 +16,42 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-/// The sidecar's file name.
+/// The history's file name (in the cache, and the legacy sidecar in a model directory).
 pub const USAGE_FILE: &str = "colibri-usage.json";
+/// The environment variable that overrides the cache directory.
+pub const CACHE_DIR_ENV: &str = "COLIBRI_CACHE_DIR";
+
+/// The user cache directory for colibri's per-model state, platformdirs-style:
+/// `$COLIBRI_CACHE_DIR` if set, else `$XDG_CACHE_HOME/colibri` (an absolute path), else
+/// `~/Library/Caches/colibri` on macOS, `%LOCALAPPDATA%\colibri\cache` on Windows and
+/// `~/.cache/colibri` elsewhere. `None` when none of these can be determined.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    let var = |name: &str| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    if let Some(dir) = var(CACHE_DIR_ENV) {
+        return Some(dir);
+    }
+    if cfg!(windows) {
+        return var("LOCALAPPDATA").map(|d| d.join("colibri").join("cache"));
+    }
+    if let Some(xdg) = var("XDG_CACHE_HOME").filter(|d| d.is_absolute()) {
+        return Some(xdg.join("colibri"));
+    }
+    let home = var("HOME")?;
+    Some(if cfg!(target_os = "macos") {
+        home.join("Library").join("Caches").join("colibri")
+    } else {
+        home.join(".cache").join("colibri")
+    })
+}
+
+/// Where the history of the model with `fingerprint` lives under `cache_dir`.
+pub fn history_path(cache_dir: &Path, fingerprint: &str) -> PathBuf {
+    cache_dir.join("models").join(fingerprint).join(USAGE_FILE)
+}
 const FORMAT: &str = "colibri-usage";
 const VERSION: u32 = 1;
 
@@ -93,6 +131,21 @@ pub fn load(
     }
 }
 
+/// Read the history at `path`, or, when there is no file there yet, the legacy sidecar at
+/// `legacy` (a model directory's `colibri-usage.json`, from before the history moved to the
+/// cache). Returns the counts and a warning as [`load`] does.
+pub fn load_or_migrate(
+    path: &Path,
+    legacy: Option<&Path>,
+    fingerprint: &str,
+    shape: &[(usize, usize)],
+) -> (UsageCounts, Option<String>) {
+    match legacy {
+        Some(old) if !path.exists() && old.exists() => load(old, fingerprint, shape),
+        _ => load(path, fingerprint, shape),
+    }
+}
+
 /// `Ok(None)`: no file. `Err(reason)`: a file that is not usable for this model.
 fn read(
     path: &Path,
@@ -162,6 +215,7 @@ pub fn save(
         std::thread::current().id()
     ));
     let write = || -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(text.as_bytes())?;
         f.sync_all()?;
@@ -274,6 +328,31 @@ mod tests {
         )
         .expect("save");
         assert_eq!(m, counts([1; 4], [0; 4]));
+    }
+
+    #[test]
+    fn history_lives_under_the_fingerprint_and_save_creates_its_directory() {
+        let cache = tempfile::tempdir().expect("tempdir");
+        let p = history_path(cache.path(), "0123abcd");
+        assert_eq!(
+            p,
+            cache
+                .path()
+                .join("models")
+                .join("0123abcd")
+                .join(USAGE_FILE)
+        );
+        let d = counts([1, 0, 0, 0], [0; 4]);
+        save(&p, "fp", &SHAPE, &UsageCounts::zeros(&SHAPE), &d).expect("save");
+        assert_eq!(load(&p, "fp", &SHAPE), (d.clone(), None));
+        // A legacy file is read only while the cache has none.
+        let legacy = cache.path().join("legacy.json");
+        let old = counts([0; 4], [3, 0, 0, 0]);
+        save(&legacy, "fp", &SHAPE, &old, &UsageCounts::zeros(&SHAPE)).expect("legacy");
+        let fresh = cache.path().join("new").join(USAGE_FILE);
+        assert_eq!(load_or_migrate(&fresh, Some(&legacy), "fp", &SHAPE).0, old);
+        assert_eq!(load_or_migrate(&p, Some(&legacy), "fp", &SHAPE).0, d);
+        assert_eq!(load_or_migrate(&fresh, None, "fp", &SHAPE).0.total(), 0);
     }
 
     #[test]

@@ -80,7 +80,7 @@ fn parse_choice(param: &str, value: &str, choices: &[&str]) -> crate::Result<()>
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, pin="auto", resident_layers=None, max_context=None))]
+    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, cache_dir=None, pin="auto", resident_layers=None, max_context=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -92,6 +92,7 @@ impl PyEngine {
         prefetch_top_k: usize,
         mtp: bool,
         usage_file: bool,
+        cache_dir: Option<std::path::PathBuf>,
         pin: &str,
         resident_layers: Option<Vec<usize>>,
         max_context: Option<usize>,
@@ -117,6 +118,7 @@ impl PyEngine {
                 ram_budget_bytes: ram_budget,
                 prefetch: prefetch_mode,
                 usage_file,
+                cache_dir,
                 pin: match pin.as_str() {
                     "off" => PinPolicy::Off,
                     _ => defaults.pin.clone(),
@@ -161,6 +163,13 @@ impl PyEngine {
                 config_json,
             })
         })
+    }
+
+    /// Where the routing history is saved (the cache directory's file for this model), or
+    /// None when it is not saved.
+    #[getter]
+    fn usage_path(&self) -> Option<std::path::PathBuf> {
+        self.store.usage_path().map(std::path::Path::to_path_buf)
     }
 
     /// The model's `config.json` text.
@@ -266,7 +275,7 @@ impl PyEngine {
             };
             decode::generate(m, &ids, &opts, &mut on, &cancel)
         })?;
-        // The routing history teaches the pinned set; failing to save it (read-only model
+        // The routing history teaches the pinned set; failing to save it (read-only cache
         // directory) must not fail the generation, and the store already warns about it.
         let _ = self.store.save_usage();
         if let Some(e) = pending {

@@ -107,6 +107,10 @@ pub struct Attention {
     keys: KeyChoice,
 }
 
+/// Keys per block of the attention's passes: 64 latent rows (128 KiB at kv_lora 512) stay in
+/// L2 while every group of a task's heads uses them. A multiple of BATCH.
+const KEY_BLOCK: usize = 64;
+
 /// transformers builds `q_a_layernorm` and `kv_a_layernorm` without an eps argument, so both
 /// families use the RMSNorm default of 1e-6 there, whatever `rms_norm_eps` says.
 const LATENT_NORM_EPS: f32 = 1e-6;
@@ -288,23 +292,29 @@ impl Attention {
         };
         let q_lat = per_head(heads, s, kl, pool, head_lat)?;
 
-        // Causal attention over the latent cache; o_lat[s, head, kv_lora]. One group of BATCH
-        // heads per task on the pool: MLA's heads share the latent cache, so each key row is
-        // read from memory once for the group (scores of four heads per call, weighted sums
-        // of four keys per call, each head's from L1). Every score, softmax and sum is
-        // computed exactly as for a head alone, in the same order. With DSA a row attends to
-        // its selected keys only, in ascending position (the dense order when all are
-        // selected), so the values do not depend on S either.
+        // Causal attention over the latent cache; o_lat[s, head, kv_lora]. The heads are split
+        // over the pool's threads in whole groups of BATCH; a task walks its keys in blocks of
+        // KEY_BLOCK that stay in L2 while every group of its heads uses them, so each thread
+        // streams the cache once per pass (scores, weighted sums) instead of once per group —
+        // at long contexts the cache, not the arithmetic, was the cost. Within a group: the
+        // scores of four heads per call, weighted sums of four keys per call. Every score,
+        // softmax and sum of a head is computed as for the head alone, in the same order
+        // whatever the split, S or thread count. With DSA a row attends to its selected keys
+        // only, in ascending position (the dense order when all are selected), so the values
+        // do not depend on S either.
         let latent = |j: usize| &kv.latent[j * kl..(j + 1) * kl];
         let rope_key = |j: usize| &kv.rope_key[j * rd..(j + 1) * rd];
-        let group_attend = |g: usize| -> Vec<f32> {
-            let h0 = g * BATCH;
-            let size = BATCH.min(heads - h0);
-            let mut out = vec![0.0f32; s * size * kl];
-            let most =
-                selection.map_or(start + s, |sel| sel.iter().map(Vec::len).max().unwrap_or(0));
-            let mut scores = vec![Vec::with_capacity(most); size];
-            let mut sums = [0.0f32; BATCH];
+        let threads = pool.map_or(1, |p| p.current_num_threads()).max(1);
+        let task_heads = heads.div_ceil(BATCH).div_ceil(threads) * BATCH;
+        let most = selection.map_or(start + s, |sel| sel.iter().map(Vec::len).max().unwrap_or(0));
+        // Indexing by key and head is the clearest form of the blocked passes.
+        #[allow(clippy::needless_range_loop)]
+        let task_attend = |task: usize| -> Vec<f32> {
+            let h0 = task * task_heads;
+            let n = task_heads.min(heads - h0);
+            let mut out = vec![0.0f32; s * n * kl];
+            let mut scores = vec![Vec::with_capacity(most); n];
+            let mut sums = vec![0.0f32; n];
             for r in 0..s {
                 let chosen = selection.map(|sel| &sel[r][..]);
                 // Keys this row attends to: all earlier ones, or the selected ones.
@@ -316,19 +326,28 @@ impl Attention {
                     let at = r * heads * qd + (h0 + h) * qd + nope;
                     &q[at..at + rd]
                 };
-                scores.iter_mut().for_each(Vec::clear);
-                for i in 0..t {
-                    let j = key(i);
-                    if size == BATCH {
-                        let c = ops.dots(latent(j), std::array::from_fn(ql));
-                        let k = ops.dots(rope_key(j), std::array::from_fn(qr));
-                        for (h, sc) in scores.iter_mut().enumerate() {
-                            sc.push((c[h] + k[h]) * self.scale);
-                        }
-                    } else {
-                        for (h, sc) in scores.iter_mut().enumerate() {
-                            let v = ops.dot(ql(h), latent(j)) + ops.dot(qr(h), rope_key(j));
-                            sc.push(v * self.scale);
+                for sc in scores.iter_mut() {
+                    sc.clear();
+                    sc.resize(t, 0.0);
+                }
+                for b0 in (0..t).step_by(KEY_BLOCK) {
+                    let b1 = (b0 + KEY_BLOCK).min(t);
+                    for g0 in (0..n).step_by(BATCH) {
+                        let size = BATCH.min(n - g0);
+                        for i in b0..b1 {
+                            let j = key(i);
+                            if size == BATCH {
+                                let c = ops.dots(latent(j), std::array::from_fn(|h| ql(g0 + h)));
+                                let k = ops.dots(rope_key(j), std::array::from_fn(|h| qr(g0 + h)));
+                                for h in 0..BATCH {
+                                    scores[g0 + h][i] = (c[h] + k[h]) * self.scale;
+                                }
+                            } else {
+                                for h in g0..g0 + size {
+                                    let v = ops.dot(ql(h), latent(j)) + ops.dot(qr(h), rope_key(j));
+                                    scores[h][i] = v * self.scale;
+                                }
+                            }
                         }
                     }
                 }
@@ -340,16 +359,19 @@ impl Attention {
                         *sum += *v;
                     }
                 }
-                let dst = &mut out[r * size * kl..(r + 1) * size * kl];
-                let mut j = 0;
-                while j + BATCH <= t {
-                    let rows = std::array::from_fn(|i| latent(key(j + i)));
+                let dst = &mut out[r * n * kl..(r + 1) * n * kl];
+                // Four keys per call from 0, in blocks that are whole fours; the tail last.
+                let whole = t - t % BATCH;
+                for b0 in (0..whole).step_by(KEY_BLOCK) {
+                    let b1 = (b0 + KEY_BLOCK).min(whole);
                     for ((d, sc), sum) in dst.chunks_exact_mut(kl).zip(&scores).zip(&sums) {
-                        ops.axpys(d, std::array::from_fn(|i| sc[j + i] / sum), rows);
+                        for j in (b0..b1).step_by(BATCH) {
+                            let rows = std::array::from_fn(|i| latent(key(j + i)));
+                            ops.axpys(d, std::array::from_fn(|i| sc[j + i] / sum), rows);
+                        }
                     }
-                    j += BATCH;
                 }
-                for j in j..t {
+                for j in whole..t {
                     for ((d, sc), sum) in dst.chunks_exact_mut(kl).zip(&scores).zip(&sums) {
                         ops.axpy(d, sc[j] / sum, latent(key(j)));
                     }
@@ -357,7 +379,7 @@ impl Attention {
             }
             out
         };
-        let o_lat = per_group(heads, BATCH, s, kl, pool, |g| Ok(group_attend(g)))?;
+        let o_lat = per_group(heads, task_heads, s, kl, pool, |t| Ok(task_attend(t)))?;
 
         // o[s, head, v] = W_UV(head) · o_lat(s, head), through the kernel on the value rows, one
         // head per task on the pool, each head's call on its task's thread (a kernel's result

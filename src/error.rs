@@ -44,6 +44,10 @@ pub enum Error {
         what: &'static str,
         index: usize,
     },
+    /// The model computed a NaN or infinite logit: its weights hold NaN/Inf, or produce it.
+    /// The message says which logit and, where a bounded scan found it, which tensor.
+    #[error("{0}")]
+    NonFiniteOutput(String),
     /// The caller asked the running operation to stop (Ctrl-C).
     #[error("cancelled")]
     Cancelled,

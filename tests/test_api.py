@@ -365,6 +365,75 @@ def test_chat_template_raise_exception(tmp_path: Path) -> None:
         m.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.parametrize(
+    ("messages", "match"),
+    [
+        ("hello", r"messages.*str.*list of \{'role'.*generate\(prompt\)"),
+        ({"role": "user", "content": "hi"}, "messages.*wrap a single message in a list"),
+        (None, "messages.*NoneType"),
+        ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\].*int.*string"),
+        ([{"role": "user", "content": {"text": "hi"}}], r"messages\[0\]\['content'\]"),
+        ([{"role": "user"}], r"messages\[0\].*no 'content'"),
+        ([{"content": "hi"}], r"messages\[0\].*no 'role'"),
+        ([{"role": "user", "content": "ok"}, "hi"], r"messages\[1\].*str"),
+        ([{"role": "user", "content": "a\udc80b"}], r"messages\[0\]\['content'\].*Unicode"),
+    ],
+)
+def test_bad_chat_messages(model: colibri.Model, messages: Any, match: str) -> None:
+    """Every malformed conversation is an InvalidArgumentError that says what a conversation
+    is (never a jinja TypeError, a string iterated as messages, or a ConfigError)."""
+    with pytest.raises(colibri.InvalidArgumentError, match=match):
+        model.chat(messages, max_new_tokens=2)
+    with pytest.raises(colibri.InvalidArgumentError, match=match):
+        model.apply_chat_template(messages)
+
+
+def test_chat_template_errors_on_messages_are_typed(tmp_path: Path) -> None:
+    """A template that fails on the messages it is given (not on itself) blames them."""
+    m = _model_with_template(tmp_path, "{{ messages[0]['content'] + 1 }}")
+    with pytest.raises(colibri.InvalidArgumentError, match="TypeError"):
+        m.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_text_with_a_lone_surrogate_is_a_typed_error(model: colibri.Model) -> None:
+    for call in (
+        lambda: model.generate("a\udc80b", max_new_tokens=2),
+        lambda: model.encode("\ud800"),
+    ):
+        with pytest.raises(colibri.InvalidArgumentError, match="not valid Unicode"):
+            call()
+    with pytest.raises(colibri.InvalidArgumentError, match=r"text.*bytes.*string"):
+        model.encode(b"abc")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [5, 1.5, ["tiny"], object()])
+def test_model_of_the_wrong_type(bad: Any) -> None:
+    with pytest.raises(colibri.InvalidArgumentError, match=r"'model'.*model directory"):
+        colibri.Model(bad)
+
+
+def test_nan_weights_name_the_tensor(tmp_path: Path) -> None:
+    """An unconverted checkpoint with a NaN weight: generation fails with a
+    NonFiniteWeightError naming the tensor and its file, not an InternalError."""
+    from safetensors.numpy import load_file, save_file
+
+    d = make_test_model(tmp_path / "m")
+    weights = load_file(str(d / "model.safetensors"))
+    name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+    w = weights[name].copy()
+    w[3, 5] = np.nan
+    weights[name] = w
+    save_file(weights, str(d / "model.safetensors"))
+    m = colibri.Model(d, threads=1)
+    for temperature in (0.0, 0.8):
+        with pytest.raises(colibri.NonFiniteWeightError) as e:
+            m.generate("abc", max_new_tokens=2, temperature=temperature)
+        msg = str(e.value)
+        assert name in msg and "model.safetensors" in msg and "NaN" in msg, msg
+        assert "colibri bug" not in msg
+        assert f"flat index {3 * w.shape[1] + 5}" in msg
+
+
 def test_tokenizer_property(model: colibri.Model) -> None:
     assert isinstance(model.tokenizer, Tokenizer)
     ids = model.encode("héllo")
@@ -419,6 +488,44 @@ def test_repo_id_offline_not_cached(offline_hub: Path) -> None:
     with pytest.raises(colibri.ModelNotFoundError, match="HF_HUB_OFFLINE") as e:
         colibri.Model("colibri-test/not-cached")
     assert "colibri-test/not-cached" in str(e.value)
+
+
+def test_hub_errors_keep_the_cause_and_the_revision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unreachable hub: the message carries the network error underneath the hub's
+    wrapper, and the revision asked for."""
+    import huggingface_hub
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def unreachable(*args: object, **kwargs: object) -> None:
+        try:
+            raise ConnectionError("[Errno -2] Name or service not known")
+        except ConnectionError as e:
+            raise LocalEntryNotFoundError("cannot find the snapshot folder") from e
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    with pytest.raises(colibri.ModelNotFoundError) as e:
+        colibri.Model("colibri-test/tiny", revision="v1.2")
+    msg = str(e.value)
+    assert "Name or service not known" in msg, msg
+    assert "'v1.2'" in msg and "--revision v1.2" in msg, msg
+    assert "HF_HUB_OFFLINE is set" not in msg, msg
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise TimeoutError("read timed out")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refused)
+    with pytest.raises(colibri.ModelNotFoundError, match=r"v1\.2.*TimeoutError: read timed out"):
+        colibri.Model("colibri-test/tiny", revision="v1.2")
+
+
+def test_offline_error_names_the_revision(offline_hub: Path) -> None:
+    with pytest.raises(colibri.ModelNotFoundError, match=r"'abc123'.*HF_HUB_OFFLINE"):
+        colibri.Model("colibri-test/not-cached", revision="abc123")
 
 
 def test_repo_id_from_the_local_cache(offline_hub: Path, test_model_dir: Path) -> None:

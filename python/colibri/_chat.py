@@ -67,13 +67,7 @@ def render_chat(
     add_generation_prompt: bool,
 ) -> str:
     """Render ``messages`` into the prompt text the model was trained on."""
-    if not messages:
-        raise InvalidArgumentError("invalid value for 'messages': the conversation is empty")
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or "role" not in m:
-            raise InvalidArgumentError(
-                f"invalid value for 'messages[{i}]': expected a mapping with 'role' and 'content'"
-            )
+    check_messages(messages)
     from jinja2.exceptions import TemplateError
 
     template = _compile(template_source(tokenizer_config, model_dir))
@@ -92,3 +86,71 @@ def render_chat(
         )
     except TemplateError as e:
         raise ConfigError(f"the chat template failed to render: {e}") from e
+    except InvalidArgumentError:  # raise_exception() in the template
+        raise
+    except Exception as e:  # the template did something the messages do not support
+        raise InvalidArgumentError(
+            f"invalid value for 'messages': the chat template cannot render them "
+            f"({type(e).__name__}: {e}); give each message a 'role' and a string 'content'"
+        ) from e
+
+
+def check_messages(messages: object) -> None:
+    """Check that ``messages`` is a conversation: a non-empty list of ``{"role": str,
+    "content": str}`` mappings (an assistant turn may carry ``tool_calls`` instead of
+    ``content``, and a content may be a list of parts, as transformers allows)."""
+    expected = "a list of {'role': ..., 'content': ...} dicts"
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        hint = (
+            "; for a plain prompt use generate(prompt)"
+            if isinstance(messages, str)
+            else "; wrap a single message in a list"
+            if isinstance(messages, Mapping)
+            else ""
+        )
+        raise InvalidArgumentError(
+            f"invalid value for 'messages': {type(messages).__name__}; expected {expected}{hint}"
+        )
+    if not messages:
+        raise InvalidArgumentError("invalid value for 'messages': the conversation is empty")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InvalidArgumentError(
+                f"invalid value for 'messages[{i}]': {type(m).__name__}; expected a dict with "
+                "'role' and 'content'"
+            )
+        if not isinstance(m.get("role"), str):
+            raise InvalidArgumentError(
+                f"invalid value for 'messages[{i}]': no 'role' string (e.g. 'user', "
+                "'assistant', 'system')"
+            )
+        if "content" not in m:
+            if "tool_calls" in m:
+                continue
+            raise InvalidArgumentError(
+                f"invalid value for 'messages[{i}]': no 'content'; give each message a 'role' "
+                "and a 'content' string"
+            )
+        content = m["content"]
+        if content is None and "tool_calls" in m:
+            continue
+        if isinstance(content, str):
+            check_text(f"messages[{i}]['content']", content)
+        elif not isinstance(content, list):
+            raise InvalidArgumentError(
+                f"invalid value for 'messages[{i}]['content']': {type(content).__name__}; "
+                "expected a string"
+            )
+
+
+def check_text(name: str, text: str) -> None:
+    """Text must encode as UTF-8: a lone surrogate (``"\\udc80"``, e.g. from bytes decoded
+    with ``errors="surrogateescape"``) cannot be tokenised."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(
+            f"invalid value for '{name}': the text is not valid Unicode ({e.reason} "
+            f"{text[e.start : e.end]!r} at index {e.start}); decode bytes with "
+            "errors='replace', or remove the character"
+        ) from None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from colibri.errors import ColibriFileNotFoundError, ModelNotFoundError
+from colibri.errors import ColibriFileNotFoundError, InvalidArgumentError, ModelNotFoundError
 
 #: Name of the model that ships inside the package.
 DEFAULT_MODEL = "tiny"
@@ -30,7 +30,15 @@ def resolve_model_dir(model: str | os.PathLike[str] | None, *, revision: str | N
     """
     if model is None:
         model = DEFAULT_MODEL
+    if not isinstance(model, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"invalid value for 'model': {model!r}; expected a model directory (a str or "
+            "os.PathLike), a Hugging Face repo id ('owner/name') or an embedded model name "
+            f"({', '.join(embedded_models()) or 'none'})"
+        )
     name = os.fspath(model)
+    if not isinstance(name, str):  # a bytes path
+        name = os.fsdecode(name)
     if name in embedded_models():
         return _EMBEDDED_DIR / name
     path = Path(name).expanduser()
@@ -79,6 +87,7 @@ def _download(repo_id: str, revision: str | None) -> Path:
     except ImportError as e:  # pragma: no cover - a runtime dependency
         raise ModelNotFoundError(f"huggingface_hub is needed to fetch {repo_id!r}: {e}") from e
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    what = repo_id if revision is None else f"{repo_id} at revision {revision!r}"
     try:
         local = snapshot_download(
             repo_id,
@@ -89,13 +98,32 @@ def _download(repo_id: str, revision: str | None) -> Path:
         )
     except LocalEntryNotFoundError as e:
         where = _hub_cache_dir() or "the default Hugging Face cache"
+        cause = _root_cause(e)
+        if offline:
+            why = "HF_HUB_OFFLINE is set"
+            fix = "or unset HF_HUB_OFFLINE"
+        else:
+            why = f"the hub could not be reached ({cause})"
+            fix = "or check the network connection"
+        rev = "" if revision is None else f" --revision {revision}"
         raise ModelNotFoundError(
-            f"{repo_id!r} is not in the local Hugging Face cache ({where}) and HF_HUB_OFFLINE "
-            "is set (or the hub is unreachable); download it first (e.g. `hf download "
-            f"{repo_id}`) or unset HF_HUB_OFFLINE"
+            f"{what} is not in the local Hugging Face cache ({where}) and {why}; download it "
+            f"first (e.g. `hf download {repo_id}{rev}`) {fix}"
         ) from e
     except HfHubHTTPError as e:
-        raise ModelNotFoundError(f"cannot fetch {repo_id!r} from the Hugging Face hub: {e}") from e
+        raise ModelNotFoundError(f"cannot fetch {what} from the Hugging Face hub: {e}") from e
     except Exception as e:  # network errors surface as many types
-        raise ModelNotFoundError(f"cannot fetch {repo_id!r}: {type(e).__name__}: {e}") from e
+        raise ModelNotFoundError(f"cannot fetch {what}: {type(e).__name__}: {e}") from e
     return Path(local)
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost error of a chain (the network failure under the hub's wrapper)."""
+    seen = {id(e)}
+    while True:
+        inner = e.__cause__ or e.__context__
+        if inner is None or id(inner) in seen:
+            break
+        seen.add(id(inner))
+        e = inner
+    return f"{type(e).__name__}: {e}"

@@ -60,7 +60,8 @@ class MissingTensorError(ContainerError, KeyError):
 
 
 class NonFiniteWeightError(ContainerError):
-    """Source weights given to the converter contain NaN or Inf."""
+    """Weights contain NaN or Inf: a source tensor given to the converter, or a model whose
+    output (a logit) came out NaN/Inf; the message names the tensor where it can."""
 
 
 class ColibriIOError(ColibriError, OSError):

@@ -404,7 +404,19 @@ class Model:
         return list(self._eos_token_ids)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Tokenise ``text`` with the model's tokenizer."""
+        """Tokenise ``text`` with the model's tokenizer.
+
+        Raises:
+            InvalidArgumentError: ``text`` is not a string, or not valid Unicode (a lone
+                surrogate).
+        """
+        from colibri._chat import check_text
+
+        if not isinstance(text, str):
+            raise InvalidArgumentError(
+                f"invalid value for 'text': {type(text).__name__}; expected a string"
+            )
+        check_text("text", text)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -427,6 +439,9 @@ class Model:
                 raise InvalidArgumentError(
                     "invalid value for 'prompt': the prompt is empty; pass some text or ids"
                 )
+            from colibri._chat import check_text
+
+            check_text("prompt", prompt)
             ids = self.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             ids = [self._check_token("prompt", t) for t in prompt]

@@ -543,6 +543,63 @@ impl Container {
     }
 }
 
+/// The first NaN/Inf found by [`Container::find_non_finite`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NonFiniteTensor {
+    pub tensor: String,
+    pub file: PathBuf,
+    pub what: &'static str,
+    pub index: usize,
+}
+
+impl Container {
+    /// Look for a NaN or Inf among the float tensors (F32/BF16/F16, quantised weights'
+    /// scales included): the resident tensors first, then the routed experts, reading at
+    /// most `max_bytes`. `Ok(None)` when none was found within that bound (the second value
+    /// says whether every float tensor was read). Only for diagnosing a non-finite output:
+    /// loading never scans.
+    pub fn find_non_finite(&self, max_bytes: u64) -> (Option<NonFiniteTensor>, bool) {
+        let cfg = self.config();
+        let is_expert = |n: &str| names::classify(cfg, n).role == names::Role::RoutedExpert;
+        let order = self
+            .names()
+            .filter(|n| !is_expert(n))
+            .chain(self.names().filter(|n| is_expert(n)));
+        let mut read = 0u64;
+        for name in order {
+            let Ok(t) = self.info(name) else { continue };
+            let width = match t.dtype {
+                Dtype::F32 => 4,
+                Dtype::Bf16 | Dtype::F16 => 2,
+                _ => continue,
+            };
+            if read + t.nbytes() as u64 > max_bytes {
+                return (None, false);
+            }
+            read += t.nbytes() as u64;
+            let Ok(raw) = self.bytes(name) else { continue };
+            const CHUNK: usize = 1 << 20;
+            for (c, part) in raw.chunks(CHUNK * width).enumerate() {
+                let Some(vals) = decode_floats(part, t.dtype) else {
+                    break;
+                };
+                if let Some(i) = vals.iter().position(|v| !v.is_finite()) {
+                    return (
+                        Some(NonFiniteTensor {
+                            tensor: name.to_owned(),
+                            file: t.file.clone(),
+                            what: if vals[i].is_nan() { "NaN" } else { "Inf" },
+                            index: c * CHUNK + i,
+                        }),
+                        true,
+                    );
+                }
+            }
+        }
+        (None, true)
+    }
+}
+
 /// Little-endian F32/BF16/F16 bytes → f32; `None` for other dtypes.
 pub fn decode_floats(raw: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
     Some(match dtype {

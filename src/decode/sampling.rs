@@ -62,7 +62,8 @@ impl SamplingParams {
     }
 }
 
-/// Index of the largest logit; ties go to the lowest id. NaN anywhere is a model bug.
+/// Index of the largest logit; ties go to the lowest id. NaN anywhere is an
+/// [`Error::NonFiniteOutput`] (non-finite weights).
 pub fn argmax(logits: &[f32]) -> Result<u32> {
     let mut best: Option<(usize, f32)> = None;
     for (i, &x) in logits.iter().enumerate() {
@@ -79,7 +80,7 @@ pub fn argmax(logits: &[f32]) -> Result<u32> {
 }
 
 fn nan_logits(index: usize) -> Error {
-    Error::Internal(format!("the model produced a NaN logit (token id {index})"))
+    Error::NonFiniteOutput(format!("the model produced a NaN logit (token id {index})"))
 }
 
 /// The distribution sampling draws from: softmax(logits / temperature), restricted to the
@@ -99,7 +100,7 @@ pub fn processed_distribution(logits: &[f32], params: &SamplingParams) -> Result
             return Err(nan_logits(i));
         }
         if x == f32::INFINITY {
-            return Err(Error::Internal(format!(
+            return Err(Error::NonFiniteOutput(format!(
                 "the model produced an infinite logit (token id {i})"
             )));
         }
@@ -261,7 +262,10 @@ mod tests {
     fn argmax_breaks_ties_by_lowest_id_and_rejects_nan() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]).unwrap(), 1);
         assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY]).unwrap(), 0);
-        assert!(argmax(&[1.0, f32::NAN]).is_err());
+        assert!(matches!(
+            argmax(&[1.0, f32::NAN]),
+            Err(Error::NonFiniteOutput(m)) if m.contains("NaN logit (token id 1)")
+        ));
         assert!(argmax(&[]).is_err());
     }
 

@@ -274,6 +274,7 @@ impl PyEngine {
                 })
             };
             decode::generate(m, &ids, &opts, &mut on, &cancel)
+                .map_err(|e| explain_non_finite(e, m.container()))
         })?;
         // The routing history teaches the pinned set; failing to save it (read-only cache
         // directory) must not fail the generation, and the store already warns about it.
@@ -328,6 +329,40 @@ impl PyEngine {
         d.set_item("layers", layers)?;
         Ok(d)
     }
+}
+
+/// Bytes of float tensors a non-finite output's diagnosis reads at most (the resident
+/// weights of a small model, the norms and scales of a large one), so the error comes quickly.
+const NON_FINITE_SCAN_BYTES: u64 = 4 << 30;
+
+/// A NaN/Inf logit is not a colibri bug but the weights': name the tensor that holds it when
+/// a bounded scan of the float tensors finds one, and say what to do either way.
+fn explain_non_finite(err: Error, container: &Container) -> Error {
+    let Error::NonFiniteOutput(what) = err else {
+        return err;
+    };
+    let (found, complete) = container.find_non_finite(NON_FINITE_SCAN_BYTES);
+    Error::NonFiniteOutput(match found {
+        Some(t) => format!(
+            "{what}: tensor '{}' in {} contains {} at flat index {}; the checkpoint is \
+             damaged or was saved with non-finite values: download or export it again",
+            t.tensor,
+            t.file.display(),
+            t.what,
+            t.index
+        ),
+        None if complete => format!(
+            "{what}: no float tensor holds NaN/Inf, so the computation overflows float32 \
+             (weights far outside their trained range?); check the checkpoint against its \
+             source (`colibri convert` refuses non-finite source weights, naming the tensor)"
+        ),
+        None => format!(
+            "{what}: the weights contain NaN/Inf or produce it (the first {} GiB of float \
+             tensors are finite); `colibri convert` checks every source tensor and names the \
+             first non-finite one",
+            NON_FINITE_SCAN_BYTES >> 30
+        ),
+    })
 }
 
 fn add_store_stats(d: &Bound<'_, PyDict>, store: &ExpertStore) -> PyResult<()> {

@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,62 @@ def test_sampling_is_seeded(model: colibri.Model) -> None:
     c = model.generate("abc", seed=8, stop_token_ids=[], **kw)
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"top_p": 0.9}, ["top_p"]),
+        ({"top_k": 5, "seed": 3}, ["top_k", "seed"]),
+        ({"temperature": 0, "top_p": 0.5, "top_k": 2, "seed": 1}, ["top_k", "top_p", "seed"]),
+    ],
+)
+def test_sampling_parameters_on_a_greedy_generation_warn(
+    model: colibri.Model, kwargs: dict[str, Any], named: list[str]
+) -> None:
+    """The test model's generation_config.json does not sample, so without a temperature the
+    generation is greedy and top_p/top_k/seed change nothing: say so, as transformers does."""
+    greedy = model.generate("abc", max_new_tokens=6, temperature=0, stop_token_ids=[])
+    with pytest.warns(UserWarning, match="greedy") as record:
+        out = model.generate("abc", max_new_tokens=6, stop_token_ids=[], **kwargs)
+    assert out.token_ids == greedy.token_ids
+    msg = str(record[0].message)
+    assert all(f"'{n}'" in msg for n in named), msg
+    assert "temperature" in msg
+    assert record[0].filename == __file__, "the warning points at the caller"
+
+
+def test_sampling_parameters_that_apply_do_not_warn(model: colibri.Model) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.generate("abc", max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=5, seed=1)
+        model.generate("abc", max_new_tokens=4)
+        model.chat([{"role": "user", "content": "hi"}], max_new_tokens=2, temperature=0)
+
+
+def test_generation_config_max_new_tokens_is_the_default(tmp_path: Path) -> None:
+    d = make_test_model(tmp_path / "m")
+    gc = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gc, "max_new_tokens": 7}))
+    m = colibri.Model(d, threads=1)
+    kw: dict[str, Any] = {"temperature": 0, "stop_token_ids": []}
+    out = m.generate("abc", **kw)
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+    assert len(m.generate("abc", max_new_tokens=3, **kw).token_ids) == 3
+    assert len("".join(m.generate("abc", stream=True, **kw))) > 0
+    # Without it, the default is 128.
+    (d / "generation_config.json").write_text(json.dumps(gc))
+    assert len(colibri.Model(d, threads=1).generate("abc", **kw).token_ids) == 128
+    (d / "generation_config.json").write_text(json.dumps({**gc, "max_new_tokens": "many"}))
+    with pytest.raises(colibri.ConfigError, match=r"generation_config\.json.*max_new_tokens"):
+        colibri.Model(d, threads=1)
+
+
+def test_draft_mtp_without_the_head_is_refused_at_construction(test_model_dir: Path) -> None:
+    with pytest.raises(colibri.InvalidArgumentError, match=r"'draft'.*mtp=False"):
+        colibri.Model(test_model_dir, mtp=False, draft="mtp")
+    # The other drafters are fine without the head.
+    assert colibri.Model(test_model_dir, mtp=False, draft="ngram").default_draft == "ngram"
 
 
 def test_eos_stops_and_is_not_in_the_text(model: colibri.Model) -> None:

@@ -297,3 +297,12 @@ def test_piping_into_head(test_model_dir: Path) -> None:
         proc.wait(timeout=60)
     assert len(head) == 10
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_ignored_sampling_flags_warn_on_one_line(capsys: Capsys, test_model_dir: Path) -> None:
+    capsys.readouterr()
+    argv = ["generate", "Hello", "-m", str(test_model_dir), "-n", "2", "--top-p", "0.5"]
+    assert main([*argv, "--no-stream"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: 'top_p' ignored: this generation is greedy"), err
+    assert "UserWarning" not in err and "cli.py" not in err

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -145,14 +146,17 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_sampling_options(p: argparse.ArgumentParser, *, max_new_tokens: int = 128) -> None:
+def _add_sampling_options(p: argparse.ArgumentParser, *, max_new_tokens: int | None = None) -> None:
     g = p.add_argument_group("generation")
     g.add_argument(
         "-n",
         "--max-new-tokens",
         type=int,
         default=max_new_tokens,
-        help=f"at most this many new tokens (default {max_new_tokens})",
+        help=f"at most this many new tokens (default {max_new_tokens})"
+        if max_new_tokens is not None
+        else "at most this many new tokens (default: generation_config.json's max_new_tokens, "
+        "else 128)",
     )
     g.add_argument(
         "-t",
@@ -478,7 +482,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         try:
-            status = int(args.func(args))
+            with warnings.catch_warnings():
+                warnings.showwarning = _show_warning
+                warnings.filterwarnings("default", category=UserWarning, module="colibri")
+                status = int(args.func(args))
             sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
             return status
         except ColibriError as e:
@@ -491,6 +498,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _discard_stdout()
         return 128 + signal.SIGPIPE
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
+    """Warnings as one line on stderr, like errors (no source location: not the user's)."""
+    sys.stdout.flush()
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def _discard_stdout() -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -331,6 +332,11 @@ class Model:
         _check_choice("prefetch", prefetch, _PREFETCH_MODES)
         self.default_draft: DraftMode = _check_choice("draft", draft, _DRAFT_MODES)  # type: ignore[assignment]
         self.default_draft_depth = self._check_depth(draft_depth)
+        if self.default_draft == "mtp" and not mtp:
+            raise InvalidArgumentError(
+                "invalid value for 'draft': 'mtp' drafts with the MTP head, which mtp=False "
+                "does not load; use draft='auto', 'ngram' or 'off', or keep mtp=True"
+            )
         threads = _check_int("threads", threads, minimum=0)
         context = None if max_context is None else _check_int("max_context", max_context, minimum=1)
         if context is not None and context >= 1 << 63:
@@ -348,6 +354,9 @@ class Model:
         self.tokenizer: Tokenizer = Tokenizer.from_file(str(tok_file))
         self._tokenizer_config = _read_json(self.path / "tokenizer_config.json")
         self._generation_config = _read_json(self.path / "generation_config.json")
+        self.default_max_new_tokens: int = _default_max_new_tokens(
+            self._generation_config, self.path / "generation_config.json"
+        )
         self._engine = _core.Engine(
             str(self.path),
             threads=threads,
@@ -367,6 +376,12 @@ class Model:
         self._vocab_size = int(self._engine.vocab_size)
         self._usage_path = self._engine.usage_path
         self._lock = threading.Lock()
+        if self.default_draft == "mtp" and not self._has_mtp:
+            raise InvalidArgumentError(
+                "invalid value for 'draft': 'mtp' needs an MTP head and this model has none "
+                "(num_nextn_predict_layers is 0, or its weights are absent); use draft='auto', "
+                "'ngram' or 'off'"
+            )
 
     # ----------------------------------------------------------------------------- helpers
     @staticmethod
@@ -474,7 +489,7 @@ class Model:
         self,
         prompt: str | Sequence[int],
         *,
-        max_new_tokens: int = ...,
+        max_new_tokens: int | None = ...,
         temperature: float | None = ...,
         top_k: int | None = ...,
         top_p: float | None = ...,
@@ -491,7 +506,7 @@ class Model:
         self,
         prompt: str | Sequence[int],
         *,
-        max_new_tokens: int = ...,
+        max_new_tokens: int | None = ...,
         temperature: float | None = ...,
         top_k: int | None = ...,
         top_p: float | None = ...,
@@ -507,7 +522,7 @@ class Model:
         self,
         prompt: str | Sequence[int],
         *,
-        max_new_tokens: int = 128,
+        max_new_tokens: int | None = None,
         temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
@@ -521,9 +536,13 @@ class Model:
         """Continue ``prompt`` (text or token ids).
 
         Args:
-            max_new_tokens: at most this many new tokens (≥ 1).
+            max_new_tokens: at most this many new tokens (≥ 1); default
+                ``generation_config.json``'s ``max_new_tokens``, else 128
+                (:attr:`default_max_new_tokens`).
             temperature: 0 for greedy decoding; default from ``generation_config.json``
-                (greedy when it does not ask for sampling).
+                (greedy when it does not ask for sampling). ``top_k``, ``top_p`` and ``seed``
+                only shape sampling: given for a greedy generation they are ignored with a
+                ``UserWarning``.
             top_k: keep the k most likely tokens (0 = off).
             top_p: nucleus sampling mass in (0, 1] (1 = off).
             seed: makes sampling reproducible; ``None`` picks a random seed.
@@ -569,9 +588,14 @@ class Model:
         stop_token_ids: Sequence[int] | None = None,
     ) -> dict[str, Any]:
         ids = self._prompt_ids(prompt)
+        if max_new_tokens is None:
+            max_new_tokens = self.default_max_new_tokens
         n = _check_int("max_new_tokens", max_new_tokens, minimum=1)
         gc = self._generation_config
         sampling = bool(gc.get("do_sample", False))
+        given = {"top_k": top_k, "top_p": top_p, "seed": seed}
+        ignored = [k for k, v in given.items() if v is not None]
+        given_temperature = temperature
         if temperature is None:
             temperature = float(gc.get("temperature", 1.0)) if sampling else 0.0
         if top_k is None:
@@ -583,6 +607,7 @@ class Model:
             raise InvalidArgumentError(
                 f"invalid value for 'temperature': {temperature}; must be >= 0 (0 = greedy)"
             )
+
         top_p = _check_float("top_p", top_p)
         if not 0.0 < top_p <= 1.0:
             raise InvalidArgumentError(
@@ -622,6 +647,19 @@ class Model:
             )
         # Generation ends at the context limit like at max_new_tokens (finish_reason "length").
         n = min(n, self.max_context - len(ids))
+        if temperature == 0 and ignored:  # only once every argument is known to be valid
+            names = ", ".join(repr(k) for k in ignored)
+            why = (
+                "temperature=0"
+                if given_temperature is not None
+                else "no temperature was given and generation_config.json does not sample"
+            )
+            warnings.warn(
+                f"{names} ignored: this generation is greedy ({why}); pass a temperature > 0 "
+                "to sample with them",
+                UserWarning,
+                stacklevel=_caller_stacklevel(),
+            )
         return {
             "ids": ids,
             "max_new_tokens": n,
@@ -735,6 +773,31 @@ class Model:
 
     def __repr__(self) -> str:
         return f"colibri.Model({str(self.path)!r}, mtp={self.has_mtp})"
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first frame outside this module
+    (the user's ``generate``/``chat`` call)."""
+    import sys
+
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        level += 1
+        frame = frame.f_back  # type: ignore[assignment]
+    return level
+
+
+def _default_max_new_tokens(gc: Mapping[str, Any], path: Path) -> int:
+    """``max_new_tokens`` of ``generation_config.json`` (the model author's default length),
+    else 128."""
+    value = gc.get("max_new_tokens")
+    if value is None:
+        return 128
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"{path}: 'max_new_tokens' must be a positive integer, not {value!r}; fix or remove it"
+        )
+    return value
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -5,12 +5,15 @@ threads/GIL/Ctrl-C behaviour, bad input, and the ``_core`` stub."""
 from __future__ import annotations
 
 import ast
+import inspect
 import json
+import re
 import shutil
 import signal
 import socket
 import threading
 import time
+import typing
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -1120,3 +1123,45 @@ def test_a_forked_child_gets_a_clear_error(test_model_dir: Path, exit_how: str) 
     )
     assert done.returncode == 0, done.stderr
     assert "parent ok" in done.stdout
+
+
+# ----------------------------------------------------------------------------- typing
+
+
+def test_finish_reason_is_a_literal_of_what_the_engine_produces() -> None:
+    """``GenerationResult.finish_reason`` is typed as the Literal of its values, and every
+    reason the Rust engine can return (FinishReason::as_str) maps onto one of them."""
+    from colibri.model import _ENGINE_FINISH_REASONS, FinishReason
+
+    hints = typing.get_type_hints(colibri.GenerationResult)
+    assert hints["finish_reason"] == FinishReason
+    assert set(typing.get_args(FinishReason)) == {"length", "stop", "cancelled"}
+    spec = (ROOT / "src" / "decode" / "spec.rs").read_text()
+    body = spec[spec.index("impl FinishReason") :]
+    body = body[: body.index("\n    }\n")]
+    engine = set(re.findall(r'=> "([a-z_]+)"', body))
+    assert engine == set(_ENGINE_FINISH_REASONS), engine
+    assert set(_ENGINE_FINISH_REASONS.values()) <= set(typing.get_args(FinishReason))
+
+
+def test_logits_and_chat_are_typed() -> None:
+    import numpy.typing as npt
+
+    hints = typing.get_type_hints(colibri.Model.logits)
+    assert hints["return"] == npt.NDArray[np.float32]
+    if not hasattr(typing, "get_overloads"):  # Python 3.10
+        pytest.skip("typing.get_overloads needs Python 3.11")
+    for name in ("generate", "chat"):
+        overloads = typing.get_overloads(getattr(colibri.Model, name))
+        got = {}
+        for o in overloads:
+            h = typing.get_type_hints(o)
+            got[h["stream"]] = h["return"]
+        assert got == {
+            typing.Literal[False]: colibri.GenerationResult,
+            typing.Literal[True]: colibri.GenerationStream,
+        }, name
+    # chat takes generate's keyword arguments, spelled out.
+    gen = inspect.signature(colibri.Model.generate).parameters
+    chat = inspect.signature(colibri.Model.chat).parameters
+    assert [p for p in gen if p != "prompt"] == [p for p in chat if p != "messages"]

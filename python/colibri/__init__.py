@@ -23,7 +23,13 @@ from colibri.errors import (
     NonFiniteWeightError,
     UnsupportedModelError,
 )
-from colibri.model import GenerationResult, GenerationStats, GenerationStream, Model
+from colibri.model import (
+    FinishReason,
+    GenerationResult,
+    GenerationStats,
+    GenerationStream,
+    Model,
+)
 
 __version__: str = _core.__version__
 
@@ -35,6 +41,7 @@ __all__ = [
     "ColibriPermissionError",
     "ConfigError",
     "ContainerError",
+    "FinishReason",
     "ForkedProcessError",
     "GenerationResult",
     "GenerationStats",

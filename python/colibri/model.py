@@ -13,16 +13,37 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 import numpy as np
+import numpy.typing as npt
 from tokenizers import Tokenizer
 
 from colibri import _core
 from colibri._hub import resolve_model_dir
 from colibri._text import IncrementalDecoder, StopMatcher
-from colibri.errors import ColibriError, ConfigError, InvalidArgumentError, ModelNotFoundError
+from colibri.errors import (
+    ColibriError,
+    ConfigError,
+    InternalError,
+    InvalidArgumentError,
+    ModelNotFoundError,
+)
 
 DraftMode = Literal["auto", "mtp", "ngram", "off"]
 IoMode = Literal["auto", "mmap", "pread", "direct"]
 PrefetchMode = Literal["auto", "off", "hint", "real"]
+
+#: Why a generation ended: ``"length"`` (``max_new_tokens`` or the context limit),
+#: ``"stop"`` (an EOS / stop token or a stop string), ``"cancelled"`` (the consumer stopped
+#: it: a closed or abandoned stream, an ``on_tokens`` callback).
+FinishReason = Literal["length", "stop", "cancelled"]
+
+#: The engine's finish reasons (``FinishReason::as_str`` in src/decode/spec.rs) as reported
+#: here: the context filling up ends a generation like ``max_new_tokens`` does.
+_ENGINE_FINISH_REASONS: dict[str, FinishReason] = {
+    "length": "length",
+    "stop": "stop",
+    "cancelled": "cancelled",
+    "context_full": "length",
+}
 
 _DRAFT_MODES = ("auto", "mtp", "ngram", "off")
 _IO_MODES = ("auto", "mmap", "pread", "direct")
@@ -63,7 +84,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     #: ``"length"`` (max_new_tokens), ``"stop"`` (EOS or a stop string) or ``"cancelled"``.
-    finish_reason: str
+    finish_reason: FinishReason
     stats: GenerationStats
 
     def __str__(self) -> str:
@@ -472,7 +493,7 @@ class Model:
         return ids
 
     # ----------------------------------------------------------------------------- logits
-    def logits(self, ids: Sequence[int]) -> np.ndarray:
+    def logits(self, ids: Sequence[int]) -> npt.NDArray[np.float32]:
         """Logits of one forward over ``ids`` as a fresh sequence: float32 ``[len(ids), vocab]``."""
         toks = self._prompt_ids(ids)
         if len(toks) > self.max_context:
@@ -720,7 +741,10 @@ class Model:
                 on_tokens=on_tokens,
             )
         tokens: list[int] = list(raw["tokens"])
-        finish = str(raw["finish_reason"])
+        reason = str(raw["finish_reason"])
+        if reason not in _ENGINE_FINISH_REASONS:
+            raise InternalError(f"the engine returned an unknown finish reason {reason!r}")
+        finish = _ENGINE_FINISH_REASONS[reason]
         if stopped_by_string:
             text = decoder.text[:shown]
             finish = "stop"
@@ -746,20 +770,78 @@ class Model:
 
         return render_chat(self._tokenizer_config, self.path, messages, add_generation_prompt)
 
+    @overload
     def chat(
-        self, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, **kwargs: Any
-    ) -> GenerationResult | GenerationStream:
-        """Generate the assistant's reply to ``messages`` (``[{"role": ..., "content": ...}]``).
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        max_new_tokens: int | None = ...,
+        temperature: float | None = ...,
+        top_k: int | None = ...,
+        top_p: float | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        draft: DraftMode | None = ...,
+        draft_depth: int | Literal["auto"] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        stream: Literal[False] = False,
+    ) -> GenerationResult: ...
 
-        Accepts the keyword arguments of :meth:`generate`.
+    @overload
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        max_new_tokens: int | None = ...,
+        temperature: float | None = ...,
+        top_k: int | None = ...,
+        top_p: float | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        draft: DraftMode | None = ...,
+        draft_depth: int | Literal["auto"] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        stream: Literal[True],
+    ) -> GenerationStream: ...
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        draft: DraftMode | None = None,
+        draft_depth: int | Literal["auto"] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        stream: bool = False,
+    ) -> GenerationResult | GenerationStream:
+        """Generate the assistant's reply to ``messages`` (a list of
+        ``{"role": ..., "content": ...}`` dicts), rendered with the model's chat template.
+
+        Takes the keyword arguments of :meth:`generate`, with the same meaning; returns a
+        :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`.
         """
         prompt = self.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.encode(prompt, add_special_tokens=False)
+        params = self._params(
+            ids,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            stop,
+            draft,
+            draft_depth,
+            stop_token_ids,
+        )
         if stream:
-            chunks: GenerationStream = self.generate(ids, stream=True, **kwargs)
-            return chunks
-        result: GenerationResult = self.generate(ids, **kwargs)
-        return result
+            return GenerationStream(lambda on_text, cancel: self._run(params, on_text, cancel))
+        return self._run(params, on_text=None)
 
     # ----------------------------------------------------------------------------- info
     def info(self) -> dict[str, Any]:

@@ -152,11 +152,20 @@ def test_generation_config_max_new_tokens_is_the_default(tmp_path: Path) -> None
         colibri.Model(d, threads=1)
 
 
-def test_draft_mtp_without_the_head_is_refused_at_construction(test_model_dir: Path) -> None:
+def test_draft_mtp_without_the_head_is_refused_at_construction(
+    test_model_dir: Path, tmp_path: Path
+) -> None:
     with pytest.raises(colibri.InvalidArgumentError, match=r"'draft'.*mtp=False"):
         colibri.Model(test_model_dir, mtp=False, draft="mtp")
     # The other drafters are fine without the head.
     assert colibri.Model(test_model_dir, mtp=False, draft="ngram").default_draft == "ngram"
+    # A checkpoint without an MTP layer.
+    d = make_test_model(tmp_path / "no-mtp")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    assert not colibri.Model(d, threads=1).has_mtp
+    with pytest.raises(colibri.InvalidArgumentError, match=r"'draft'.*has none"):
+        colibri.Model(d, threads=1, draft="mtp")
 
 
 def test_eos_stops_and_is_not_in_the_text(model: colibri.Model) -> None:

@@ -5,6 +5,7 @@ threads/GIL/Ctrl-C behaviour, bad input, and the ``_core`` stub."""
 from __future__ import annotations
 
 import ast
+import gc
 import inspect
 import json
 import re
@@ -279,7 +280,7 @@ class _SlowEngine:
         return raw
 
 
-@pytest.mark.parametrize("how", ["break", "del"])
+@pytest.mark.parametrize("how", ["break", "del", "gc"])
 def test_abandoned_stream_cancels_its_generation(model: colibri.Model, how: str) -> None:
     """Breaking out of ``for chunk in generate(stream=True)`` (or dropping the stream) stops
     the engine within a forward: the abandoned generation does not run to
@@ -296,7 +297,10 @@ def test_abandoned_stream_cancels_its_generation(model: colibri.Model, how: str)
         else:
             stream = model.generate("abc", stream=True, **kw)
             assert next(stream)
+            if how == "gc":  # only the cycle collector can reclaim it
+                stream.cycle = stream  # type: ignore[attr-defined]
             del stream
+            gc.collect()
         t0 = time.perf_counter()
         out = model.generate("abc", max_new_tokens=2, temperature=0)
         waited = time.perf_counter() - t0

@@ -27,7 +27,9 @@ use crate::{Error, Result};
 
 pub use guard::GuardConfig;
 pub use sampling::SamplingParams;
-pub use spec::{generate, DraftDepth, DraftSource, FinishReason, GenerateOptions, Generation};
+pub use spec::{
+    generate, generate_after, DraftDepth, DraftSource, FinishReason, GenerateOptions, Generation,
+};
 pub use stats::DecodeStats;
 
 pub struct StepOutput {

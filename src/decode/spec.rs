@@ -172,6 +172,17 @@ pub struct Generation {
     pub stats: DecodeStats,
 }
 
+impl Generation {
+    /// The tokens whose KV rows the target holds after this generation of `prompt`: the
+    /// prompt and every generated token but the last (which no forward has consumed), the
+    /// `history` to pass to the next [`generate_after`] on the same target.
+    pub fn kv_tokens(&self, prompt: &[u32]) -> Vec<u32> {
+        let mut t = prompt.to_vec();
+        t.extend(&self.tokens[..self.tokens.len().saturating_sub(1)]);
+        t
+    }
+}
+
 /// How verified rows decide on drafts. Only `Exact` is lossless; the other exists to show
 /// that the tests can tell.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -193,6 +204,29 @@ pub(crate) enum Acceptance {
 /// most `kv_len()` of them.
 pub fn generate(
     target: &mut dyn Target,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    cancel: &AtomicBool,
+) -> Result<Generation> {
+    generate_after(target, &[], prompt, opts, on_tokens, cancel)
+}
+
+/// [`generate`] on a target whose KV cache already holds the rows of `history` (the tokens
+/// of an earlier generation on it: prompt and output, as [`Generation::kv_tokens`] gives
+/// them): the longest common prefix of `history` and `prompt` is kept and only the rest of
+/// the prompt is prefilled ([`DecodeStats::prompt_cached_tokens`] says how many were kept).
+/// The output is the one a fresh prefill gives (every forward is S-invariant), token for
+/// token under greedy and seeded sampling, with or without drafting. `history` must be
+/// exactly what the target's cache holds; pass `&[]` when unsure.
+///
+/// With MTP drafting the kept prefix also stops where the MTP layer's cache does (its rows
+/// pair each position's hidden state with the next token; the hidden states of positions it
+/// had not absorbed are gone), and one token before the end of the common prefix: at most a
+/// few tokens more are prefilled than without.
+pub fn generate_after(
+    target: &mut dyn Target,
+    history: &[u32],
     prompt: &[u32],
     opts: &GenerateOptions,
     on_tokens: &mut dyn FnMut(&[u32]) -> bool,
@@ -222,12 +256,31 @@ pub fn generate(
     };
     let epoch = Instant::now();
     let clock = move || epoch.elapsed().as_secs_f64();
+    let keep = reusable_prefix(target, history, prompt, source == DraftSource::Mtp);
     let hooks = Hooks {
         drafter,
         acceptance: Acceptance::Exact,
         clock: &clock,
     };
-    run(target, prompt, opts, hooks, on_tokens, cancel)
+    run_after(target, keep, prompt, opts, hooks, on_tokens, cancel)
+}
+
+/// KV rows of `history` that a generation of `prompt` can keep: the common prefix, less the
+/// last prompt token (a forward must produce its logits); with MTP drafting also within the
+/// MTP layer's true rows and short of the prefix's last token, whose pair that row needs.
+fn reusable_prefix(target: &dyn Target, history: &[u32], prompt: &[u32], mtp: bool) -> usize {
+    let held = history.len().min(target.kv_len());
+    let common = history[..held]
+        .iter()
+        .zip(prompt)
+        .take_while(|(a, b)| a == b)
+        .count();
+    let keep = common.min(prompt.len().saturating_sub(1));
+    if mtp {
+        keep.min(common.saturating_sub(1)).min(target.mtp_kv_len())
+    } else {
+        keep
+    }
 }
 
 /// The parts of the loop that tests replace: the drafter, the acceptance rule, the clock.
@@ -243,8 +296,23 @@ pub(crate) type Clock<'a> = &'a dyn Fn() -> f64;
 
 /// The loop behind [`generate`] with explicit [`Hooks`] (tests plug in forced drafters, the
 /// negative control and a virtual clock here).
+#[cfg(test)]
 pub(crate) fn run(
     target: &mut dyn Target,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    hooks: Hooks<'_, '_>,
+    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    cancel: &AtomicBool,
+) -> Result<Generation> {
+    run_after(target, 0, prompt, opts, hooks, on_tokens, cancel)
+}
+
+/// [`run`] keeping the first `keep` KV rows (they hold `prompt[..keep]`; see
+/// [`generate_after`]).
+pub(crate) fn run_after(
+    target: &mut dyn Target,
+    keep: usize,
     prompt: &[u32],
     opts: &GenerateOptions,
     hooks: Hooks<'_, '_>,
@@ -259,8 +327,12 @@ pub(crate) fn run(
     } = hooks;
     let vocab = target.vocab_size();
     check_prompt(prompt, vocab, opts.max_context)?;
-    target.truncate(0);
-    target.mtp_truncate(0);
+    let keep = keep.min(prompt.len() - 1).min(target.kv_len());
+    target.truncate(keep);
+    // The MTP layer's true rows up to `keep` stay; the drafter (new for this generation)
+    // holds no pending hidden states, so its cache must end where the main one does or
+    // before (a drafter that finds fewer rows absorbs only what the prefill observes).
+    target.mtp_truncate(keep.min(target.mtp_kv_len()));
     let seed = opts.sampling.seed.unwrap_or_else(Rng::entropy_seed);
     let mut lp = Loop {
         vocab,
@@ -272,7 +344,8 @@ pub(crate) fn run(
         prompt_len: prompt.len(),
         ctx: prompt.to_vec(),
         rng: Rng::from_seed(seed),
-        stats: DecodeStats::new(prompt.len()),
+        stats: DecodeStats::new(prompt.len(), keep),
+        prefilled_from: keep,
         guard: PauseGuard::new(opts.guard.clone()),
         depth: DepthController::new(MAX_DEPTH),
         drafted_last_cycle: false,
@@ -342,6 +415,8 @@ struct Loop<'t, 'o, 'd, 'c> {
     /// cycle without drafts the MTP drafter also absorbs the rows it skipped).
     drafted_last_cycle: bool,
     clock: Clock<'c>,
+    /// First prompt position the prefill computes (the ones before were kept in the cache).
+    prefilled_from: usize,
 }
 
 impl Loop<'_, '_, '_, '_> {
@@ -365,7 +440,8 @@ impl Loop<'_, '_, '_, '_> {
         }
     }
 
-    /// Run the prompt through the model; returns the first generated token.
+    /// Run the prompt (from the first position not kept in the cache) through the model;
+    /// returns the first generated token.
     fn prefill(&mut self, cancel: &AtomicBool) -> Result<u32> {
         let t = self.now();
         let n = self.prompt_len;
@@ -375,7 +451,7 @@ impl Loop<'_, '_, '_, '_> {
             self.opts.prefill_chunk
         };
         let mut last_row = Vec::new();
-        let mut start = 0;
+        let mut start = self.prefilled_from;
         while start < n {
             let end = (start + chunk).min(n);
             check_cancel(cancel)?;

@@ -10,6 +10,9 @@ pub const MAX_DEPTH: usize = 8;
 pub struct DecodeStats {
     /// Tokens of the prompt.
     pub prompt_tokens: usize,
+    /// Leading prompt tokens whose KV rows an earlier generation left in the cache, so the
+    /// prefill did not compute them (`generate_after`; 0 for a fresh prefill).
+    pub prompt_cached_tokens: usize,
     /// Tokens emitted (including a final stop token).
     pub generated_tokens: usize,
     /// Main-model `step_all` calls: prefill chunks plus decode forwards.
@@ -40,9 +43,10 @@ pub struct DecodeStats {
 }
 
 impl DecodeStats {
-    pub(crate) fn new(prompt_tokens: usize) -> Self {
+    pub(crate) fn new(prompt_tokens: usize, prompt_cached_tokens: usize) -> Self {
         DecodeStats {
             prompt_tokens,
+            prompt_cached_tokens,
             proposed_per_depth: vec![0; MAX_DEPTH],
             accepted_per_depth: vec![0; MAX_DEPTH],
             depth_histogram: vec![0; MAX_DEPTH + 1],

@@ -90,7 +90,7 @@ mod tests {
 
     #[test]
     fn cycles_accumulate_per_depth_and_derived_fields() {
-        let mut s = DecodeStats::new(5);
+        let mut s = DecodeStats::new(5, 0);
         s.record_cycle(3, 3, 1); // d1 accepted, d2 rejected (d3 never reached)
         s.record_cycle(2, 2, 2);
         s.record_cycle(0, 0, 0);

@@ -1178,3 +1178,35 @@ def test_logits_and_chat_are_typed() -> None:
     gen = inspect.signature(colibri.Model.generate).parameters
     chat = inspect.signature(colibri.Model.chat).parameters
     assert [p for p in gen if p != "prompt"] == [p for p in chat if p != "messages"]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 5}])
+def test_chat_turns_prefill_only_their_new_tokens(
+    test_model_dir: Path, sampling: dict[str, Any]
+) -> None:
+    """Each turn keeps the earlier turns' KV: it prefills only what follows the previous
+    prompt, and its output is what a model that never saw the earlier turns gives. (The
+    replies here are fixed text: this model's random bytes do not survive a text round trip,
+    and the cache can only hold what the next prompt's tokens repeat.)"""
+    warm = colibri.Model(test_model_dir, threads=1)
+    fresh = colibri.Model(test_model_dir, threads=1)
+    messages: list[dict[str, str]] = []
+    previous_prompt = 0
+    for turn, text in enumerate(["hello", "tell me more", "and then?", "thanks"]):
+        messages.append({"role": "user", "content": text})
+        rendered = warm.apply_chat_template(messages, add_generation_prompt=True)
+        prompt_tokens = len(warm.encode(rendered, add_special_tokens=False))
+        out = warm.chat(messages, max_new_tokens=12, **sampling)
+        fresh.logits([3])  # empties the fresh model's cache
+        assert out.token_ids == fresh.chat(messages, max_new_tokens=12, **sampling).token_ids
+        s = out.stats
+        assert s.prompt_tokens == prompt_tokens
+        if turn == 0:
+            assert s.prompt_cached_tokens == 0
+        else:
+            # The previous prompt (less one token with MTP drafting) comes from the cache.
+            assert previous_prompt - 1 <= s.prompt_cached_tokens < prompt_tokens, turn
+            new = prompt_tokens - previous_prompt
+            assert s.prompt_tokens - s.prompt_cached_tokens <= new + 1, turn
+        previous_prompt = prompt_tokens
+        messages.append({"role": "assistant", "content": "ok"})

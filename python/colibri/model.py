@@ -55,6 +55,9 @@ class GenerationStats:
     """What one generation cost and how speculation and the expert store behaved."""
 
     prompt_tokens: int
+    #: Leading prompt tokens whose KV the previous generation on this model left in the
+    #: cache, so the prefill skipped them (a chat's earlier turns; 0 for a new prompt).
+    prompt_cached_tokens: int
     generated_tokens: int
     #: Main-model forwards (prefill counts as one).
     forwards: int
@@ -898,6 +901,7 @@ def _stats(raw: Mapping[str, Any]) -> GenerationStats:
     extra = {k: v for k, v in raw.items() if k not in known}
     defaults: dict[str, Any] = {
         "prompt_tokens": 0,
+        "prompt_cached_tokens": 0,
         "generated_tokens": 0,
         "forwards": 0,
         "tokens_per_forward": 0.0,

@@ -28,7 +28,8 @@ use crate::{Error, Result};
 pub use guard::GuardConfig;
 pub use sampling::SamplingParams;
 pub use spec::{
-    generate, generate_after, DraftDepth, DraftSource, FinishReason, GenerateOptions, Generation,
+    generate, generate_after, CacheState, DraftDepth, DraftSource, FinishReason, GenerateOptions,
+    Generation,
 };
 pub use stats::DecodeStats;
 

@@ -40,6 +40,21 @@ impl MtpDrafter {
         }
     }
 
+    /// A drafter that resumes an earlier generation's: `pending` holds the main hidden
+    /// states of positions `target.mtp_kv_len()..target.kv_len()` ([rows, H]).
+    pub fn resume(target: &dyn Target, chunk: usize, pending: Vec<f32>) -> Self {
+        MtpDrafter {
+            pending,
+            ..Self::new(target, chunk)
+        }
+    }
+
+    /// The hidden states not yet absorbed (positions `mtp_kv_len()..kv_len()`), for the
+    /// next generation on the same caches.
+    pub fn into_pending(self) -> Vec<f32> {
+        self.pending
+    }
+
     fn pending_rows(&self) -> usize {
         self.pending.len() / self.hidden.max(1)
     }

@@ -174,8 +174,7 @@ pub struct Generation {
 
 impl Generation {
     /// The tokens whose KV rows the target holds after this generation of `prompt`: the
-    /// prompt and every generated token but the last (which no forward has consumed), the
-    /// `history` to pass to the next [`generate_after`] on the same target.
+    /// prompt and every generated token but the last (which no forward has consumed).
     pub fn kv_tokens(&self, prompt: &[u32]) -> Vec<u32> {
         let mut t = prompt.to_vec();
         t.extend(&self.tokens[..self.tokens.len().saturating_sub(1)]);
@@ -209,29 +208,57 @@ pub fn generate(
     on_tokens: &mut dyn FnMut(&[u32]) -> bool,
     cancel: &AtomicBool,
 ) -> Result<Generation> {
-    generate_after(target, &[], prompt, opts, on_tokens, cancel)
+    generate_after(
+        target,
+        &mut CacheState::default(),
+        prompt,
+        opts,
+        on_tokens,
+        cancel,
+    )
 }
 
-/// [`generate`] on a target whose KV cache already holds the rows of `history` (the tokens
-/// of an earlier generation on it: prompt and output, as [`Generation::kv_tokens`] gives
-/// them): the longest common prefix of `history` and `prompt` is kept and only the rest of
-/// the prompt is prefilled ([`DecodeStats::prompt_cached_tokens`] says how many were kept).
-/// The output is the one a fresh prefill gives (every forward is S-invariant), token for
-/// token under greedy and seeded sampling, with or without drafting. `history` must be
-/// exactly what the target's cache holds; pass `&[]` when unsure.
+/// What a target's caches hold between generations, for [`generate_after`]: the tokens of
+/// the main KV rows and the main hidden states the MTP layer has not absorbed yet. Start with
+/// `CacheState::default()` (nothing known) for a target whose caches are unknown.
+#[derive(Clone, Debug, Default)]
+pub struct CacheState {
+    /// Tokens whose main KV rows the target holds (prompt and output of the last
+    /// generation, but its last token).
+    pub tokens: Vec<u32>,
+    /// [rows, hidden]: main hidden states of positions `mtp_kv_len()..kv_len()`.
+    mtp_pending: Vec<f32>,
+}
+
+impl CacheState {
+    /// Forget everything (the target's caches were changed behind our back).
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+        self.mtp_pending.clear();
+    }
+}
+
+/// [`generate`] on a target whose caches hold what `state` says (an earlier generation on
+/// it): the longest common prefix of `state.tokens` and `prompt` is kept and only the rest of
+/// the prompt is prefilled ([`DecodeStats::prompt_cached_tokens`] says how many were kept);
+/// `state` then describes the new contents. The output is the one a fresh prefill gives
+/// (every forward is S-invariant), token for token under greedy and seeded sampling, with or
+/// without drafting.
 ///
-/// With MTP drafting the kept prefix also stops where the MTP layer's cache does (its rows
-/// pair each position's hidden state with the next token; the hidden states of positions it
-/// had not absorbed are gone), and one token before the end of the common prefix: at most a
-/// few tokens more are prefilled than without.
+/// With MTP drafting the MTP layer's cache is kept too, with the hidden states it had not
+/// absorbed; when the prompt diverges before the MTP layer's last row, the kept prefix ends
+/// one token before the divergence (that row pairs a position with the next token). A
+/// generation without MTP drafting leaves the MTP layer's cache empty, so the next MTP one
+/// keeps no prefix. On error `state` is cleared.
 pub fn generate_after(
     target: &mut dyn Target,
-    history: &[u32],
+    state: &mut CacheState,
     prompt: &[u32],
     opts: &GenerateOptions,
     on_tokens: &mut dyn FnMut(&[u32]) -> bool,
     cancel: &AtomicBool,
 ) -> Result<Generation> {
+    let previous = std::mem::take(state);
     opts.validate()?;
     let source = match opts.draft {
         DraftSource::Auto if target.has_mtp() => DraftSource::Mtp,
@@ -244,42 +271,67 @@ pub fn generate_after(
         }
         s => s,
     };
-    let mut mtp;
+    let (keep, mtp_keep, pending) = reusable_prefix(target, previous, prompt, source);
+    let mut mtp = None;
     let mut ngram = NgramDrafter;
     let drafter: Option<&mut dyn Drafter> = match source {
-        DraftSource::Mtp => {
-            mtp = MtpDrafter::new(target, opts.prefill_chunk);
-            Some(&mut mtp)
-        }
+        DraftSource::Mtp => Some(
+            mtp.insert(MtpDrafter::resume(target, opts.prefill_chunk, pending)) as &mut dyn Drafter,
+        ),
         DraftSource::Ngram => Some(&mut ngram),
         _ => None,
     };
     let epoch = Instant::now();
     let clock = move || epoch.elapsed().as_secs_f64();
-    let keep = reusable_prefix(target, history, prompt, source == DraftSource::Mtp);
     let hooks = Hooks {
         drafter,
         acceptance: Acceptance::Exact,
         clock: &clock,
     };
-    run_after(target, keep, prompt, opts, hooks, on_tokens, cancel)
+    let generation = run_after(
+        target, keep, mtp_keep, prompt, opts, hooks, on_tokens, cancel,
+    )?;
+    let mut tokens = generation.kv_tokens(prompt);
+    tokens.truncate(target.kv_len());
+    let mtp_pending = mtp.map(MtpDrafter::into_pending).unwrap_or_default();
+    *state = CacheState {
+        tokens,
+        mtp_pending,
+    };
+    Ok(generation)
 }
 
-/// KV rows of `history` that a generation of `prompt` can keep: the common prefix, less the
-/// last prompt token (a forward must produce its logits); with MTP drafting also within the
-/// MTP layer's true rows and short of the prefix's last token, whose pair that row needs.
-fn reusable_prefix(target: &dyn Target, history: &[u32], prompt: &[u32], mtp: bool) -> usize {
-    let held = history.len().min(target.kv_len());
-    let common = history[..held]
+/// The rows a generation of `prompt` keeps from `previous`: (main rows, MTP rows, the
+/// pending hidden states of the MTP rows..main rows). The main rows are the common prefix
+/// less the last prompt token (a forward must produce its logits). With MTP drafting the
+/// MTP rows are its true rows within the prefix, short of the prefix's last token (each row
+/// pairs a position with the next token); when the hidden states between them and the main
+/// rows are not all known, the main rows stop there too.
+fn reusable_prefix(
+    target: &dyn Target,
+    previous: CacheState,
+    prompt: &[u32],
+    source: DraftSource,
+) -> (usize, usize, Vec<f32>) {
+    let (kv, mtp_len, h) = (target.kv_len(), target.mtp_kv_len(), target.hidden_size());
+    let held = previous.tokens.len().min(kv);
+    let common = previous.tokens[..held]
         .iter()
         .zip(prompt)
         .take_while(|(a, b)| a == b)
         .count();
     let keep = common.min(prompt.len().saturating_sub(1));
-    if mtp {
-        keep.min(common.saturating_sub(1)).min(target.mtp_kv_len())
+    if source != DraftSource::Mtp {
+        return (keep, 0, Vec::new());
+    }
+    let mut pending = previous.mtp_pending;
+    let pending_known = h > 0 && mtp_len + pending.len() / h == kv;
+    if pending_known && mtp_len <= keep && mtp_len < common.max(1) {
+        pending.truncate((keep - mtp_len) * h);
+        (keep, mtp_len, pending)
     } else {
-        keep
+        let rows = mtp_len.min(keep).min(common.saturating_sub(1));
+        (rows, rows, Vec::new())
     }
 }
 
@@ -305,14 +357,16 @@ pub(crate) fn run(
     on_tokens: &mut dyn FnMut(&[u32]) -> bool,
     cancel: &AtomicBool,
 ) -> Result<Generation> {
-    run_after(target, 0, prompt, opts, hooks, on_tokens, cancel)
+    run_after(target, 0, 0, prompt, opts, hooks, on_tokens, cancel)
 }
 
-/// [`run`] keeping the first `keep` KV rows (they hold `prompt[..keep]`; see
-/// [`generate_after`]).
+/// [`run`] keeping the first `keep` main KV rows (they hold `prompt[..keep]`) and `mtp_keep`
+/// MTP rows (see [`generate_after`]; the drafter holds the hidden states between them).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run_after(
     target: &mut dyn Target,
     keep: usize,
+    mtp_keep: usize,
     prompt: &[u32],
     opts: &GenerateOptions,
     hooks: Hooks<'_, '_>,
@@ -329,10 +383,7 @@ pub(crate) fn run_after(
     check_prompt(prompt, vocab, opts.max_context)?;
     let keep = keep.min(prompt.len() - 1).min(target.kv_len());
     target.truncate(keep);
-    // The MTP layer's true rows up to `keep` stay; the drafter (new for this generation)
-    // holds no pending hidden states, so its cache must end where the main one does or
-    // before (a drafter that finds fewer rows absorbs only what the prefill observes).
-    target.mtp_truncate(keep.min(target.mtp_kv_len()));
+    target.mtp_truncate(mtp_keep.min(keep).min(target.mtp_kv_len()));
     let seed = opts.sampling.seed.unwrap_or_else(Rng::entropy_seed);
     let mut lp = Loop {
         vocab,

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::container::Container;
-use crate::decode::{self, DraftDepth, DraftSource, GenerateOptions, SamplingParams};
+use crate::decode::{self, CacheState, DraftDepth, DraftSource, GenerateOptions, SamplingParams};
 use crate::error::Error;
 use crate::experts::{ExpertStore, IoMode, PinPolicy, PrefetchMode, StoreOptions};
 use crate::model::{context, Model, ModelOptions};
@@ -22,6 +22,10 @@ use crate::python::{run, to_py_err};
 #[pyclass(name = "Engine", module = "colibri._core", frozen)]
 pub struct PyEngine {
     model: Mutex<Model>,
+    /// What the model's caches hold (the last generation's tokens, the MTP layer's pending
+    /// hidden states), so the next generation prefills only past the common prefix. Locked
+    /// only while `model` is, after it.
+    cache: Mutex<CacheState>,
     store: Arc<ExpertStore>,
     config_json: String,
     // Fixed at load, so reading them never waits for a running generation.
@@ -32,6 +36,12 @@ pub struct PyEngine {
 }
 
 impl PyEngine {
+    fn cache_lock(&self) -> PyResult<MutexGuard<'_, CacheState>> {
+        self.cache
+            .lock()
+            .map_err(|_| to_py_err(Error::Internal("engine cache lock poisoned".into())))
+    }
+
     /// Refuse to run in a forked child: the rayon and I/O worker threads exist only in the
     /// parent, so work handed to them would wait forever (and a lock held by one of them at
     /// the fork stays held).
@@ -159,6 +169,7 @@ impl PyEngine {
                 vocab_size: model.config().vocab_size,
                 eos_token_ids: model.config().eos_token_ids.clone(),
                 model: Mutex::new(model),
+                cache: Mutex::new(CacheState::default()),
                 store,
                 config_json,
             })
@@ -200,6 +211,7 @@ impl PyEngine {
     /// Logits of one forward over `ids` as a fresh sequence: float32 [len(ids), vocab].
     fn logits<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let mut model = self.lock(py)?;
+        self.cache_lock()?.clear();
         let vocab = model.config().vocab_size;
         let m: &mut Model = &mut model;
         let logits = run(py, || {
@@ -252,6 +264,8 @@ impl PyEngine {
             max_context: Some(self.max_context),
             ..GenerateOptions::default()
         };
+        let mut cache = self.cache_lock()?;
+        let state: &mut CacheState = &mut cache;
         let m: &mut Model = &mut model;
         self.store.reset_stats();
         let cancel = AtomicBool::new(false);
@@ -273,9 +287,10 @@ impl PyEngine {
                     }
                 })
             };
-            decode::generate(m, &ids, &opts, &mut on, &cancel)
+            decode::generate_after(m, state, &ids, &opts, &mut on, &cancel)
                 .map_err(|e| explain_non_finite(e, m.container()))
         })?;
+        drop(cache);
         // The routing history teaches the pinned set; failing to save it (read-only cache
         // directory) must not fail the generation, and the store already warns about it.
         let _ = self.store.save_usage();
@@ -387,6 +402,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &decode::DecodeStats) -> PyResult<Bound<'
     let decode_tokens = s.generated_tokens.saturating_sub(1);
     let decode_secs = (s.total_secs - s.prefill_secs).max(0.0);
     d.set_item("prompt_tokens", s.prompt_tokens)?;
+    d.set_item("prompt_cached_tokens", s.prompt_cached_tokens)?;
     d.set_item("generated_tokens", s.generated_tokens)?;
     d.set_item("forwards", s.forwards)?;
     d.set_item("decode_forwards", s.decode_forwards)?;

@@ -118,6 +118,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_for_test, m)?)?;
     m.add_class::<engine::PyEngine>()?;
+    m.add_class::<engine::PySession>()?;
     container::register(m)?;
     kernels::register(m)?;
     Ok(())

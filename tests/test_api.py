@@ -1210,3 +1210,34 @@ def test_chat_turns_prefill_only_their_new_tokens(
             assert s.prompt_tokens - s.prompt_cached_tokens <= new + 1, turn
         previous_prompt = prompt_tokens
         messages.append({"role": "assistant", "content": "ok"})
+
+
+def test_sessions_keep_their_own_conversations(test_model_dir: Path) -> None:
+    m = colibri.Model(test_model_dir, threads=1)
+    fresh = colibri.Model(test_model_dir, threads=1)
+    a, b = m.session(), m.session()
+    kw: dict[str, Any] = {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": []}
+    pa, pb = [5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 43, 44]
+    ra, rb = a.generate(pa, **kw), b.generate(pb, **kw)
+    m.generate([99, 98, 97], **kw)  # the model's own cache, in between
+    # Each session's next turn keeps its whole previous turn, whatever ran in between.
+    pa2 = pa + ra.token_ids + [12, 13]
+    pb2 = pb + rb.token_ids + [45]
+    for s, p2 in [(b, pb2), (a, pa2)]:
+        out = s.generate(p2, **kw)
+        fresh.logits([3])
+        assert out.token_ids == fresh.generate(p2, **kw).token_ids
+        assert out.stats.prompt_cached_tokens >= len(p2) - 4
+        assert s.kv_tokens == len(p2) + len(out.token_ids) - 1
+        assert s.kv_bytes > 0
+    # Chat and streaming on a session; reset forgets.
+    text = "".join(a.chat([{"role": "user", "content": "hi"}], stream=True, **kw))
+    assert isinstance(text, str)
+    a.reset()
+    assert a.kv_tokens == 0
+    assert a.generate(pa, **kw).stats.prompt_cached_tokens == 0
+    with pytest.raises(colibri.InvalidArgumentError, match="keyword"):
+        a.generate(pa, max_tokens=3)
+    other = colibri.Model(test_model_dir, threads=1).session()
+    with pytest.raises(colibri.InvalidArgumentError, match="session"):
+        m._start(pa, dict(kw), other._core)

@@ -29,6 +29,7 @@ from colibri.model import (
     GenerationStats,
     GenerationStream,
     Model,
+    Session,
 )
 
 __version__: str = _core.__version__
@@ -52,6 +53,7 @@ __all__ = [
     "Model",
     "ModelNotFoundError",
     "NonFiniteWeightError",
+    "Session",
     "UnsupportedModelError",
     "__version__",
     "build_info",

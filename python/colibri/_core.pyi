@@ -99,6 +99,18 @@ def dequant_fp8_blocks(
 
 # --- the engine (src/python/engine.rs) -----------------------------------------------------
 
+class Session:
+    """One conversation's KV caches, from ``Engine.new_session``."""
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes its KV caches hold."""
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens its KV caches hold."""
+    def reset(self) -> None:
+        """Forget the conversation."""
+
 class Engine:
     """A loaded model with its expert store and decode loop. Calls are serialised by an
     internal lock; compute runs with the GIL released. ``colibri.Model`` wraps it."""
@@ -146,6 +158,8 @@ class Engine:
     @property
     def eos_token_ids(self) -> list[int]:
         """EOS token ids from the config."""
+    def new_session(self) -> Session:
+        """A new conversation with its own (empty) KV caches."""
     def logits(self, ids: list[int]) -> npt.NDArray[np.float32]:
         """Logits of one forward over ``ids`` as a fresh sequence: float32
         ``[len(ids), vocab]``."""
@@ -162,11 +176,13 @@ class Engine:
         draft_depth: int = 0,
         stop_ids: list[int] | None = None,
         on_tokens: Callable[[list[int]], bool] | None = None,
+        session: Session | None = None,
     ) -> dict[str, object]:
         """Generate after ``ids``; returns ``{"tokens", "finish_reason", "stats"}``.
         ``draft_depth`` 0 is auto; ``stop_ids`` None uses the EOS ids; ``on_tokens`` gets
         the tokens each forward accepted and returns False to stop. Ctrl-C raises
-        KeyboardInterrupt within one forward."""
+        KeyboardInterrupt within one forward. The KV cache reused is ``session``'s, or the
+        engine's own."""
     def drop_page_cache(self) -> None:
         """Evict the model's expert bytes from the OS page cache (cold-start benchmarks)."""
     def expert_stats(self) -> dict[str, object]:

@@ -742,6 +742,7 @@ class Model:
                 draft_depth=p["draft_depth"],
                 stop_ids=p["stop_ids"],
                 on_tokens=on_tokens,
+                session=p.get("session"),
             )
         tokens: list[int] = list(raw["tokens"])
         reason = str(raw["finish_reason"])
@@ -846,6 +847,29 @@ class Model:
             return GenerationStream(lambda on_text, cancel: self._run(params, on_text, cancel))
         return self._run(params, on_text=None)
 
+    # ----------------------------------------------------------------------------- sessions
+    def session(self) -> Session:
+        """A new conversation with its own KV cache: its calls reuse its own earlier turns,
+        whatever other sessions and the model itself run in between."""
+        return Session(self)
+
+    def _start(
+        self, prompt: str | Sequence[int], kwargs: dict[str, Any], session: object
+    ) -> GenerationResult | GenerationStream:
+        """``generate(prompt, **kwargs)`` on ``session``'s caches."""
+        stream = bool(kwargs.pop("stream", False))
+        unknown = sorted(set(kwargs) - set(_GENERATE_KEYWORDS))
+        if unknown:
+            raise InvalidArgumentError(
+                f"invalid keyword {unknown[0]!r}; generate takes {', '.join(_GENERATE_KEYWORDS)}"
+                ", stream"
+            )
+        params = self._params(prompt, *(kwargs.get(k) for k in _GENERATE_KEYWORDS))
+        params["session"] = session
+        if stream:
+            return GenerationStream(lambda on_text, cancel: self._run(params, on_text, cancel))
+        return self._run(params, on_text=None)
+
     # ----------------------------------------------------------------------------- info
     def info(self) -> dict[str, Any]:
         """Config summary, container formats and byte sizes per tensor role, and the memory
@@ -883,6 +907,62 @@ def _default_max_new_tokens(gc: Mapping[str, Any], path: Path) -> int:
             f"{path}: 'max_new_tokens' must be a positive integer, not {value!r}; fix or remove it"
         )
     return value
+
+
+#: The keywords of :meth:`Model.generate` besides ``stream``, in ``Model._params`` order.
+_GENERATE_KEYWORDS = (
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "stop",
+    "draft",
+    "draft_depth",
+    "stop_token_ids",
+)
+
+
+class Session:
+    """One conversation on a :class:`Model` (from :meth:`Model.session`) with its own KV
+    cache, so several conversations each reuse their own earlier turns.
+
+    :meth:`generate` and :meth:`chat` take the keywords of :meth:`Model.generate`. Calls are
+    serialised with the model's other calls; the cache stays in RAM until the session is
+    dropped (:attr:`kv_bytes`).
+    """
+
+    def __init__(self, model: Model) -> None:
+        self._model = model
+        self._core = model._engine.new_session()
+
+    def generate(
+        self, prompt: str | Sequence[int], **kwargs: Any
+    ) -> GenerationResult | GenerationStream:
+        """:meth:`Model.generate` on this session's cache."""
+        return self._model._start(prompt, kwargs, self._core)
+
+    def chat(
+        self, messages: Sequence[Mapping[str, Any]], **kwargs: Any
+    ) -> GenerationResult | GenerationStream:
+        """:meth:`Model.chat` on this session's cache."""
+        rendered = self._model.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self._model.encode(rendered, add_special_tokens=False)
+        return self._model._start(ids, kwargs, self._core)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the session's KV cache holds."""
+        return int(self._core.kv_tokens)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the session's KV cache holds."""
+        return int(self._core.kv_bytes)
+
+    def reset(self) -> None:
+        """Forget the conversation: the next call prefills from scratch."""
+        self._core.reset()
 
 
 def _read_json(path: Path) -> dict[str, Any]:

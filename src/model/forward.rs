@@ -250,6 +250,34 @@ pub struct Forward {
     pub selections: Vec<(usize, Selection)>,
 }
 
+/// One sequence's KV caches (every main layer's and the MTP layer's), detached from the
+/// model: a session keeps its own and swaps them in for its generations
+/// ([`Model::swap_caches`]).
+pub struct KvCaches {
+    layers: Vec<LayerKv>,
+    mtp: LayerKv,
+}
+
+impl KvCaches {
+    /// Bytes held (main layers and MTP layer).
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(LayerKv::bytes).sum::<usize>() + self.mtp.bytes()
+    }
+    /// Rows in the main caches.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, LayerKv::len)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Forget every row.
+    pub fn clear(&mut self) {
+        for kv in self.layers.iter_mut().chain(std::iter::once(&mut self.mtp)) {
+            kv.truncate(0);
+        }
+    }
+}
+
 /// A loaded model with its KV caches.
 pub struct Model {
     cfg: ModelConfig,
@@ -329,14 +357,9 @@ impl Model {
             .build()
             .map_err(|e| Error::Internal(format!("cannot start the compute pool: {e}")))
             .map(Arc::new)?;
-        let kv = layers.iter().map(|l| l.new_kv(&cfg)).collect();
-        let mtp_kv = match &mtp {
-            Some(m) => m.layer.new_kv(&cfg),
-            None => LayerKv::new(cfg.kv_lora_rank, cfg.qk_rope_head_dim, 0),
-        };
-        Ok(Model {
+        let mut model = Model {
             rope: Rope::new(&cfg),
-            kv,
+            kv: Vec::new(),
             norm: linear::load_vector(c, "model.norm.weight", h)?,
             cfg,
             container,
@@ -344,13 +367,16 @@ impl Model {
             layers,
             lm_head,
             mtp,
-            mtp_kv,
+            mtp_kv: LayerKv::new(1, 0, 0),
             experts,
             pool,
             prefetch_top_k: opts.prefetch_top_k,
             dsa,
             trace_selections: false,
-        })
+        };
+        let mut caches = model.new_caches();
+        model.swap_caches(&mut caches);
+        Ok(model)
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -364,6 +390,24 @@ impl Model {
     }
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()
+    }
+
+    /// Empty caches shaped for this model (a new session's).
+    pub fn new_caches(&self) -> KvCaches {
+        KvCaches {
+            layers: self.layers.iter().map(|l| l.new_kv(&self.cfg)).collect(),
+            mtp: match &self.mtp {
+                Some(m) => m.layer.new_kv(&self.cfg),
+                None => LayerKv::new(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, 0),
+            },
+        }
+    }
+
+    /// Exchange the model's caches with `caches` (made by [`new_caches`](Self::new_caches)
+    /// of this model): the model then computes that sequence.
+    pub fn swap_caches(&mut self, caches: &mut KvCaches) {
+        std::mem::swap(&mut self.kv, &mut caches.layers);
+        std::mem::swap(&mut self.mtp_kv, &mut caches.mtp);
     }
 
     /// Whether GLM's sparse attention (the DSA lightning indexers) is in use.

@@ -12,4 +12,4 @@ pub mod rope;
 pub mod store_source;
 pub mod target;
 
-pub use forward::{Forward, Model, ModelOptions};
+pub use forward::{Forward, KvCaches, Model, ModelOptions};

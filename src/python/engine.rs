@@ -16,8 +16,50 @@ use crate::container::Container;
 use crate::decode::{self, CacheState, DraftDepth, DraftSource, GenerateOptions, SamplingParams};
 use crate::error::Error;
 use crate::experts::{ExpertStore, IoMode, PinPolicy, PrefetchMode, StoreOptions};
-use crate::model::{context, Model, ModelOptions};
+use crate::model::{context, KvCaches, Model, ModelOptions};
 use crate::python::{run, to_py_err};
+
+static NEXT_ENGINE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// One conversation's KV caches and what they hold, kept apart from the engine's own; an
+/// engine's `generate(..., session=s)` swaps them in for the call.
+#[pyclass(name = "Session", module = "colibri._core", frozen)]
+pub struct PySession {
+    engine: u64,
+    state: Mutex<(KvCaches, CacheState)>,
+}
+
+#[pymethods]
+impl PySession {
+    /// Bytes its KV caches hold.
+    #[getter]
+    fn kv_bytes(&self) -> PyResult<usize> {
+        Ok(self.lock()?.0.bytes())
+    }
+
+    /// Tokens its KV caches hold.
+    #[getter]
+    fn kv_tokens(&self) -> PyResult<usize> {
+        Ok(self.lock()?.0.len())
+    }
+
+    /// Forget the conversation (frees nothing but the rows' meaning; the next call prefills
+    /// from scratch).
+    fn reset(&self) -> PyResult<()> {
+        let mut st = self.lock()?;
+        st.0.clear();
+        st.1.clear();
+        Ok(())
+    }
+}
+
+impl PySession {
+    fn lock(&self) -> PyResult<MutexGuard<'_, (KvCaches, CacheState)>> {
+        self.state
+            .lock()
+            .map_err(|_| to_py_err(Error::Internal("session lock poisoned".into())))
+    }
+}
 
 #[pyclass(name = "Engine", module = "colibri._core", frozen)]
 pub struct PyEngine {
@@ -26,6 +68,8 @@ pub struct PyEngine {
     /// hidden states), so the next generation prefills only past the common prefix. Locked
     /// only while `model` is, after it.
     cache: Mutex<CacheState>,
+    /// Tells this engine's sessions from another's (their caches are shaped for one model).
+    id: u64,
     store: Arc<ExpertStore>,
     config_json: String,
     // Fixed at load, so reading them never waits for a running generation.
@@ -170,6 +214,7 @@ impl PyEngine {
                 eos_token_ids: model.config().eos_token_ids.clone(),
                 model: Mutex::new(model),
                 cache: Mutex::new(CacheState::default()),
+                id: NEXT_ENGINE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 store,
                 config_json,
             })
@@ -208,6 +253,15 @@ impl PyEngine {
         self.eos_token_ids.clone()
     }
 
+    /// A new conversation with its own KV caches (empty; they grow as it is used).
+    fn new_session(&self, py: Python<'_>) -> PyResult<PySession> {
+        let model = self.lock(py)?;
+        Ok(PySession {
+            engine: self.id,
+            state: Mutex::new((model.new_caches(), CacheState::default())),
+        })
+    }
+
     /// Logits of one forward over `ids` as a fresh sequence: float32 [len(ids), vocab].
     fn logits<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let mut model = self.lock(py)?;
@@ -227,7 +281,7 @@ impl PyEngine {
     }
 
     /// Generate after `ids`; returns {"tokens", "finish_reason", "stats"}.
-    #[pyo3(signature = (ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, draft="auto", draft_depth=0, stop_ids=None, on_tokens=None))]
+    #[pyo3(signature = (ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, draft="auto", draft_depth=0, stop_ids=None, on_tokens=None, session=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
         &self,
@@ -242,6 +296,7 @@ impl PyEngine {
         draft_depth: usize,
         stop_ids: Option<Vec<u32>>,
         on_tokens: Option<Py<PyAny>>,
+        session: Option<PyRef<'py, PySession>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let draft = DraftSource::parse(draft).map_err(to_py_err)?;
         let depth = if draft_depth == 0 {
@@ -264,8 +319,28 @@ impl PyEngine {
             max_context: Some(self.max_context),
             ..GenerateOptions::default()
         };
+        if let Some(sess) = &session {
+            if sess.engine != self.id {
+                return Err(to_py_err(Error::invalid(
+                    "session",
+                    "belongs to another model; make it with this model's session()",
+                )));
+            }
+        }
         let mut cache = self.cache_lock()?;
-        let state: &mut CacheState = &mut cache;
+        let mut session_state = match &session {
+            Some(sess) => Some(sess.lock()?),
+            None => None,
+        };
+        // A session's caches are swapped in for the call and back out after it, whatever
+        // the outcome; the engine's own stay aside meanwhile.
+        if let Some(st) = session_state.as_mut() {
+            model.swap_caches(&mut st.0);
+        }
+        let state: &mut CacheState = match session_state.as_mut() {
+            Some(st) => &mut st.1,
+            None => &mut cache,
+        };
         let m: &mut Model = &mut model;
         self.store.reset_stats();
         let cancel = AtomicBool::new(false);
@@ -289,8 +364,13 @@ impl PyEngine {
             };
             decode::generate_after(m, state, &ids, &opts, &mut on, &cancel)
                 .map_err(|e| explain_non_finite(e, m.container()))
-        })?;
+        });
+        if let Some(st) = session_state.as_mut() {
+            model.swap_caches(&mut st.0);
+        }
+        drop(session_state);
         drop(cache);
+        let generation = generation?;
         // The routing history teaches the pinned set; failing to save it (read-only cache
         // directory) must not fail the generation, and the store already warns about it.
         let _ = self.store.save_usage();

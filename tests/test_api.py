@@ -1241,3 +1241,21 @@ def test_sessions_keep_their_own_conversations(test_model_dir: Path) -> None:
     other = colibri.Model(test_model_dir, threads=1).session()
     with pytest.raises(colibri.InvalidArgumentError, match="session"):
         m._start(pa, dict(kw), other._core)
+
+
+def test_a_huge_layer_count_in_the_config_allocates_nothing_for_it(tmp_path: Path) -> None:
+    """A config may claim 2^24 MTP layers; per-layer state is sized by the tensors that
+    exist, so the model opens at once and runs the one MTP layer it has."""
+    import resource
+
+    d = make_test_model(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1 << 24
+    (d / "config.json").write_text(json.dumps(cfg))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    m = colibri.Model(d, threads=1)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 200 * 1024, f"opening grew the peak RSS by {grown_kib} KiB"
+    assert m.has_mtp
+    out = m.generate([5, 6, 7], max_new_tokens=4, temperature=0, stop_token_ids=[])
+    assert len(out.token_ids) == 4

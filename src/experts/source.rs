@@ -190,7 +190,14 @@ impl ContainerSource {
             .iter()
             .map(|s| s.path().to_path_buf())
             .collect();
-        let experts = (0..cfg.total_layers())
+        // Only as many layers as the tensors name: a config may claim any number (e.g.
+        // num_nextn_predict_layers = 2^24), and per-layer state must not be sized by that.
+        let named = container
+            .names()
+            .filter_map(|n| crate::container::names::classify(cfg, n).layer)
+            .max()
+            .map_or(0, |l| l + 1);
+        let experts = (0..cfg.total_layers().min(named))
             .map(|l| {
                 let moe = cfg.is_moe_layer(l) && cfg.n_routed_experts > 0;
                 // An MTP layer may have been stripped from the checkpoint: no experts then.

@@ -1259,3 +1259,22 @@ def test_a_huge_layer_count_in_the_config_allocates_nothing_for_it(tmp_path: Pat
     assert m.has_mtp
     out = m.generate([5, 6, 7], max_new_tokens=4, temperature=0, stop_token_ids=[])
     assert len(out.token_ids) == 4
+
+
+def test_session_properties_wait_for_its_generation_without_deadlock(
+    test_model_dir: Path,
+) -> None:
+    m = colibri.Model(test_model_dir, threads=1)
+    s = m.session()
+    kw: dict[str, Any] = {"max_new_tokens": 60, "temperature": 0, "stop_token_ids": []}
+    stream = s.generate([5] * 5, stream=True, **kw)
+    chunks = iter(stream)
+    next(chunks)  # the generation now runs on the session, its callback needing the GIL
+    seen: list[int] = []
+    reader = threading.Thread(target=lambda: seen.append(s.kv_tokens))
+    reader.start()
+    rest = list(chunks)
+    reader.join(timeout=60)
+    assert not reader.is_alive() and seen, "reading the session waited forever"
+    assert stream.result is not None and isinstance(rest, list)
+    assert s.kv_tokens == 5 + len(stream.result.token_ids) - 1

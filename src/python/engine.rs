@@ -31,22 +31,21 @@ pub struct PySession {
 
 #[pymethods]
 impl PySession {
-    /// Bytes its KV caches hold.
+    /// Bytes its KV caches hold (waits for a generation running on it).
     #[getter]
-    fn kv_bytes(&self) -> PyResult<usize> {
-        Ok(self.lock()?.0.bytes())
+    fn kv_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.lock(py)?.0.bytes())
     }
 
-    /// Tokens its KV caches hold.
+    /// Tokens its KV caches hold (waits for a generation running on it).
     #[getter]
-    fn kv_tokens(&self) -> PyResult<usize> {
-        Ok(self.lock()?.0.len())
+    fn kv_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.lock(py)?.0.len())
     }
 
-    /// Forget the conversation (frees nothing but the rows' meaning; the next call prefills
-    /// from scratch).
-    fn reset(&self) -> PyResult<()> {
-        let mut st = self.lock()?;
+    /// Forget the conversation: the next call prefills from scratch.
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        let mut st = self.lock(py)?;
         st.0.clear();
         st.1.clear();
         Ok(())
@@ -54,10 +53,8 @@ impl PySession {
 }
 
 impl PySession {
-    fn lock(&self) -> PyResult<MutexGuard<'_, (KvCaches, CacheState)>> {
-        self.state
-            .lock()
-            .map_err(|_| to_py_err(Error::Internal("session lock poisoned".into())))
+    fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, (KvCaches, CacheState)>> {
+        lock_detached(py, &self.state, "session")
     }
 }
 
@@ -101,20 +98,30 @@ impl PyEngine {
         }
     }
 
-    /// Take the model lock without holding the GIL while waiting: a running generation's
-    /// callback needs the GIL, so blocking on the mutex with it held would deadlock.
+    /// Take the model lock without holding the GIL while waiting (see [`lock_detached`]).
     fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, Model>> {
         self.same_process()?;
-        loop {
-            match self.model.try_lock() {
-                Ok(guard) => return Ok(guard),
-                Err(std::sync::TryLockError::WouldBlock) => {
-                    py.detach(|| std::thread::sleep(std::time::Duration::from_micros(200)));
-                    py.check_signals()?;
-                }
-                Err(std::sync::TryLockError::Poisoned(_)) => {
-                    return Err(to_py_err(Error::Internal("engine lock poisoned".into())))
-                }
+        lock_detached(py, &self.model, "engine")
+    }
+}
+
+/// Take `mutex` without holding the GIL while waiting: a running generation holds its locks
+/// with the GIL released and its callback needs the GIL, so blocking on the mutex with the
+/// GIL held would deadlock.
+fn lock_detached<'a, T>(
+    py: Python<'_>,
+    mutex: &'a Mutex<T>,
+    what: &str,
+) -> PyResult<MutexGuard<'a, T>> {
+    loop {
+        match mutex.try_lock() {
+            Ok(guard) => return Ok(guard),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                py.detach(|| std::thread::sleep(std::time::Duration::from_micros(200)));
+                py.check_signals()?;
+            }
+            Err(std::sync::TryLockError::Poisoned(_)) => {
+                return Err(to_py_err(Error::Internal(format!("{what} lock poisoned"))))
             }
         }
     }
@@ -329,7 +336,7 @@ impl PyEngine {
         }
         let mut cache = self.cache_lock()?;
         let mut session_state = match &session {
-            Some(sess) => Some(sess.lock()?),
+            Some(sess) => Some(sess.lock(py)?),
             None => None,
         };
         // A session's caches are swapped in for the call and back out after it, whatever

@@ -146,13 +146,44 @@ pub fn load_or_migrate(
     }
 }
 
+/// A routing history is a few hundred KB even for GLM-5.2; anything far larger is not one.
+const MAX_HISTORY_BYTES: u64 = 64 << 20;
+
+/// The text of `path` if it is a regular file of sane size. Opened non-blocking and checked
+/// on the open descriptor, so a FIFO or device named like the history cannot block the
+/// model's open, and a swap between a check and the open cannot either.
+fn read_regular_file(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NONBLOCK);
+    }
+    let file = options.open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::other("it is not a regular file"));
+    }
+    if meta.len() > MAX_HISTORY_BYTES {
+        return Err(std::io::Error::other(format!(
+            "{} bytes is far larger than a routing history",
+            meta.len()
+        )));
+    }
+    let mut text = String::new();
+    file.take(MAX_HISTORY_BYTES).read_to_string(&mut text)?;
+    Ok(text)
+}
+
 /// `Ok(None)`: no file. `Err(reason)`: a file that is not usable for this model.
 fn read(
     path: &Path,
     fingerprint: &str,
     shape: &[(usize, usize)],
 ) -> Result<Option<UsageCounts>, String> {
-    let text = match std::fs::read_to_string(path) {
+    let text = match read_regular_file(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(format!("cannot read it: {e}")),
@@ -273,6 +304,28 @@ mod tests {
         UsageCounts {
             layers: [(3, a.to_vec()), (5, b.to_vec())].into_iter().collect(),
         }
+    }
+
+    /// A FIFO named like the history must not block (open() on a FIFO waits for a writer).
+    #[cfg(unix)]
+    #[test]
+    fn a_fifo_named_like_the_history_is_ignored_without_blocking() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join(USAGE_FILE);
+        let c_path = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path; mkfifo only creates a file system node.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let q = p.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(load(&q, "fp", &SHAPE));
+        });
+        let (c, warning) = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("loading the history blocked on a FIFO");
+        assert_eq!(c.total(), 0);
+        let w = warning.expect("a warning");
+        assert!(w.contains("not a regular file"), "{w}");
     }
 
     #[test]

@@ -594,9 +594,7 @@ class Model:
             draft_depth,
             stop_token_ids,
         )
-        if stream:
-            return GenerationStream(lambda on_text, cancel: self._run(params, on_text, cancel))
-        return self._run(params, on_text=None)
+        return self._launch(params, stream)
 
     def _params(
         self,
@@ -829,10 +827,8 @@ class Model:
         Takes the keyword arguments of :meth:`generate`, with the same meaning; returns a
         :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`.
         """
-        prompt = self.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.encode(prompt, add_special_tokens=False)
         params = self._params(
-            ids,
+            self._chat_ids(messages),
             max_new_tokens,
             temperature,
             top_k,
@@ -843,6 +839,15 @@ class Model:
             draft_depth,
             stop_token_ids,
         )
+        return self._launch(params, stream)
+
+    def _chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The prompt ids of a chat: ``messages`` rendered with the generation prompt."""
+        prompt = self.apply_chat_template(messages, add_generation_prompt=True)
+        return self.encode(prompt, add_special_tokens=False)
+
+    def _launch(self, params: dict[str, Any], stream: bool) -> GenerationResult | GenerationStream:
+        """Run prepared ``params``: now, or as a :class:`GenerationStream`."""
         if stream:
             return GenerationStream(lambda on_text, cancel: self._run(params, on_text, cancel))
         return self._run(params, on_text=None)
@@ -866,9 +871,7 @@ class Model:
             )
         params = self._params(prompt, *(kwargs.get(k) for k in _GENERATE_KEYWORDS))
         params["session"] = session
-        if stream:
-            return GenerationStream(lambda on_text, cancel: self._run(params, on_text, cancel))
-        return self._run(params, on_text=None)
+        return self._launch(params, stream)
 
     # ----------------------------------------------------------------------------- info
     def info(self) -> dict[str, Any]:
@@ -946,9 +949,7 @@ class Session:
         self, messages: Sequence[Mapping[str, Any]], **kwargs: Any
     ) -> GenerationResult | GenerationStream:
         """:meth:`Model.chat` on this session's cache."""
-        rendered = self._model.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self._model.encode(rendered, add_special_tokens=False)
-        return self._model._start(ids, kwargs, self._core)
+        return self._model._start(self._model._chat_ids(messages), kwargs, self._core)
 
     @property
     def kv_tokens(self) -> int:

@@ -601,6 +601,17 @@ fn no_page_cache_hints_under_direct_io() {
     }
 }
 
+/// Store options that keep a routing history in `cache` and pin from it, with room for 8
+/// experts of `one` bytes.
+fn history_options(cache: &std::path::Path, one: u64) -> StoreOptions {
+    StoreOptions {
+        usage_file: true,
+        cache_dir: Some(cache.to_path_buf()),
+        pin: PinPolicy::History { fraction: 0.5 },
+        ..opts(IoMode::Pread, 8 * one)
+    }
+}
+
 #[test]
 fn routing_history_pins_the_hot_set_across_runs() {
     let spec = SynthSpec::tiny(G64);
@@ -609,12 +620,7 @@ fn routing_history_pins_the_hot_set_across_runs() {
         .and_then(|s| s.charged_bytes(1, 0))
         .expect("charged");
     let cache = tempfile::tempdir().expect("cache dir");
-    let o = StoreOptions {
-        usage_file: true,
-        cache_dir: Some(cache.path().to_path_buf()),
-        pin: PinPolicy::History { fraction: 0.5 },
-        ..opts(IoMode::Pread, 8 * one)
-    };
+    let o = history_options(cache.path(), one);
     let mut ok = |_: usize, _: &ExpertView<'_>| Ok(());
     {
         let store = ExpertStore::open_source(src.clone(), o.clone()).expect("open");
@@ -698,12 +704,7 @@ fn a_legacy_history_in_the_model_directory_is_read_but_never_written() {
     .expect("legacy");
     let before = std::fs::read(&legacy).expect("read");
     let cache = tempfile::tempdir().expect("cache dir");
-    let o = StoreOptions {
-        usage_file: true,
-        cache_dir: Some(cache.path().to_path_buf()),
-        pin: PinPolicy::History { fraction: 0.5 },
-        ..opts(IoMode::Pread, 8 * one)
-    };
+    let o = history_options(cache.path(), one);
     let store = ExpertStore::open_source(src.clone(), o.clone()).expect("open");
     assert_eq!(
         store.stats().pin_set_len,

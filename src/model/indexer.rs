@@ -118,25 +118,7 @@ impl Indexer {
         rope: &Rope,
         pool: Option<&rayon::ThreadPool>,
     ) -> Result<Selection> {
-        let t0 = Instant::now();
-        let out = self.select_timed(xn, q_a, s, start, rope_start, keys, rope, pool);
-        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.busy_ns.fetch_add(ns, AtomicOrdering::Relaxed);
-        out
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn select_timed(
-        &self,
-        xn: &[f32],
-        q_a: &[f32],
-        s: usize,
-        start: usize,
-        rope_start: usize,
-        keys: &mut Vec<f32>,
-        rope: &Rope,
-        pool: Option<&rayon::ThreadPool>,
-    ) -> Result<Selection> {
+        let _timing = BusyTimer::start(&self.busy_ns);
         let (heads, dim, rd) = (self.heads, self.dim, self.rope_dim);
         debug_assert_eq!(keys.len(), start * dim);
         let mut k = linear::apply(&self.wk, xn, s, pool)?;
@@ -196,6 +178,28 @@ impl Indexer {
             selection.push(top_k(&scores, self.topk));
         }
         Ok(selection)
+    }
+}
+
+/// Adds the nanoseconds from `start` to its drop to a counter (every return path counts).
+struct BusyTimer<'a> {
+    total: &'a AtomicU64,
+    since: Instant,
+}
+
+impl<'a> BusyTimer<'a> {
+    fn start(total: &'a AtomicU64) -> Self {
+        BusyTimer {
+            total,
+            since: Instant::now(),
+        }
+    }
+}
+
+impl Drop for BusyTimer<'_> {
+    fn drop(&mut self) {
+        let ns = u64::try_from(self.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.total.fetch_add(ns, AtomicOrdering::Relaxed);
     }
 }
 

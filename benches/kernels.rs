@@ -17,7 +17,7 @@ use colibri::quant::kernels::{self, KernelPath};
 use colibri::quant::{QMatrix, QuantFormat};
 use criterion::{criterion_group, Bencher, BenchmarkGroup, Criterion, Throughput};
 
-/// (name, O, I) from DESIGN §2: expert gate/up and down, MLA kv_a, o_proj.
+/// (name, O, I) of GLM-5.2 (its config.json): expert gate/up and down, MLA kv_a, o_proj.
 const SHAPES: [(&str, usize, usize); 4] = [
     ("expert_gate", 2048, 6144),
     ("expert_down", 6144, 2048),
@@ -306,7 +306,10 @@ fn expert(c: &mut Criterion) {
             .map(|[g, u, d]| [g.view(), u.view(), d.view()])
             .collect();
         let total: usize = views[0].iter().map(QMatrix::stream_bytes).sum();
-        assert_eq!(total, 21_233_664, "DESIGN §3: a GLM-5.2 expert at gs64");
+        assert_eq!(
+            total, 21_233_664,
+            "docs/container.md: a GLM-5.2 expert at gs64"
+        );
         g.throughput(Throughput::Bytes(total as u64));
         for s in [1, 4, 8] {
             let x = activations(s, h);

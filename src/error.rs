@@ -48,6 +48,10 @@ pub enum Error {
     /// The message says which logit and, where a bounded scan found it, which tensor.
     #[error("{0}")]
     NonFiniteOutput(String),
+    /// A saved context (a session's KV written by `Session::save`) is truncated, corrupt, of
+    /// another format version, or was made by another model.
+    #[error("{}: {msg}", path.display())]
+    SavedContext { path: PathBuf, msg: String },
     /// The caller asked the running operation to stop (Ctrl-C).
     #[error("cancelled")]
     Cancelled,
@@ -80,6 +84,13 @@ impl Error {
         Error::Container {
             file: file.into(),
             tensor: tensor.map(str::to_owned),
+            msg: msg.into(),
+        }
+    }
+
+    pub fn saved_context(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        Error::SavedContext {
+            path: path.into(),
             msg: msg.into(),
         }
     }

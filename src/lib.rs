@@ -1,14 +1,16 @@
 //! colibri: run DeepSeek-V3-family Mixture-of-Experts models on one machine.
 //!
 //! Data flows one way: `container` (files) → `experts` (store, cache, prefetch) → `model`
-//! (forward pass) → `decode` (sampling, speculative decoding) → `python` (bindings). Only
-//! `python` knows about Python.
+//! (forward pass) and `decode` (sampling, speculative decoding, model-independent) →
+//! `engine` (composes them: options, sessions, saved contexts, stats) → `python`
+//! (bindings that only convert types). Only `python` knows about Python.
 
 pub mod config;
 pub mod container;
 pub mod convert;
 pub mod cpu;
 pub mod decode;
+pub mod engine;
 pub mod error;
 pub mod experts;
 pub mod model;

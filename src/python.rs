@@ -28,6 +28,7 @@ pub(crate) fn to_py_err(err: Error) -> PyErr {
         Error::MissingTensor { .. } => "MissingTensorError",
         Error::InvalidArgument { .. } => "InvalidArgumentError",
         Error::NonFinite { .. } | Error::NonFiniteOutput(_) => "NonFiniteWeightError",
+        Error::SavedContext { .. } => "SavedContextError",
         Error::Cancelled => "Cancelled",
         Error::ForkedProcess { .. } => "ForkedProcessError",
         Error::Internal(_) => "InternalError",
@@ -119,6 +120,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_raise_for_test, m)?)?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PySession>()?;
+    m.add_function(wrap_pyfunction!(engine::choices, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::generation_stats_fields, m)?)?;
     container::register(m)?;
     kernels::register(m)?;
     Ok(())

@@ -1278,3 +1278,95 @@ def test_session_properties_wait_for_its_generation_without_deadlock(
     assert not reader.is_alive() and seen, "reading the session waited forever"
     assert stream.result is not None and isinstance(rest, list)
     assert s.kv_tokens == 5 + len(stream.result.token_ids) - 1
+
+
+def test_a_saved_context_loads_back_and_continues_like_the_live_session(
+    test_model_dir: Path, tmp_path: Path
+) -> None:
+    m = colibri.Model(test_model_dir, threads=1, cache_dir=tmp_path / "cache")
+    kw: dict[str, Any] = {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": []}
+    doc = list(range(20, 60))
+    s = m.session()
+    s.prefill(doc)
+    assert s.kv_tokens == len(doc) and s.token_ids == doc
+    path = tmp_path / "doc.ctx"
+    written = s.save(path)
+    assert written == path.stat().st_size > 0
+    # Another Model (another engine, as another process would be) of the same files.
+    other = colibri.Model(test_model_dir, threads=1, cache_dir=tmp_path / "cache")
+    loaded = other.load_session(path)
+    assert loaded.kv_tokens == len(doc) and loaded.token_ids == doc
+    question = [*doc, 7, 8, 9]
+    a, b = s.generate(question, **kw), loaded.generate(question, **kw)
+    assert a.token_ids == b.token_ids == other.generate(question, **kw).token_ids
+    assert b.stats.prompt_cached_tokens == len(doc)
+    # Seeded sampling continues the same way too.
+    sampled = {**kw, "temperature": 0.8, "seed": 3}
+    s2, l2 = m.load_session(path), other.load_session(path)
+    assert s2.generate(question, **sampled).token_ids == l2.generate(question, **sampled).token_ids
+
+
+def test_damaged_foreign_or_missing_contexts_raise_typed_errors(
+    test_model_dir: Path, tmp_path: Path
+) -> None:
+    m = colibri.Model(test_model_dir, threads=1, cache_dir=tmp_path / "cache")
+    s = m.session()
+    s.prefill([5, 6, 7, 8])
+    path = tmp_path / "c.ctx"
+    s.save(path)
+    good = path.read_bytes()
+    for what, data, needle in [
+        ("truncated", good[:-3], "truncated"),
+        ("not a context", b"{}" * 40, "magic"),
+        ("flipped", good[:-8] + bytes([good[-8] ^ 1]) + good[-7:], "checksum"),
+    ]:
+        path.write_bytes(data)
+        with pytest.raises(colibri.SavedContextError, match=needle):
+            m.load_session(path)
+        assert isinstance(colibri.SavedContextError("x"), ValueError), what
+    path.write_bytes(good)
+    tiny = colibri.Model(threads=1, cache_dir=tmp_path / "cache")
+    with pytest.raises(colibri.SavedContextError, match="another model"):
+        tiny.load_session(path)
+    with pytest.raises(colibri.ColibriFileNotFoundError):
+        m.load_session(tmp_path / "absent.ctx")
+    # The model is unharmed and the good file still loads.
+    assert m.load_session(path).kv_tokens == 4
+
+
+def test_idle_sessions_over_the_budget_go_to_disk_and_come_back(
+    test_model_dir: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    m = colibri.Model(test_model_dir, threads=1, cache_dir=cache, idle_session_budget=0)
+    ref = colibri.Model(test_model_dir, threads=1, cache_dir=cache)
+    kw: dict[str, Any] = {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": []}
+    a, b = m.session(), m.session()
+    first = a.generate([5, 6, 7, 8, 9], **kw)
+    assert not a.evicted and a.kv_bytes > 0
+    b.generate([30, 31, 32], **kw)
+    assert a.evicted and a.kv_bytes == 0
+    spilled = list((cache / "sessions").glob("*.ctx"))
+    assert len(spilled) == 1
+    nxt = [5, 6, 7, 8, 9, *first.token_ids, 10]
+    out = a.generate(nxt, **kw)
+    assert not a.evicted and b.evicted
+    assert out.stats.prompt_cached_tokens == 5 + len(first.token_ids) - 1
+    assert out.token_ids == ref.generate(nxt, **kw).token_ids
+    del a, b
+    gc.collect()
+    assert list((cache / "sessions").glob("*.ctx")) == []
+
+
+def test_option_vocabulary_and_stats_names_come_from_the_engine() -> None:
+    from colibri import model as model_module
+
+    choices = _core.choices()
+    for name, alias in [
+        ("io", model_module.IoMode),
+        ("prefetch", model_module.PrefetchMode),
+        ("draft", model_module.DraftMode),
+    ]:
+        assert list(typing.get_args(alias)) == choices[name], name
+    py_fields = set(colibri.GenerationStats.__dataclass_fields__) - {"extra"}
+    assert py_fields == set(_core.generation_stats_fields())

@@ -39,7 +39,7 @@ GROUP_SIZES = (16, 32, 48, 64, 96, 128, 192, 256)
 
 
 def inferable_group_size(cols: int, gs: int) -> int:
-    """The group size a reader infers from the scale count alone (DESIGN §3: the smallest
+    """The group size a reader infers from the scale count alone (docs/container.md: the smallest
     listed size giving the same count). Without metadata a container can only carry that
     one; e.g. gs 64 on 80 columns has 2 groups per row, like gs 48, and reads as gs 48."""
     return min(g for g in GROUP_SIZES if -(-cols // g) == -(-cols // gs))

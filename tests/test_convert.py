@@ -1,6 +1,6 @@
 """The converter end to end: synthetic BF16 and FP8 checkpoints (written by
 ``tests/helpers``, independently of colibri) convert into containers whose formats follow
-DESIGN §3 per tensor role and whose bytes match an independent numpy quantiser."""
+docs/container.md per tensor role and whose bytes match an independent numpy quantiser."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from helpers.community import (
 
 
 def expected_format(name: str, n_layers: int) -> str:
-    """DESIGN §3 defaults, restated from the tensor name."""
+    """defaults of docs/container.md, restated from the tensor name."""
     if name.endswith("mlp.gate.weight"):
         return "f32"
     if f"layers.{n_layers}." in name:  # the MTP layer
@@ -49,7 +49,7 @@ def check_container(dst: Path, decoded: dict[str, np.ndarray], n_layers: int) ->
         if fmt == "f32":
             np.testing.assert_array_equal(got, w)
             continue
-        # Bit-exact with the independent numpy quantiser of DESIGN §3 …
+        # Bit-exact with the independent numpy quantiser of docs/container.md …
         data, scales = quantize(w, fmt)
         assert c.raw(name) == data.tobytes(), name
         assert c.raw(name + ".qs") == scales.astype("<f4").tobytes(), name

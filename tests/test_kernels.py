@@ -1,5 +1,5 @@
 """The dequant-matmul kernels, every available path, against an independent numpy float64
-reference built from DESIGN §3 (formats, nibble order, scales)."""
+reference built from docs/container.md (formats, nibble order, scales)."""
 
 from __future__ import annotations
 

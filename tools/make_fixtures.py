@@ -1654,7 +1654,7 @@ def default_format(name: str, shape: tuple[int, ...], n_layers: int) -> str:
 
 
 def fake_quantize(w: np.ndarray, fmt: str) -> np.ndarray:
-    """Quantise then dequantise a float32 [O, I] matrix exactly as DESIGN §3 (float32).
+    """Quantise then dequantise a float32 [O, I] matrix exactly as docs/container.md (float32).
 
     Per row (int8) or per group of ``INT4_GROUP`` columns (int4; one group when I <= 64,
     which is what the per-row int4 layout computes): s = max(absmax / qmax, 1e-8),

@@ -63,7 +63,7 @@ def load(hf: Path) -> tuple[DeepseekV3ForCausalLM, MtpModel, Tokenizer, dict[str
 
 
 def container_estimate(hf: Path, model: DeepseekV3ForCausalLM) -> dict[str, Any]:
-    """Bytes of the colibri container with DESIGN §3 defaults, from the export's tensors.
+    """Bytes of the colibri container with defaults of docs/container.md, from the export's tensors.
 
     int8 per-row (O*I bytes + O f32 scales): embed_tokens, lm_head and every 2-D tensor of the
     MTP layer except its router; int4 gs64 (O*ceil(I/2) bytes + O*ceil(I/64) scales): every

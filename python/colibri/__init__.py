@@ -21,6 +21,7 @@ from colibri.errors import (
     MissingTensorError,
     ModelNotFoundError,
     NonFiniteWeightError,
+    SavedContextError,
     UnsupportedModelError,
 )
 from colibri.model import (
@@ -53,6 +54,7 @@ __all__ = [
     "Model",
     "ModelNotFoundError",
     "NonFiniteWeightError",
+    "SavedContextError",
     "Session",
     "UnsupportedModelError",
     "__version__",

@@ -3,6 +3,7 @@
 from collections.abc import Callable
 from os import PathLike
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -100,24 +101,31 @@ def dequant_fp8_blocks(
 # --- the engine (src/python/engine.rs) -----------------------------------------------------
 
 class Session:
-    """One conversation's KV caches, from ``Engine.new_session``."""
+    """One conversation's KV caches and the tokens they hold, from ``Engine.new_session`` or
+    ``Engine.load_session``. Getters wait for a generation running on it."""
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes its KV caches hold."""
+        """Bytes its KV caches hold in RAM (0 while evicted to disk)."""
     @property
     def kv_tokens(self) -> int:
-        """Tokens its KV caches hold."""
+        """Tokens of context it holds."""
+    @property
+    def evicted(self) -> bool:
+        """Whether its caches were written to disk under the idle-session budget."""
+    def tokens(self) -> list[int]:
+        """The tokens of context it holds."""
     def reset(self) -> None:
         """Forget the conversation."""
 
 class Engine:
-    """A loaded model with its expert store and decode loop. Calls are serialised by an
-    internal lock; compute runs with the GIL released. ``colibri.Model`` wraps it."""
+    """The Rust engine: a loaded model with its expert store, decode loop and sessions.
+    Calls are serialised by an internal lock; they run with the GIL released.
+    ``colibri.Model`` wraps it."""
 
     def __init__(
         self,
-        path: str,
+        path: str | PathLike[str],
         *,
         threads: int = 0,
         io: str = "auto",
@@ -130,36 +138,37 @@ class Engine:
         pin: str = "auto",
         resident_layers: list[int] | None = None,
         max_context: int | None = None,
+        idle_session_bytes: int | None = None,
+        spill_dir: str | PathLike[str] | None = None,
     ) -> None:
-        """Load the model directory ``path``. ``io``: auto|mmap|pread|direct; ``prefetch``:
-        auto|off|hint|real; ``ram_budget``: expert-cache bytes (None: sized from available
-        memory); ``prefetch_top_k``: experts predicted per layer (0: the model's top-k);
-        ``usage_file``: persist routing history for the pinned set, in ``cache_dir`` (None:
-        ``$COLIBRI_CACHE_DIR``, ``$XDG_CACHE_HOME/colibri`` or ``~/.cache/colibri``; a
-        legacy history in the model directory is read, never written); ``pin``: auto|history
-        (pin the history's hottest experts in half the budget) or off; ``resident_layers``:
-        MoE layers whose experts are all loaded at open and kept, beyond ``ram_budget``
-        (the MTP layer is ``num_hidden_layers``); ``max_context``: the longest context in
-        tokens (None: the model's exact limit, bounded by the RAM left for the KV cache)."""
+        """Load the model directory ``path``. ``io``, ``prefetch``, ``pin``: one of
+        ``choices()[name]``; ``ram_budget``: expert-cache bytes (None: sized from available
+        memory); ``prefetch_top_k``: experts predicted per layer (0: 1.5x the model's
+        top-k); ``usage_file``: persist routing history for the pinned set, in ``cache_dir``
+        (None: ``$COLIBRI_CACHE_DIR``, ``$XDG_CACHE_HOME/colibri`` or ``~/.cache/colibri``);
+        ``resident_layers``: MoE layers whose experts are all loaded at open and kept, beyond
+        ``ram_budget`` (the MTP layer is ``num_hidden_layers``); ``max_context``: the
+        longest context in tokens (None: the model's exact limit, bounded by the RAM left
+        for the KV cache); ``idle_session_bytes``: RAM idle sessions' KV may hold before the
+        least recently used are written to ``spill_dir`` (None: one full context; the
+        directory defaults to ``sessions/`` in the cache directory)."""
     def config_json(self) -> str:
         """The model's ``config.json`` text."""
-    @property
-    def has_mtp(self) -> bool:
-        """Whether the MTP head is loaded."""
+    def info(self) -> dict[str, Any]:
+        """Facts fixed at load: ``has_mtp``, ``uses_dsa``, ``max_context``, ``vocab_size``,
+        ``hidden_size``, ``eos_token_ids``, ``kv_bytes_per_token``, ``idle_session_bytes``,
+        ``fingerprint``."""
     @property
     def usage_path(self) -> Path | None:
         """Where the routing history is saved, or None when it is not saved."""
-    @property
-    def max_context(self) -> int:
-        """The longest context (prompt + generated tokens) this engine runs."""
-    @property
-    def vocab_size(self) -> int:
-        """The vocabulary size (rows of the logits)."""
-    @property
-    def eos_token_ids(self) -> list[int]:
-        """EOS token ids from the config."""
     def new_session(self) -> Session:
         """A new conversation with its own (empty) KV caches."""
+    def save_session(self, path: str | PathLike[str], session: Session | None = None) -> int:
+        """Write ``session``'s context (the engine's own when None) to ``path`` atomically;
+        returns the bytes written."""
+    def load_session(self, path: str | PathLike[str]) -> Session:
+        """A new session holding the context saved at ``path``; a damaged, foreign or
+        other-version file raises ``SavedContextError``."""
     def logits(self, ids: list[int]) -> npt.NDArray[np.float32]:
         """Logits of one forward over ``ids`` as a fresh sequence: float32
         ``[len(ids), vocab]``."""
@@ -177,16 +186,22 @@ class Engine:
         stop_ids: list[int] | None = None,
         on_tokens: Callable[[list[int]], bool] | None = None,
         session: Session | None = None,
-    ) -> dict[str, object]:
-        """Generate after ``ids``; returns ``{"tokens", "finish_reason", "stats"}``.
-        ``draft_depth`` 0 is auto; ``stop_ids`` None uses the EOS ids; ``on_tokens`` gets
-        the tokens each forward accepted and returns False to stop. Ctrl-C raises
-        KeyboardInterrupt within one forward. The KV cache reused is ``session``'s, or the
-        engine's own."""
+    ) -> dict[str, Any]:
+        """Generate after ``ids``; returns ``{"tokens", "finish_reason", "stats"}`` (stats
+        keyed by ``generation_stats_fields()``). ``draft_depth`` 0 is auto; ``stop_ids``
+        None uses the EOS ids; ``on_tokens`` gets the tokens each forward accepted and
+        returns False to stop. Ctrl-C raises KeyboardInterrupt within one forward. The KV
+        cache reused is ``session``'s, or the engine's own."""
     def drop_page_cache(self) -> None:
         """Evict the model's expert bytes from the OS page cache (cold-start benchmarks)."""
-    def expert_stats(self) -> dict[str, object]:
+    def expert_stats(self) -> dict[str, Any]:
         """Expert-store counters since the last generation started: totals and per layer."""
+
+def choices() -> dict[str, list[str]]:
+    """The accepted values of each string option (io, prefetch, pin, draft), "auto" first."""
+
+def generation_stats_fields() -> list[str]:
+    """The names of the fields a generation's stats carry."""
 
 # --- kernels (src/python/kernels.rs) ---------------------------------------------------
 

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from colibri import __version__, build_info
+from colibri import __version__, _core, build_info
 
 
 def _cmd_version(_: argparse.Namespace) -> int:
@@ -111,13 +111,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--io",
         default="auto",
-        choices=["auto", "mmap", "pread", "direct"],
+        choices=_core.choices()["io"],
         help="how experts are read from disk (default auto)",
     )
     g.add_argument(
         "--prefetch",
         default="auto",
-        choices=["auto", "off", "hint", "real"],
+        choices=_core.choices()["prefetch"],
         help="router-lookahead prefetch of experts (default auto)",
     )
     g.add_argument(
@@ -175,7 +175,7 @@ def _add_sampling_options(p: argparse.ArgumentParser, *, max_new_tokens: int | N
     g.add_argument(
         "--draft",
         default="auto",
-        choices=["auto", "mtp", "ngram", "off"],
+        choices=_core.choices()["draft"],
         help="speculative drafter (default auto: MTP when the model has it)",
     )
     g.add_argument(
@@ -445,7 +445,7 @@ def _add_model_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
     p.add_argument(
         "--compare",
         action="append",
-        choices=["auto", "mtp", "ngram", "off"],
+        choices=_core.choices()["draft"],
         help="draft modes to compare (repeatable; default: off and --draft)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")

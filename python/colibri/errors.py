@@ -28,6 +28,7 @@ __all__ = [
     "MissingTensorError",
     "ModelNotFoundError",
     "NonFiniteWeightError",
+    "SavedContextError",
     "UnsupportedModelError",
 ]
 
@@ -62,6 +63,11 @@ class MissingTensorError(ContainerError, KeyError):
 class NonFiniteWeightError(ContainerError):
     """Weights contain NaN or Inf: a source tensor given to the converter, or a model whose
     output (a logit) came out NaN/Inf; the message names the tensor where it can."""
+
+
+class SavedContextError(ColibriError, ValueError):
+    """A saved context file (:meth:`Session.save`) is truncated, corrupt, of another format
+    version, or was made by another model."""
 
 
 class ColibriIOError(ColibriError, OSError):

@@ -45,26 +45,39 @@ _ENGINE_FINISH_REASONS: dict[str, FinishReason] = {
     "context_full": "length",
 }
 
-_DRAFT_MODES = ("auto", "mtp", "ngram", "off")
-_IO_MODES = ("auto", "mmap", "pread", "direct")
-_PREFETCH_MODES = ("auto", "off", "hint", "real")
+# The vocabulary of the string options comes from the Rust engine (crate::engine::CHOICES);
+# the Literal types above repeat it for type checkers, and a test keeps them equal.
+_CHOICES: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in _core.choices().items()}
+_DRAFT_MODES = _CHOICES["draft"]
+_IO_MODES = _CHOICES["io"]
+_PREFETCH_MODES = _CHOICES["prefetch"]
 
 
 @dataclass(frozen=True)
 class GenerationStats:
-    """What one generation cost and how speculation and the expert store behaved."""
+    """What one generation cost and how speculation and the expert store behaved.
+
+    The fields are those of the Rust engine's ``GenerationStats`` (``crate::engine::stats``),
+    the one source of these names."""
 
     prompt_tokens: int
-    #: Leading prompt tokens whose KV the previous generation on this model left in the
-    #: cache, so the prefill skipped them (a chat's earlier turns; 0 for a new prompt).
+    #: Leading prompt tokens whose KV the session (or the model's own conversation) already
+    #: held, so the prefill skipped them (a chat's earlier turns; 0 for a new prompt).
     prompt_cached_tokens: int
+    #: Tokens emitted, a final stop token included.
     generated_tokens: int
-    #: Main-model forwards (prefill counts as one).
+    #: Main-model forwards: prefill chunks plus decode forwards.
     forwards: int
+    #: Forwards after the prefill (plain steps and verifies).
+    decode_forwards: int
+    #: MTP-layer forwards (absorbs and chained drafts).
+    mtp_forwards: int
     #: Generated tokens per decode forward (1.0 without drafting).
     tokens_per_forward: float
     #: Decode speed, excluding prefill.
     tokens_per_second: float
+    #: Prompt-processing speed: prefilled (not cached) tokens per prefill second.
+    prompt_tokens_per_second: float
     prefill_seconds: float
     decode_seconds: float
     #: Draft tokens proposed / accepted, indexed by depth (index 0 is depth 1).
@@ -73,10 +86,23 @@ class GenerationStats:
     acceptance_rate: float
     draft_seconds: float
     verify_seconds: float
+    #: Times the pause guard switched drafting off.
+    guard_pauses: int
+    #: Decode cycles per draft depth (index 0: no draft).
+    depth_histogram: list[int]
+    #: Routed-expert uses served from memory / read from disk, and the bytes read.
     expert_hits: int
     expert_misses: int
     expert_bytes_read: int
+    #: Seconds the forward waited for expert reads.
+    expert_wait_seconds: float
+    #: Share of the routed experts the router lookahead predicted (None: it predicted none).
     prefetch_recall: float | None
+    prefetch_useful: int
+    prefetch_wasted: int
+    #: The I/O mode in effect (``"direct"`` falls back to ``"pread"`` where refused).
+    io_mode: str
+    #: Fields a newer engine reports that this class does not name yet.
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -327,6 +353,10 @@ class Model:
             experts) is kept, under a directory named by the model's fingerprint. ``None``:
             ``$COLIBRI_CACHE_DIR``, else ``$XDG_CACHE_HOME/colibri``, else
             ``~/.cache/colibri``. Nothing is ever written into the model directory.
+        idle_session_budget: bytes (or ``"2GB"``) of RAM that the KV caches of sessions not
+            generating right now may hold together; beyond it the least recently used are
+            written to ``sessions/`` in the cache directory and read back, unchanged, when
+            next used. ``None``: one full context (``max_context`` tokens of KV).
 
     Example:
         >>> import colibri
@@ -351,6 +381,7 @@ class Model:
         pin_mtp: bool = False,
         max_context: int | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        idle_session_budget: int | str | None = None,
     ) -> None:
         _check_choice("io", io, _IO_MODES)
         _check_choice("prefetch", prefetch, _PREFETCH_MODES)
@@ -368,6 +399,7 @@ class Model:
                 f"invalid value for 'max_context': {context} tokens is beyond any model's limit"
             )
         budget = _parse_bytes("ram_budget", ram_budget)
+        idle = _parse_bytes("idle_session_budget", idle_session_budget)
         self.path: Path = resolve_model_dir(model, revision=revision)
         tok_file = self.path / "tokenizer.json"
         if not tok_file.is_file():
@@ -391,13 +423,15 @@ class Model:
             resident_layers=_mtp_layers(self.path) if pin_mtp and mtp else None,
             max_context=context,
             cache_dir=None if cache_dir is None else os.fspath(cache_dir),
+            idle_session_bytes=idle,
         )
         self.config: dict[str, Any] = json.loads(self._engine.config_json())
-        # Read once: the engine's getters take its lock, which a running generation holds.
-        self._has_mtp = bool(self._engine.has_mtp)
-        self._max_context = int(self._engine.max_context)
-        self._eos_token_ids = [int(t) for t in self._engine.eos_token_ids]
-        self._vocab_size = int(self._engine.vocab_size)
+        facts = self._engine.info()
+        self._has_mtp = bool(facts["has_mtp"])
+        self._max_context = int(facts["max_context"])
+        self._eos_token_ids = [int(t) for t in facts["eos_token_ids"]]
+        self._vocab_size = int(facts["vocab_size"])
+        self._kv_bytes_per_token = int(facts["kv_bytes_per_token"])
         self._usage_path = self._engine.usage_path
         self._lock = threading.Lock()
         if self.default_draft == "mtp" and not self._has_mtp:
@@ -858,6 +892,16 @@ class Model:
         whatever other sessions and the model itself run in between."""
         return Session(self)
 
+    def load_session(self, path: str | os.PathLike[str]) -> Session:
+        """A new :class:`Session` holding the context :meth:`Session.save` wrote to ``path``.
+
+        Raises :class:`SavedContextError` for a truncated or corrupt file, one of another
+        format version, or one saved by another model; :class:`ColibriFileNotFoundError`
+        when there is no such file."""
+        with self._lock:
+            core = self._engine.load_session(os.fspath(path))
+        return Session(self, core)
+
     def _start(
         self, prompt: str | Sequence[int], kwargs: dict[str, Any], session: object
     ) -> GenerationResult | GenerationStream:
@@ -927,17 +971,31 @@ _GENERATE_KEYWORDS = (
 
 
 class Session:
-    """One conversation on a :class:`Model` (from :meth:`Model.session`) with its own KV
-    cache, so several conversations each reuse their own earlier turns.
+    """One conversation on a :class:`Model` (from :meth:`Model.session` or
+    :meth:`Model.load_session`) with its own KV cache, so several conversations each reuse
+    their own earlier turns.
 
     :meth:`generate` and :meth:`chat` take the keywords of :meth:`Model.generate`. Calls are
-    serialised with the model's other calls; the cache stays in RAM until the session is
-    dropped (:attr:`kv_bytes`).
+    serialised with the model's other calls. While other sessions generate, this one's cache
+    counts against the model's ``idle_session_budget``; beyond it the least recently used
+    sessions are written to disk (:attr:`evicted`) and read back on their next call.
+    :meth:`save` writes the context to a file that :meth:`Model.load_session` reads back,
+    here or in another process, so a long system prompt or document is prefilled once.
+
+    Example:
+        >>> import colibri, os, tempfile
+        >>> m = colibri.Model()
+        >>> s = m.session()
+        >>> s.prefill("import os\nimport sys\n")
+        >>> path = os.path.join(tempfile.mkdtemp(), "prompt.ctx")
+        >>> _ = s.save(path)
+        >>> m.load_session(path).kv_tokens == s.kv_tokens
+        True
     """
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, core: _core.Session | None = None) -> None:
         self._model = model
-        self._core = model._engine.new_session()
+        self._core = model._engine.new_session() if core is None else core
 
     def generate(
         self, prompt: str | Sequence[int], **kwargs: Any
@@ -951,15 +1009,40 @@ class Session:
         """:meth:`Model.chat` on this session's cache."""
         return self._model._start(self._model._chat_ids(messages), kwargs, self._core)
 
+    def prefill(self, prompt: str | Sequence[int]) -> None:
+        """Compute ``prompt``'s KV into the session without generating, so a later
+        :meth:`generate` whose prompt starts with it (or a :meth:`save`) reuses it."""
+        self._model._start(
+            prompt, {"max_new_tokens": 1, "temperature": 0.0, "stop_token_ids": []}, self._core
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> int:
+        """Write the session's context (KV caches and tokens) to ``path`` atomically; returns
+        the bytes written. The file is only valid for this model (its fingerprint is checked
+        on load)."""
+        with self._model._lock:
+            return int(self._model._engine.save_session(os.fspath(path), self._core))
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens of context the session holds (its prompts and outputs so far)."""
+        return [int(t) for t in self._core.tokens()]
+
     @property
     def kv_tokens(self) -> int:
-        """Tokens the session's KV cache holds."""
+        """Tokens of context the session's KV cache holds."""
         return int(self._core.kv_tokens)
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes the session's KV cache holds."""
+        """Bytes the session's KV cache holds in RAM (0 while evicted to disk)."""
         return int(self._core.kv_bytes)
+
+    @property
+    def evicted(self) -> bool:
+        """Whether the cache was written to disk under the idle-session budget (it comes back
+        on the next call)."""
+        return bool(self._core.evicted)
 
     def reset(self) -> None:
         """Forget the conversation: the next call prefills from scratch."""
@@ -977,30 +1060,12 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _stats(raw: Mapping[str, Any]) -> GenerationStats:
-    known = {f for f in GenerationStats.__dataclass_fields__ if f != "extra"}
-    fields = {k: raw[k] for k in known if k in raw}
-    extra = {k: v for k, v in raw.items() if k not in known}
-    defaults: dict[str, Any] = {
-        "prompt_tokens": 0,
-        "prompt_cached_tokens": 0,
-        "generated_tokens": 0,
-        "forwards": 0,
-        "tokens_per_forward": 0.0,
-        "tokens_per_second": 0.0,
-        "prefill_seconds": 0.0,
-        "decode_seconds": 0.0,
-        "drafts_proposed": [],
-        "drafts_accepted": [],
-        "acceptance_rate": 0.0,
-        "draft_seconds": 0.0,
-        "verify_seconds": 0.0,
-        "expert_hits": 0,
-        "expert_misses": 0,
-        "expert_bytes_read": 0,
-        "prefetch_recall": None,
-    }
-    defaults.update(fields)
-    return GenerationStats(**defaults, extra=extra)
+    known = [f for f in GenerationStats.__dataclass_fields__ if f != "extra"]
+    missing = [k for k in known if k not in raw]
+    if missing:
+        raise InternalError(f"the engine's stats lack {', '.join(missing)}")
+    extra = {k: v for k, v in raw.items() if k not in GenerationStats.__dataclass_fields__}
+    return GenerationStats(**{k: raw[k] for k in known}, extra=extra)
 
 
 #: Roles of the tensors in a container, in the order ``colibri info`` prints them.

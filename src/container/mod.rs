@@ -1,4 +1,4 @@
-//! A model directory: `config.json` plus `*.safetensors` shards (DESIGN §3). Opening it
+//! A model directory: `config.json` plus `*.safetensors` shards (docs/container.md). Opening it
 //! parses every shard header (headers only: the data stays on disk, mapped read-only),
 //! indexes the tensors, and resolves each quantised weight's format from its byte counts
 //! against the config's logical shape, cross-checked with the `__metadata__` our writer

@@ -1,5 +1,5 @@
 //! Hugging Face checkpoint (BF16/F16/F32, or FP8 e4m3 with 128×128 `weight_scale_inv`
-//! block scales) → colibri container (DESIGN §3).
+//! block scales) → colibri container (docs/container.md).
 //!
 //! The conversion is planned up front from the source headers alone: every output tensor's
 //! format and size follow from its role and shape, so each output shard's header is known

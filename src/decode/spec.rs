@@ -236,6 +236,21 @@ impl CacheState {
         self.tokens.clear();
         self.mtp_pending.clear();
     }
+
+    /// A state restored from what [`mtp_pending`](Self::mtp_pending) and `tokens` were
+    /// (a saved context): the caller vouches that the caches it goes with hold
+    /// `tokens.len()` main rows and `tokens.len() − pending rows` MTP rows.
+    pub fn from_parts(tokens: Vec<u32>, mtp_pending: Vec<f32>) -> Self {
+        CacheState {
+            tokens,
+            mtp_pending,
+        }
+    }
+
+    /// [rows, hidden]: the main hidden states the MTP layer has not absorbed yet.
+    pub fn mtp_pending(&self) -> &[f32] {
+        &self.mtp_pending
+    }
 }
 
 /// [`generate`] on a target whose caches hold what `state` says (an earlier generation on

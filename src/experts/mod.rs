@@ -1,4 +1,4 @@
-//! The expert store (DESIGN §4): routed experts live on disk and are brought into memory on
+//! The expert store (docs/expert-store.md): routed experts live on disk and are brought into memory on
 //! demand, per layer, under a RAM budget.
 //!
 //! - [`ExpertStore::with_experts`] resolves a forward's batch-union of experts against the
@@ -714,6 +714,12 @@ impl ExpertStore {
     }
 
     /// The RAM budget in effect, bytes.
+    /// The model's fingerprint (its config and shard sizes): what per-model state on disk
+    /// is keyed by and checked against.
+    pub fn fingerprint(&self) -> &str {
+        &self.inner.fingerprint
+    }
+
     pub fn budget_bytes(&self) -> u64 {
         self.inner.budget
     }

@@ -80,6 +80,43 @@ impl LayerKv {
         (self.latent.len() + self.rope_key.len() + self.index_key.len())
             * std::mem::size_of::<f32>()
     }
+    /// Row widths: (kv_lora, rope_dim, index_dim).
+    pub fn widths(&self) -> [usize; 3] {
+        [self.kv_lora, self.rope_dim, self.index_dim]
+    }
+    /// The stored rows: latents, roped keys, indexer keys (a saved context's payload).
+    pub fn parts(&self) -> [&[f32]; 3] {
+        [&self.latent, &self.rope_key, &self.index_key]
+    }
+    /// Replace the contents with `rows` rows that `fill` writes into the three parts (as
+    /// [`parts`](Self::parts) returns them); on error the cache is left empty.
+    pub fn load_parts(
+        &mut self,
+        rows: usize,
+        fill: &mut dyn FnMut(&mut [f32]) -> crate::Result<()>,
+    ) -> crate::Result<()> {
+        let widths = self.widths();
+        for (part, width) in [&mut self.latent, &mut self.rope_key, &mut self.index_key]
+            .into_iter()
+            .zip(widths)
+        {
+            part.clear();
+            part.resize(rows * width, 0.0);
+        }
+        let result = [&mut self.latent, &mut self.rope_key, &mut self.index_key]
+            .into_iter()
+            .try_for_each(|part| fill(part));
+        if result.is_err() {
+            self.release();
+        }
+        result
+    }
+    /// Forget every row and give the memory back.
+    pub fn release(&mut self) {
+        for part in [&mut self.latent, &mut self.rope_key, &mut self.index_key] {
+            *part = Vec::new();
+        }
+    }
 }
 
 /// How a layer chooses the keys it attends to.

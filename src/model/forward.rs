@@ -272,9 +272,27 @@ impl KvCaches {
     }
     /// Forget every row.
     pub fn clear(&mut self) {
-        for kv in self.layers.iter_mut().chain(std::iter::once(&mut self.mtp)) {
+        for kv in self.all_mut() {
             kv.truncate(0);
         }
+    }
+    /// Forget every row and give the memory back (an evicted session's).
+    pub fn release(&mut self) {
+        for kv in self.all_mut() {
+            kv.release();
+        }
+    }
+    /// Rows in the MTP layer's cache.
+    pub fn mtp_len(&self) -> usize {
+        self.mtp.len()
+    }
+    /// Every cache, main layers in order then the MTP layer's: the layout a saved context
+    /// records (their row widths) and the order its payload follows.
+    pub fn all(&self) -> impl Iterator<Item = &LayerKv> {
+        self.layers.iter().chain(std::iter::once(&self.mtp))
+    }
+    pub fn all_mut(&mut self) -> impl Iterator<Item = &mut LayerKv> {
+        self.layers.iter_mut().chain(std::iter::once(&mut self.mtp))
     }
 }
 

@@ -10,6 +10,5 @@ pub mod moe;
 pub mod norm;
 pub mod rope;
 pub mod store_source;
-pub mod target;
 
 pub use forward::{Forward, KvCaches, Model, ModelOptions};

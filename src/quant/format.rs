@@ -1,5 +1,5 @@
 //! Weight formats as data: how many bytes and scales a logical [O, I] matrix takes in each,
-//! and how to tell them apart from byte counts alone (DESIGN §3). Everything that needs a
+//! and how to tell them apart from byte counts alone (docs/container.md). Everything that needs a
 //! size asks here; nothing else computes one.
 
 use crate::error::{Error, Result};
@@ -257,7 +257,7 @@ mod tests {
 
     #[test]
     fn sizes_of_glm_expert_at_gs64() {
-        // DESIGN §3: a GLM-5.2 expert (gate, up: 2048×6144; down: 6144×2048) at gs64.
+        // docs/container.md: a GLM-5.2 expert (gate, up: 2048×6144; down: 6144×2048) at gs64.
         let f = QuantFormat::Int4Grouped { group_size: 64 };
         let gate = f.data_bytes(2048, 6144).unwrap() + 4 * f.scale_count(2048, 6144).unwrap();
         let down = f.data_bytes(6144, 2048).unwrap() + 4 * f.scale_count(6144, 2048).unwrap();

@@ -1,4 +1,4 @@
-//! The quantiser and the scalar reference dequantiser, bit-exact with DESIGN §3:
+//! The quantiser and the scalar reference dequantiser, bit-exact with docs/container.md:
 //! s = max(absmax/qmax, 1e-8); q = clip(round_half_even(w/s)); int4 stores q + 8 with element
 //! 2j in the low nibble of byte j and 2j+1 in the high nibble. Every kernel is tested
 //! against [`dequantize_row`].

@@ -1,8 +1,9 @@
 """Write checkpoints and community-layout containers with numpy (and ``safetensors``) only.
 
-Everything here is an independent reimplementation of DESIGN §3, so tests can check colibri's
-reader and converter against it: the quantiser (``s = max(absmax/qmax, 1e-8)``, round half
-to even, clip, int4 nibble ``q + 8`` with element ``2j`` in the low nibble of byte ``j``),
+Everything here is an independent reimplementation of docs/container.md, so tests can
+check colibri's reader and converter against it: the quantiser
+(``s = max(absmax/qmax, 1e-8)``, round half to even, clip, int4 nibble ``q + 8`` with
+element ``2j`` in the low nibble of byte ``j``),
 an FP8 e4m3fn codec from the bit layout, and a raw safetensors writer for the dtypes numpy
 lacks (BF16, F8_E4M3).
 """
@@ -113,7 +114,7 @@ def random_weights(cfg: Mapping[str, Any], seed: int = 0) -> dict[str, np.ndarra
     return out
 
 
-# --- quantiser (DESIGN §3), numpy --------------------------------------------------------
+# --- quantiser (docs/container.md), numpy --------------------------------------------------------
 
 
 def quantize(w: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:

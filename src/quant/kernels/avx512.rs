@@ -1,7 +1,7 @@
 //! AVX-512 (F + BW) kernels: 16 f32 lanes, two accumulators per dot product (vector v →
 //! v % 2), tiles of four weight rows × up to two activation rows (the last rows: two × up to
 //! four, one × up to eight; 16 accumulators each), activations in 64-byte-aligned rows. Int4
-//! whose groups are whole 32-element blocks (gs a multiple of 32, or per row; the DESIGN
+//! whose groups are whole 32-element blocks (gs a multiple of 32, or per row; the docs/container.md
 //! default gs64 among them) is decoded through a
 //! 16-entry table per group (`vpermps`, [`Int4Lut`]) against activations rearranged once per
 //! call into even/odd halves of each block; gs 16 and 48 use the shift-and-convert decode
@@ -178,7 +178,7 @@ impl Src for Int4 {
 /// them).
 ///
 /// `BPG` is the number of 32-element blocks per group when it is fixed at compile time: 2 for
-/// the DESIGN default gs64, whose block b is in group b/2 (a shift; int4 at S = 1 is bound by
+/// the default gs64 (docs/container.md), whose block b is in group b/2 (a shift; int4 at S = 1 is bound by
 /// the instruction count of its loop, and this took gs64 from 26.9 to 30.0 GiB/s on one core
 /// with the matrix in L2, +8% at S = 4 and 8), [`PER_ROW`], or [`ANY_EVEN`] / [`ANY_ODD`] for
 /// other group sizes (a multiply by `magic`). With an even count (per row included), blocks

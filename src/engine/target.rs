@@ -1,4 +1,5 @@
-//! The decode loop's view of the model (`decode::Target`).
+//! The decode loop's view of the model (`decode::Target`), here because the engine is
+//! what composes the two: `model` knows nothing of decoding.
 
 use crate::decode::{StepOutput, Target};
 use crate::error::Result;

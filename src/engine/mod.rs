@@ -1,0 +1,443 @@
+//! The engine: what composes container, expert store, model and decode loop into running
+//! generations, for every front end (the Python bindings, the CLI, a server). It owns the
+//! options and their "auto" rules ([`options`]), sessions with their KV caches and prefix
+//! reuse ([`session`]), saved contexts ([`saved`]) and the stats a generation reports
+//! ([`stats`]). docs/architecture.md, "The engine and sessions", describes the model.
+//!
+//! Calls are serialised: one generation runs at a time (they share the model's scratch
+//! buffers and the store's counters). Every method takes `&self`; an `Engine` is `Sync`.
+
+pub mod options;
+pub mod saved;
+pub mod session;
+pub mod stats;
+mod target;
+
+#[cfg(test)]
+mod tests;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use crate::container::Container;
+use crate::decode::{self, FinishReason, GenerateOptions};
+use crate::experts::{self, ExpertStore};
+use crate::model::{context, Model};
+use crate::{Error, Result};
+
+pub use options::{check_choice, choices, EngineOptions, PinChoice, CHOICES};
+pub use session::Session;
+pub use stats::GenerationStats;
+
+static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Facts about the loaded model, fixed at open (reading them never waits for a generation).
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    pub has_mtp: bool,
+    pub uses_dsa: bool,
+    /// Longest context (prompt + generated tokens) a session may reach.
+    pub max_context: usize,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub eos_token_ids: Vec<u32>,
+    /// KV bytes one token of context adds (main layers and, when loaded, the MTP layer).
+    pub kv_bytes_per_token: usize,
+    /// RAM idle sessions' caches may hold together before the oldest go to disk.
+    pub idle_session_bytes: u64,
+    /// The model's fingerprint (config and shard sizes).
+    pub fingerprint: String,
+    /// The text of the model's `config.json`.
+    pub config_json: String,
+}
+
+/// What one [`Engine::generate`] produced.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    /// Generated tokens (a final stop token included).
+    pub tokens: Vec<u32>,
+    pub finish: FinishReason,
+    pub stats: GenerationStats,
+}
+
+/// A loaded model ready to generate: container, expert store (with its I/O and prefetch
+/// threads), model, and the sessions made on it.
+pub struct Engine {
+    model: Mutex<Model>,
+    store: Arc<ExpertStore>,
+    info: EngineInfo,
+    id: u64,
+    /// The engine's own conversation: what a generation without a session continues.
+    own: Arc<Session>,
+    /// Every live session (for the idle budget); dead ones are pruned as found.
+    sessions: Mutex<Vec<Weak<Session>>>,
+    next_session: AtomicU64,
+    /// Ticks of use, for least-recently-used eviction.
+    tick: AtomicU64,
+    spill_dir: PathBuf,
+}
+
+impl Engine {
+    /// Open the container at `path` with `opts`: the store, its threads and the model.
+    pub fn open(path: &Path, opts: &EngineOptions) -> Result<Self> {
+        let container = Arc::new(Container::open(path)?);
+        let config_path = container.dir().join("config.json");
+        let config_json =
+            std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+        let store_opts = opts.store_options();
+        let prefetch = store_opts.prefetch;
+        let store = Arc::new(ExpertStore::open(container.clone(), store_opts)?);
+        let model_opts = opts.model_options(&container, prefetch);
+        // Read before the model's dense weights are mapped and touched.
+        let available = experts::mem_available();
+        let model = Model::load_with_experts(container.clone(), &model_opts, store.clone())?;
+        let exact = model.max_exact_context();
+        let max_context = match opts.max_context {
+            Some(n) => context::check_max_context(n, exact, model.context_limit_reason())?,
+            None => context::default_max_context(
+                exact,
+                model.kv_bytes_per_token(),
+                available,
+                container.resident_bytes(),
+                store.budget_bytes(),
+            ),
+        };
+        let kv_bytes_per_token = model.kv_bytes_per_token();
+        let idle_session_bytes = opts
+            .idle_session_bytes
+            .unwrap_or((max_context as u64).saturating_mul(kv_bytes_per_token as u64));
+        let info = EngineInfo {
+            has_mtp: model.has_mtp(),
+            uses_dsa: model.uses_dsa(),
+            max_context,
+            vocab_size: model.config().vocab_size,
+            hidden_size: model.config().hidden_size,
+            eos_token_ids: model.config().eos_token_ids.clone(),
+            kv_bytes_per_token,
+            idle_session_bytes,
+            fingerprint: store.fingerprint().to_owned(),
+            config_json,
+        };
+        let spill_dir = opts.spill_dir.clone().unwrap_or_else(|| {
+            opts.cache_dir
+                .clone()
+                .or_else(experts::usage::default_cache_dir)
+                .unwrap_or_else(std::env::temp_dir)
+                .join("sessions")
+        });
+        let id = NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed);
+        let own = Arc::new(Session::new(
+            id,
+            0,
+            model.new_caches(),
+            spill_file(&spill_dir, id, 0),
+        ));
+        Ok(Engine {
+            model: Mutex::new(model),
+            store,
+            info,
+            id,
+            sessions: Mutex::new(vec![Arc::downgrade(&own)]),
+            own,
+            next_session: AtomicU64::new(1),
+            tick: AtomicU64::new(0),
+            spill_dir,
+        })
+    }
+
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    pub fn store(&self) -> &Arc<ExpertStore> {
+        &self.store
+    }
+
+    /// The options of a generation with this model's defaults: its EOS tokens as stop tokens
+    /// and its context limit. Callers change what their user set.
+    pub fn default_generate_options(&self) -> GenerateOptions {
+        GenerateOptions {
+            stop_tokens: self.info.eos_token_ids.clone(),
+            max_context: Some(self.info.max_context),
+            ..GenerateOptions::default()
+        }
+    }
+
+    /// Refuse to run in a forked child: the rayon and I/O worker threads exist only in the
+    /// parent, so work handed to them would wait forever (and a lock held by one of them at
+    /// the fork stays held).
+    pub fn check_process(&self) -> Result<()> {
+        let (created_in, current) = (self.store.owner_pid(), std::process::id());
+        if current == created_in {
+            Ok(())
+        } else {
+            Err(Error::ForkedProcess {
+                created_in,
+                current,
+            })
+        }
+    }
+
+    fn lock_model(&self) -> Result<MutexGuard<'_, Model>> {
+        self.check_process()?;
+        self.model
+            .lock()
+            .map_err(|_| Error::Internal("engine lock poisoned".into()))
+    }
+
+    /// A new conversation with its own (empty) KV caches.
+    pub fn new_session(&self) -> Result<Arc<Session>> {
+        let caches = self.lock_model()?.new_caches();
+        Ok(self.register(caches))
+    }
+
+    fn register(&self, caches: crate::model::KvCaches) -> Arc<Session> {
+        let n = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let s = Arc::new(Session::new(
+            self.id,
+            n,
+            caches,
+            spill_file(&self.spill_dir, self.id, n),
+        ));
+        if let Ok(mut all) = self.sessions.lock() {
+            all.retain(|w| w.strong_count() > 0);
+            all.push(Arc::downgrade(&s));
+        }
+        s
+    }
+
+    fn check_session(&self, session: &Session) -> Result<()> {
+        if session.engine == self.id {
+            Ok(())
+        } else {
+            Err(Error::invalid(
+                "session",
+                "belongs to another model; make it with this model's session()",
+            ))
+        }
+    }
+
+    fn expect(&self) -> saved::Expect<'_> {
+        saved::Expect {
+            fingerprint: &self.info.fingerprint,
+            hidden_size: self.info.hidden_size,
+            vocab_size: self.info.vocab_size,
+            max_context: self.info.max_context,
+        }
+    }
+
+    /// Generate after `prompt` on `session` (the engine's own conversation when `None`),
+    /// reusing the longest prefix its caches hold. `on_tokens` gets every burst of emitted
+    /// tokens (returning false stops with `FinishReason::Cancelled`); `cancel` is checked
+    /// before every forward. `opts.max_context` is capped at the engine's.
+    pub fn generate(
+        &self,
+        session: Option<&Session>,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+        cancel: &AtomicBool,
+    ) -> Result<Completion> {
+        let session = session.unwrap_or(&self.own);
+        self.check_session(session)?;
+        let mut opts = opts.clone();
+        opts.max_context = Some(
+            opts.max_context
+                .map_or(self.info.max_context, |m| m.min(self.info.max_context)),
+        );
+        let mut model = self.lock_model()?;
+        let mut st = session.lock()?;
+        self.restore(session, &mut st, &model);
+        model.swap_caches(&mut st.caches);
+        self.store.reset_stats();
+        let container = model.container().clone();
+        let result =
+            decode::generate_after(&mut *model, &mut st.cache, prompt, &opts, on_tokens, cancel)
+                .map_err(|e| explain_non_finite(e, &container));
+        model.swap_caches(&mut st.caches);
+        st.last_used = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
+        drop(st);
+        // The routing history teaches the pinned set; failing to save it (read-only cache
+        // directory) must not fail the generation, and the store already warns about it.
+        let _ = self.store.save_usage();
+        self.enforce_idle_budget(session);
+        drop(model);
+        let generation = result?;
+        Ok(Completion {
+            stats: GenerationStats::new(&generation.stats, &self.store.stats()),
+            tokens: generation.tokens,
+            finish: generation.finish,
+        })
+    }
+
+    /// Logits of one forward over `ids` as a fresh sequence: [len(ids), vocab], row-major.
+    /// Sessions are untouched (the model's own scratch caches compute it).
+    pub fn logits(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let mut model = self.lock_model()?;
+        model.reset();
+        let out = model.step(ids, 0, true);
+        model.reset();
+        let container = model.container().clone();
+        out.map(|f| f.logits)
+            .map_err(|e| explain_non_finite(e, &container))
+    }
+
+    /// Write `session`'s context (the engine's own when `None`) to `path` atomically; returns
+    /// the bytes written. Load it with [`load_session`](Self::load_session), here or in
+    /// another process with the same model.
+    pub fn save_session(&self, session: Option<&Session>, path: &Path) -> Result<u64> {
+        let session = session.unwrap_or(&self.own);
+        self.check_session(session)?;
+        let model = self.lock_model()?;
+        let mut st = session.lock()?;
+        self.restore(session, &mut st, &model);
+        saved::save(
+            path,
+            &self.info.fingerprint,
+            self.info.hidden_size,
+            &st.caches,
+            &st.cache,
+        )
+    }
+
+    /// A new session holding the context saved at `path` by [`save_session`](Self::save_session).
+    pub fn load_session(&self, path: &Path) -> Result<Arc<Session>> {
+        let mut caches = self.lock_model()?.new_caches();
+        let cache = saved::load(path, &self.expect(), &mut caches)?;
+        let session = self.register(caches);
+        {
+            let mut st = session.lock()?;
+            st.cache = cache;
+            st.last_used = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
+        }
+        let _model = self.lock_model()?;
+        self.enforce_idle_budget(&session);
+        Ok(session)
+    }
+
+    /// Bring an evicted session's caches back into RAM. A spill file that cannot be read
+    /// (removed behind our back, disk error) costs only the reuse: the session then starts
+    /// from scratch, which gives the same output.
+    fn restore(&self, session: &Session, st: &mut session::SessionState, model: &Model) {
+        if !st.evicted {
+            return;
+        }
+        st.evicted = false;
+        let mut caches = model.new_caches();
+        match saved::load(&session.spill_path, &self.expect(), &mut caches) {
+            Ok(cache) => {
+                st.caches = caches;
+                st.cache = cache;
+            }
+            Err(e) => {
+                experts::warn_once(
+                    "session-restore",
+                    &format!("an evicted session could not be read back ({e}); it prefills again"),
+                );
+                st.caches = caches;
+                st.cache.clear();
+            }
+        }
+        let _ = std::fs::remove_file(&session.spill_path);
+    }
+
+    /// Keep the idle sessions' caches (every session but `active`) within the budget by
+    /// writing the least recently used to disk. Called with the model lock held, so no
+    /// generation is running; a session another thread is reading is skipped.
+    fn enforce_idle_budget(&self, active: &Session) {
+        let live: Vec<Arc<Session>> = match self.sessions.lock() {
+            Ok(mut all) => {
+                all.retain(|w| w.strong_count() > 0);
+                all.iter().filter_map(Weak::upgrade).collect()
+            }
+            Err(_) => return,
+        };
+        let mut idle: Vec<(u64, usize, &Arc<Session>)> = live
+            .iter()
+            .filter(|s| s.id != active.id)
+            .filter_map(|s| {
+                let st = s.state.try_lock().ok()?;
+                (!st.evicted && st.caches.bytes() > 0).then(|| (st.last_used, st.caches.bytes(), s))
+            })
+            .collect();
+        let mut total: u64 = idle.iter().map(|(_, b, _)| *b as u64).sum();
+        if total <= self.info.idle_session_bytes {
+            return;
+        }
+        idle.sort_by_key(|(used, _, _)| *used);
+        for (_, bytes, s) in idle {
+            if total <= self.info.idle_session_bytes {
+                break;
+            }
+            let Ok(mut st) = s.state.try_lock() else {
+                continue;
+            };
+            match self.evict(s, &mut st) {
+                Ok(()) => total -= bytes as u64,
+                Err(e) => experts::warn_once(
+                    "session-evict",
+                    &format!(
+                        "idle sessions hold more than their RAM budget and one could not be \
+                         written to disk ({e}); it stays in RAM"
+                    ),
+                ),
+            }
+        }
+    }
+
+    fn evict(&self, s: &Session, st: &mut session::SessionState) -> Result<()> {
+        if let Some(dir) = s.spill_path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        }
+        saved::save(
+            &s.spill_path,
+            &self.info.fingerprint,
+            self.info.hidden_size,
+            &st.caches,
+            &st.cache,
+        )?;
+        st.caches.release();
+        st.cache = decode::CacheState::from_parts(std::mem::take(&mut st.cache.tokens), Vec::new());
+        st.evicted = true;
+        Ok(())
+    }
+}
+
+fn spill_file(dir: &Path, engine: u64, session: u64) -> PathBuf {
+    dir.join(format!("{}-{engine}-{session}.ctx", std::process::id()))
+}
+
+/// Bytes of float tensors a non-finite output's diagnosis reads at most (the resident
+/// weights of a small model, the norms and scales of a large one), so the error comes quickly.
+const NON_FINITE_SCAN_BYTES: u64 = 4 << 30;
+
+/// A NaN/Inf logit is not a colibri bug but the weights': name the tensor that holds it when
+/// a bounded scan of the float tensors finds one, and say what to do either way.
+fn explain_non_finite(err: Error, container: &Container) -> Error {
+    let Error::NonFiniteOutput(what) = err else {
+        return err;
+    };
+    let (found, complete) = container.find_non_finite(NON_FINITE_SCAN_BYTES);
+    Error::NonFiniteOutput(match found {
+        Some(t) => format!(
+            "{what}: tensor '{}' in {} contains {} at flat index {}; the checkpoint is \
+             damaged or was saved with non-finite values: download or export it again",
+            t.tensor,
+            t.file.display(),
+            t.what,
+            t.index
+        ),
+        None if complete => format!(
+            "{what}: no float tensor holds NaN/Inf, so the computation overflows float32 \
+             (weights far outside their trained range?); check the checkpoint against its \
+             source (`colibri convert` refuses non-finite source weights, naming the tensor)"
+        ),
+        None => format!(
+            "{what}: the weights contain NaN/Inf or produce it (the first {} GiB of float \
+             tensors are finite); `colibri convert` checks every source tensor and names the \
+             first non-finite one",
+            NON_FINITE_SCAN_BYTES >> 30
+        ),
+    })
+}

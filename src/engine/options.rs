@@ -1,0 +1,195 @@
+//! What an [`Engine`](super::Engine) is built from: one options struct, the vocabulary of its
+//! string choices, and the rules that turn "auto" into a decision. Every front end (Python,
+//! the CLI, a server) passes these through; none re-states a default.
+
+use std::path::PathBuf;
+
+use crate::container::Container;
+use crate::experts::{IoMode, PinPolicy, PrefetchMode, StoreOptions};
+use crate::model::ModelOptions;
+use crate::{Error, Result};
+
+/// The accepted values of each string option, "auto" first where it exists. Front ends list
+/// these in their help and validate against them (`_core.choices()` in Python).
+pub const CHOICES: &[(&str, &[&str])] = &[
+    ("io", &["auto", "mmap", "pread", "direct"]),
+    ("prefetch", &["auto", "off", "hint", "real"]),
+    ("pin", &["auto", "history", "off"]),
+    ("draft", &["auto", "mtp", "ngram", "off"]),
+];
+
+/// The choices of option `name` (empty for an unknown name).
+pub fn choices(name: &str) -> &'static [&'static str] {
+    CHOICES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map_or(&[], |(_, c)| c)
+}
+
+/// `value` if it is one of option `name`'s [`CHOICES`], else an error listing them.
+pub fn check_choice(name: &str, value: &str) -> Result<()> {
+    let allowed = choices(name);
+    if allowed.contains(&value) {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            name,
+            format!("'{value}'; expected one of {}", allowed.join(", ")),
+        ))
+    }
+}
+
+/// How the pinned hot set is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PinChoice {
+    /// The store's default: the routing history's most-routed experts.
+    #[default]
+    Auto,
+    /// The routing history's most-routed experts (what "auto" is today).
+    History,
+    /// No pins.
+    Off,
+}
+
+/// Everything [`Engine::open`](super::Engine::open) takes besides the model path. `Default`
+/// is what a user who sets nothing gets; `None`/`Auto` fields are decided at open by the rules
+/// documented on each field (and nowhere else).
+#[derive(Debug, Clone, Default)]
+pub struct EngineOptions {
+    /// Compute threads; 0 = one per core.
+    pub threads: usize,
+    /// How expert bytes are read; `None` = the store's default ([`IoMode::default`]).
+    pub io: Option<IoMode>,
+    /// RAM for the routed-expert cache in bytes; `None` = half of `MemAvailable` at open.
+    pub ram_budget: Option<u64>,
+    /// Router-lookahead prefetch; `None` = the store's default ([`PrefetchMode::default`]).
+    pub prefetch: Option<PrefetchMode>,
+    /// Experts the lookahead predicts per layer; `None` = 1.5 × the routed top-k (0 with
+    /// prefetch off).
+    pub prefetch_top_k: Option<usize>,
+    /// Load the MTP head when the checkpoint has one (`false` saves its memory).
+    pub load_mtp: bool,
+    /// Read and save the routing history that picks the pinned set.
+    pub usage_file: bool,
+    /// Where per-model state is kept; `None` = `usage::default_cache_dir()`.
+    pub cache_dir: Option<PathBuf>,
+    pub pin: PinChoice,
+    /// Layers whose routed experts stay resident beyond the budget (e.g. the MTP layer).
+    pub resident_layers: Vec<usize>,
+    /// Longest context in tokens; `None` = [`context::default_max_context`](crate::model::context::default_max_context).
+    pub max_context: Option<usize>,
+    /// RAM that idle sessions' KV caches may hold together; beyond it the least recently
+    /// used are written to disk and read back when next used. `None` = one full context
+    /// (`max_context` × the KV bytes of a token).
+    pub idle_session_bytes: Option<u64>,
+    /// Where evicted sessions are written; `None` = `sessions/` in `cache_dir` (or the
+    /// default cache directory; the system temporary directory when there is none).
+    pub spill_dir: Option<PathBuf>,
+}
+
+impl EngineOptions {
+    /// The defaults with the MTP head and the routing history on (what `Default` cannot say
+    /// for booleans).
+    pub fn new() -> Self {
+        EngineOptions {
+            load_mtp: true,
+            usage_file: true,
+            ..Default::default()
+        }
+    }
+
+    /// Parse the string form of `io` ("auto" → `None`).
+    pub fn parse_io(value: &str) -> Result<Option<IoMode>> {
+        check_choice("io", value)?;
+        match value {
+            "auto" => Ok(None),
+            other => IoMode::parse(other).map(Some),
+        }
+    }
+
+    /// Parse the string form of `prefetch` ("auto" → `None`).
+    pub fn parse_prefetch(value: &str) -> Result<Option<PrefetchMode>> {
+        check_choice("prefetch", value)?;
+        match value {
+            "auto" => Ok(None),
+            other => PrefetchMode::parse(other).map(Some),
+        }
+    }
+
+    /// Parse the string form of `pin`.
+    pub fn parse_pin(value: &str) -> Result<PinChoice> {
+        check_choice("pin", value)?;
+        Ok(match value {
+            "history" => PinChoice::History,
+            "off" => PinChoice::Off,
+            _ => PinChoice::Auto,
+        })
+    }
+
+    /// The expert store's options these decide.
+    pub fn store_options(&self) -> StoreOptions {
+        let defaults = StoreOptions::default();
+        StoreOptions {
+            io: self.io.unwrap_or(defaults.io),
+            ram_budget_bytes: self.ram_budget,
+            prefetch: self.prefetch.unwrap_or(defaults.prefetch),
+            usage_file: self.usage_file,
+            cache_dir: self.cache_dir.clone(),
+            pin: match self.pin {
+                PinChoice::Off => PinPolicy::Off,
+                PinChoice::Auto | PinChoice::History => defaults.pin.clone(),
+            },
+            resident_layers: self.resident_layers.clone(),
+            ..defaults
+        }
+    }
+
+    /// The model's options these decide for `container`, given the store's prefetch mode.
+    pub fn model_options(&self, container: &Container, prefetch: PrefetchMode) -> ModelOptions {
+        let prefetch_top_k = match (prefetch, self.prefetch_top_k) {
+            (PrefetchMode::Off, _) => 0,
+            // Measured on the trained tiny model (docs/benchmarks.md): 1.5× the routed top-k
+            // lifts the lookahead's recall from 0.72 to 0.81 while keeping its precision
+            // above the store's prefetch gate.
+            (_, None | Some(0)) => (container.config().num_experts_per_tok * 3).div_ceil(2),
+            (_, Some(k)) => k,
+        };
+        ModelOptions {
+            threads: self.threads,
+            load_mtp: self.load_mtp,
+            prefetch_top_k,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn choices_parse_and_reject_with_the_list() {
+        assert_eq!(EngineOptions::parse_io("auto").unwrap(), None);
+        assert_eq!(
+            EngineOptions::parse_io("direct").unwrap(),
+            Some(IoMode::Direct)
+        );
+        assert_eq!(EngineOptions::parse_pin("off").unwrap(), PinChoice::Off);
+        let err = EngineOptions::parse_prefetch("sometimes").unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("'prefetch'") && msg.contains("auto, off, hint, real"),
+            "{msg}"
+        );
+        assert!(choices("nope").is_empty());
+    }
+
+    #[test]
+    fn store_options_follow_the_choices() {
+        let mut o = EngineOptions::new();
+        assert_eq!(o.store_options(), StoreOptions::default());
+        o.pin = PinChoice::Off;
+        o.io = Some(IoMode::Direct);
+        let s = o.store_options();
+        assert_eq!((s.pin, s.io), (PinPolicy::Off, IoMode::Direct));
+    }
+}

@@ -1,0 +1,276 @@
+//! Saved contexts: a session's KV caches and token history in one file, so a long system
+//! prompt or document is prefilled once and loaded back later (or by another process), and
+//! so idle sessions can be evicted to disk. docs/architecture.md, "Saved contexts", has the
+//! format; it is little-endian and versioned, and every field is checked on load.
+//!
+//! ```text
+//! magic "colibri-context\0" (16 B) | version u32 | reserved u32 | header length u64
+//! header (JSON, `Header`) | payload: each cache's latents, roped keys, indexer keys
+//! (main layers in order, then the MTP layer), f32; then the MTP-pending hidden states
+//! ```
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::decode::CacheState;
+use crate::model::KvCaches;
+use crate::{Error, Result};
+
+const MAGIC: &[u8; 16] = b"colibri-context\0";
+/// Bump when the layout changes; a file of another version is refused, never misread.
+pub const VERSION: u32 = 1;
+const PREFIX_BYTES: usize = 16 + 4 + 4 + 8;
+/// The header is a few numbers and the token list: 64 MiB is ~5M tokens, beyond any context.
+const MAX_HEADER_BYTES: u64 = 64 << 20;
+
+#[derive(Serialize, Deserialize)]
+struct Header {
+    /// The model's fingerprint (`ExpertStore::fingerprint`): a context is only valid for the
+    /// weights that computed it.
+    fingerprint: String,
+    /// Row widths (kv_lora, rope_dim, index_dim) of every cache, the MTP layer's last.
+    widths: Vec<[usize; 3]>,
+    main_rows: usize,
+    mtp_rows: usize,
+    hidden_size: usize,
+    pending_rows: usize,
+    tokens: Vec<u32>,
+    payload_bytes: u64,
+    crc32: u32,
+}
+
+/// What the loading model must match.
+pub struct Expect<'a> {
+    pub fingerprint: &'a str,
+    pub hidden_size: usize,
+    pub vocab_size: usize,
+    pub max_context: usize,
+}
+
+fn payload_bytes(
+    widths: &[[usize; 3]],
+    main_rows: usize,
+    mtp_rows: usize,
+    pending: usize,
+    hidden: usize,
+) -> Option<u64> {
+    let mut floats: u64 = 0;
+    let last = widths.len().checked_sub(1)?;
+    for (i, w) in widths.iter().enumerate() {
+        let rows = if i == last { mtp_rows } else { main_rows } as u64;
+        let width = w.iter().try_fold(0u64, |a, &x| a.checked_add(x as u64))?;
+        floats = floats.checked_add(rows.checked_mul(width)?)?;
+    }
+    floats = floats.checked_add((pending as u64).checked_mul(hidden as u64)?)?;
+    floats.checked_mul(4)
+}
+
+/// Write `caches` and `state` to `path` atomically (a temporary file in the same directory,
+/// synced, then renamed over it): a reader sees the old file or the new one, never a part.
+pub fn save(
+    path: &Path,
+    fingerprint: &str,
+    hidden_size: usize,
+    caches: &KvCaches,
+    state: &CacheState,
+) -> Result<u64> {
+    let widths: Vec<[usize; 3]> = caches.all().map(|kv| kv.widths()).collect();
+    let pending = state.mtp_pending();
+    let pending_rows = pending.len() / hidden_size.max(1);
+    let (main_rows, mtp_rows) = (caches.len(), caches.mtp_len());
+    if state.tokens.len() != main_rows {
+        return Err(Error::Internal(format!(
+            "a session's history holds {} tokens and its caches {main_rows} rows",
+            state.tokens.len()
+        )));
+    }
+    let mut crc = crc32fast::Hasher::new();
+    for kv in caches.all() {
+        for part in kv.parts() {
+            crc.update(bytemuck::cast_slice(part));
+        }
+    }
+    crc.update(bytemuck::cast_slice(pending));
+    let header = Header {
+        fingerprint: fingerprint.to_owned(),
+        payload_bytes: payload_bytes(&widths, main_rows, mtp_rows, pending_rows, hidden_size)
+            .unwrap_or(0),
+        widths,
+        main_rows,
+        mtp_rows,
+        hidden_size,
+        pending_rows,
+        tokens: state.tokens.clone(),
+        crc32: crc.finalize(),
+    };
+    let json = serde_json::to_vec(&header).map_err(|e| Error::Internal(e.to_string()))?;
+    let tmp = temporary_path(path);
+    let write = || -> std::io::Result<()> {
+        let file = std::fs::File::create(&tmp)?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+        w.write_all(MAGIC)?;
+        w.write_all(&VERSION.to_le_bytes())?;
+        w.write_all(&0u32.to_le_bytes())?;
+        w.write_all(&(json.len() as u64).to_le_bytes())?;
+        w.write_all(&json)?;
+        for kv in caches.all() {
+            for part in kv.parts() {
+                w.write_all(bytemuck::cast_slice(part))?;
+            }
+        }
+        w.write_all(bytemuck::cast_slice(pending))?;
+        let file = w.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            // Durability of the rename; a directory that cannot be opened is not an error.
+            if let Ok(d) = std::fs::File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(())
+    };
+    match write() {
+        Ok(()) => Ok((PREFIX_BYTES + json.len()) as u64 + header.payload_bytes),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(Error::io(path, e))
+        }
+    }
+}
+
+fn temporary_path(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".{name}.tmp.{}", std::process::id()))
+}
+
+/// Read a context written by [`save`] into `caches` (made by the loading model's
+/// `new_caches`, whose layout the file must have) and return its cache state. A file that is
+/// truncated, corrupt, of another version or of another model is a
+/// [`Error::SavedContext`] saying which; `caches` is then left empty.
+pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<CacheState> {
+    let bad = |msg: String| Error::saved_context(path, msg);
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let meta = file.metadata().map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        return Err(bad("not a regular file".into()));
+    }
+    let size = meta.len();
+    let mut r = std::io::BufReader::with_capacity(1 << 20, file);
+    let mut prefix = [0u8; PREFIX_BYTES];
+    if size < PREFIX_BYTES as u64 {
+        return Err(bad(format!(
+            "{size} bytes: too short to be a saved context (truncated?)"
+        )));
+    }
+    r.read_exact(&mut prefix).map_err(|e| Error::io(path, e))?;
+    if &prefix[..16] != MAGIC {
+        return Err(bad("not a colibri saved context (wrong magic bytes)".into()));
+    }
+    let word = |at: usize| {
+        u32::from_le_bytes([prefix[at], prefix[at + 1], prefix[at + 2], prefix[at + 3]])
+    };
+    let version = word(16);
+    if version != VERSION {
+        return Err(bad(format!(
+            "format version {version}; this colibri reads version {VERSION}: save the context again with this version"
+        )));
+    }
+    let mut len8 = [0u8; 8];
+    len8.copy_from_slice(&prefix[24..32]);
+    let header_len = u64::from_le_bytes(len8);
+    if header_len > MAX_HEADER_BYTES || header_len > size - PREFIX_BYTES as u64 {
+        return Err(bad(format!(
+            "header of {header_len} bytes in a {size}-byte file: truncated or corrupt"
+        )));
+    }
+    let mut json = vec![0u8; header_len as usize];
+    r.read_exact(&mut json).map_err(|e| Error::io(path, e))?;
+    let h: Header =
+        serde_json::from_slice(&json).map_err(|e| bad(format!("unreadable header: {e}")))?;
+    if h.fingerprint != expect.fingerprint {
+        return Err(bad(format!(
+            "saved by another model (fingerprint {}, this model's is {}): a context is only valid for the weights that computed it",
+            h.fingerprint, expect.fingerprint
+        )));
+    }
+    let widths: Vec<[usize; 3]> = caches.all().map(|kv| kv.widths()).collect();
+    if h.widths != widths || h.hidden_size != expect.hidden_size {
+        return Err(bad(format!(
+            "its caches are shaped {:?} (hidden {}) and this model's {:?} (hidden {}): saved with other options (MTP head, sparse attention)",
+            h.widths, h.hidden_size, widths, expect.hidden_size
+        )));
+    }
+    if h.tokens.len() != h.main_rows
+        || h.mtp_rows > h.main_rows
+        || h.pending_rows > h.main_rows - h.mtp_rows
+    {
+        return Err(bad(format!(
+            "inconsistent header: {} tokens, {} main rows, {} MTP rows, {} pending rows",
+            h.tokens.len(),
+            h.main_rows,
+            h.mtp_rows,
+            h.pending_rows
+        )));
+    }
+    if h.main_rows > expect.max_context {
+        return Err(bad(format!(
+            "{} tokens of context, more than this model's max_context of {}: open the model with a larger max_context",
+            h.main_rows, expect.max_context
+        )));
+    }
+    if let Some(t) = h.tokens.iter().find(|&&t| t as usize >= expect.vocab_size) {
+        return Err(bad(format!(
+            "token id {t} is outside the vocabulary ({} ids)",
+            expect.vocab_size
+        )));
+    }
+    let payload = payload_bytes(
+        &h.widths,
+        h.main_rows,
+        h.mtp_rows,
+        h.pending_rows,
+        h.hidden_size,
+    );
+    let expected_size = payload.and_then(|p| p.checked_add(PREFIX_BYTES as u64 + header_len));
+    if payload != Some(h.payload_bytes) || expected_size != Some(size) {
+        return Err(bad(format!(
+            "{size} bytes where its header describes {}: truncated or corrupt",
+            expected_size.map_or_else(|| "an impossible size".to_owned(), |s| s.to_string())
+        )));
+    }
+    let mut crc = crc32fast::Hasher::new();
+    let mut fill = |part: &mut [f32]| -> Result<()> {
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(part);
+        r.read_exact(bytes).map_err(|e| Error::io(path, e))?;
+        crc.update(bytes);
+        Ok(())
+    };
+    let last = widths.len() - 1;
+    let mut loaded = Ok(());
+    for (i, kv) in caches.all_mut().enumerate() {
+        let rows = if i == last { h.mtp_rows } else { h.main_rows };
+        loaded = kv.load_parts(rows, &mut fill);
+        if loaded.is_err() {
+            break;
+        }
+    }
+    let mut pending = Vec::new();
+    if loaded.is_ok() {
+        pending = vec![0f32; h.pending_rows * h.hidden_size];
+        loaded = fill(&mut pending);
+    }
+    if loaded.is_ok() && crc.finalize() != h.crc32 {
+        loaded = Err(bad("checksum mismatch: the file is corrupt".into()));
+    }
+    if let Err(e) = loaded {
+        caches.release();
+        return Err(e);
+    }
+    Ok(CacheState::from_parts(h.tokens, pending))
+}

@@ -1,0 +1,249 @@
+//! The engine on real models (the embedded tiny model, the GLM DSA fixture): sessions reuse
+//! their prefix with outputs identical to a fresh prefill, saved contexts round-trip and
+//! refuse damaged or foreign files with a typed error, idle sessions are evicted to disk
+//! and come back intact.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+
+use super::*;
+use crate::decode::{DraftSource, SamplingParams};
+
+fn model_dir(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+}
+
+fn open(rel: &str, spill: &Path, idle: Option<u64>) -> Engine {
+    let opts = EngineOptions {
+        usage_file: false,
+        threads: 2,
+        idle_session_bytes: idle,
+        spill_dir: Some(spill.to_path_buf()),
+        ..EngineOptions::new()
+    };
+    Engine::open(&model_dir(rel), &opts).expect("the model opens")
+}
+
+fn options(e: &Engine, sampled: bool) -> GenerateOptions {
+    let mut o = e.default_generate_options();
+    o.max_new_tokens = 12;
+    o.draft = DraftSource::Mtp;
+    o.stop_tokens.clear();
+    if sampled {
+        o.sampling = SamplingParams {
+            temperature: 0.9,
+            top_k: 20,
+            top_p: 0.95,
+            seed: Some(7),
+        };
+    }
+    o
+}
+
+fn run(e: &Engine, s: Option<&Session>, prompt: &[u32], sampled: bool) -> Completion {
+    e.generate(
+        s,
+        prompt,
+        &options(e, sampled),
+        &mut |_| true,
+        &AtomicBool::new(false),
+    )
+    .expect("generation runs")
+}
+
+const PROMPT: [u32; 9] = [1, 345, 67, 890, 12, 3456, 78, 901, 23];
+
+/// Turn 2's prompt: turn 1's prompt and output, then new tokens.
+fn follow_up(first: &Completion) -> Vec<u32> {
+    let mut p = PROMPT.to_vec();
+    p.extend(&first.tokens);
+    p.extend([44, 555, 6]);
+    p
+}
+
+#[test]
+fn a_saved_context_continues_exactly_like_the_live_session() {
+    for (rel, vocab) in [
+        ("python/colibri/models/tiny", 4096),
+        ("tests/fixtures/glm_dsa", 256),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let e = open(rel, tmp.path(), None);
+        let prompt: Vec<u32> = PROMPT.iter().map(|t| t % vocab).collect();
+        for sampled in [false, true] {
+            let live = e.new_session().unwrap();
+            let first = run(&e, Some(&live), &prompt, sampled);
+            let file = tmp.path().join("ctx.colibri");
+            let bytes = e.save_session(Some(&live), &file).unwrap();
+            assert_eq!(bytes, std::fs::metadata(&file).unwrap().len());
+            let loaded = e.load_session(&file).unwrap();
+            assert_eq!(loaded.tokens().unwrap(), live.tokens().unwrap());
+            assert_eq!(loaded.kv_bytes().unwrap(), live.kv_bytes().unwrap());
+            let mut next: Vec<u32> = prompt.clone();
+            next.extend(&first.tokens);
+            next.extend([44 % vocab, 55 % vocab, 6]);
+            let a = run(&e, Some(&live), &next, sampled);
+            let b = run(&e, Some(&loaded), &next, sampled);
+            let fresh = run(&e, Some(&e.new_session().unwrap()), &next, sampled);
+            assert_eq!(
+                a.tokens, fresh.tokens,
+                "{rel} sampled={sampled}: live vs fresh"
+            );
+            assert_eq!(
+                b.tokens, fresh.tokens,
+                "{rel} sampled={sampled}: loaded vs fresh"
+            );
+            assert_eq!(b.stats.prompt_cached_tokens, a.stats.prompt_cached_tokens);
+            assert!(
+                a.stats.prompt_cached_tokens >= prompt.len(),
+                "{rel}: {:?}",
+                a.stats
+            );
+            assert_eq!(fresh.stats.prompt_cached_tokens, 0);
+        }
+    }
+}
+
+fn save_tiny(e: &Engine, dir: &Path) -> (PathBuf, Vec<u8>) {
+    let s = e.new_session().unwrap();
+    run(e, Some(&s), &PROMPT, false);
+    let file = dir.join("ctx.colibri");
+    e.save_session(Some(&s), &file).unwrap();
+    let bytes = std::fs::read(&file).unwrap();
+    (file, bytes)
+}
+
+#[test]
+fn damaged_or_foreign_contexts_are_refused_with_a_typed_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = open("python/colibri/models/tiny", tmp.path(), None);
+    let (file, good) = save_tiny(&e, tmp.path());
+    let header_len = u64::from_le_bytes(good[24..32].try_into().unwrap()) as usize;
+    let payload_at = 32 + header_len;
+    let mut cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("empty", Vec::new(), "too short"),
+        ("truncated header", good[..40].to_vec(), "truncated"),
+        (
+            "truncated payload",
+            good[..good.len() - 4].to_vec(),
+            "truncated",
+        ),
+        (
+            "appended bytes",
+            [good.clone(), vec![0; 8]].concat(),
+            "truncated or corrupt",
+        ),
+    ];
+    let mut magic = good.clone();
+    magic[0] ^= 1;
+    cases.push(("magic", magic, "wrong magic"));
+    let mut version = good.clone();
+    version[16] = 9;
+    cases.push(("version", version, "format version 9"));
+    let mut flipped = good.clone();
+    flipped[payload_at + 100] ^= 0x40;
+    cases.push(("payload bit flip", flipped, "checksum"));
+    let mut header = good.clone();
+    header[33] = b'!';
+    cases.push(("header garbage", header, "unreadable header"));
+    for (what, bytes, needle) in cases {
+        std::fs::write(&file, &bytes).unwrap();
+        let err = e
+            .load_session(&file)
+            .err()
+            .unwrap_or_else(|| panic!("{what}: loaded"));
+        let msg = err.to_string();
+        assert!(
+            matches!(err, Error::SavedContext { .. }) && msg.contains(needle),
+            "{what}: {msg}"
+        );
+    }
+    // Another model's context: same layout family, other fingerprint.
+    std::fs::write(&file, &good).unwrap();
+    let other = open("tests/fixtures/glm_dsa", tmp.path(), None);
+    let msg = other.load_session(&file).err().unwrap().to_string();
+    assert!(msg.contains("another model"), "{msg}");
+    assert!(matches!(
+        e.load_session(&tmp.path().join("missing")),
+        Err(Error::Io { .. })
+    ));
+    // The engine is still fine, and the good file still loads.
+    assert!(e.load_session(&file).is_ok());
+    run(&e, None, &PROMPT, false);
+}
+
+#[test]
+fn idle_sessions_beyond_the_budget_go_to_disk_and_come_back_intact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spill = tmp.path().join("spill");
+    let e = open("python/colibri/models/tiny", &spill, Some(0));
+    let a = e.new_session().unwrap();
+    let first = run(&e, Some(&a), &PROMPT, false);
+    let held = a.kv_bytes().unwrap();
+    assert!(held > 0 && !a.is_evicted().unwrap());
+    // B's generation makes A idle: a zero budget sends A to disk.
+    let b = e.new_session().unwrap();
+    run(&e, Some(&b), &PROMPT, false);
+    assert!(a.is_evicted().unwrap());
+    assert_eq!(a.kv_bytes().unwrap(), 0);
+    assert_eq!(
+        a.kv_tokens().unwrap(),
+        PROMPT.len() + first.tokens.len() - 1
+    );
+    assert!(a.spill_path.is_file());
+    let next = follow_up(&first);
+    let again = run(&e, Some(&a), &next, false);
+    assert!(!a.is_evicted().unwrap() && !a.spill_path.exists());
+    assert!(b.is_evicted().unwrap());
+    let fresh = run(&e, Some(&e.new_session().unwrap()), &next, false);
+    assert_eq!(again.tokens, fresh.tokens);
+    assert_eq!(
+        again.stats.prompt_cached_tokens,
+        PROMPT.len() + first.tokens.len() - 1
+    );
+
+    // A spill file that vanished costs the reuse, not the output.
+    run(&e, Some(&b), &PROMPT, false);
+    assert!(a.is_evicted().unwrap());
+    std::fs::remove_file(&a.spill_path).unwrap();
+    let lost = run(&e, Some(&a), &next, false);
+    assert_eq!(lost.tokens, fresh.tokens);
+    assert_eq!(lost.stats.prompt_cached_tokens, 0);
+
+    // Dropping an evicted session removes its file.
+    run(&e, Some(&b), &PROMPT, false);
+    let path = a.spill_path.clone();
+    assert!(path.is_file());
+    drop(a);
+    assert!(!path.exists());
+}
+
+#[test]
+fn a_generous_budget_keeps_idle_sessions_in_ram() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = open("python/colibri/models/tiny", tmp.path(), None);
+    let a = e.new_session().unwrap();
+    run(&e, Some(&a), &PROMPT, false);
+    let b = e.new_session().unwrap();
+    run(&e, Some(&b), &PROMPT, false);
+    assert!(!a.is_evicted().unwrap());
+    assert!(e.info().idle_session_bytes >= e.info().max_context as u64);
+}
+
+#[test]
+fn a_session_of_another_engine_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e1 = open("python/colibri/models/tiny", tmp.path(), None);
+    let e2 = open("python/colibri/models/tiny", tmp.path(), None);
+    let s = e1.new_session().unwrap();
+    let err = e2
+        .generate(
+            Some(&s),
+            &PROMPT,
+            &options(&e2, false),
+            &mut |_| true,
+            &AtomicBool::new(false),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("another model"), "{err}");
+}

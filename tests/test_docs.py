@@ -95,3 +95,11 @@ def test_cli_examples(workdir: Path, test_model_dir: Path) -> None:
         assert "Traceback" not in r.stderr
     # The converted container is real and different from its source.
     assert (workdir / "my-model-int4" / "config.json").is_file()
+
+
+def test_docstring_examples_run(workdir: Path) -> None:
+    """The ``>>>`` examples in the public API's docstrings run as written."""
+    import doctest
+
+    result = doctest.testmod(colibri.model, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 3 and result.failed == 0, result

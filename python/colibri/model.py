@@ -986,7 +986,7 @@ class Session:
         >>> import colibri, os, tempfile
         >>> m = colibri.Model()
         >>> s = m.session()
-        >>> s.prefill("import os\nimport sys\n")
+        >>> s.prefill("import os, sys")
         >>> path = os.path.join(tempfile.mkdtemp(), "prompt.ctx")
         >>> _ = s.save(path)
         >>> m.load_session(path).kv_tokens == s.kv_tokens

@@ -121,6 +121,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PySession>()?;
     m.add_function(wrap_pyfunction!(engine::choices, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::limits, m)?)?;
     m.add_function(wrap_pyfunction!(engine::generation_stats_fields, m)?)?;
     container::register(m)?;
     kernels::register(m)?;

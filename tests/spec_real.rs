@@ -97,6 +97,7 @@ fn fixed_seed_reproduces_sampled_output_with_drafting() {
             top_k: 0,
             top_p: 1.0,
             seed: Some(seed),
+            ..SamplingParams::default()
         },
         draft: DraftSource::Mtp,
         depth: DraftDepth::Fixed(3),
@@ -135,6 +136,7 @@ fn prefix_reuse_gives_the_fresh_output() {
                         top_k: 0,
                         top_p: 1.0,
                         seed: Some(11),
+                        ..SamplingParams::default()
                     },
                     draft,
                     depth: DraftDepth::Fixed(2),

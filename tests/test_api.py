@@ -1237,7 +1237,7 @@ def test_sessions_keep_their_own_conversations(test_model_dir: Path) -> None:
     assert a.kv_tokens == 0
     assert a.generate(pa, **kw).stats.prompt_cached_tokens == 0
     with pytest.raises(colibri.InvalidArgumentError, match="keyword"):
-        a.generate(pa, max_tokens=3)
+        a.generate(pa, max_length=3)
     other = colibri.Model(test_model_dir, threads=1).session()
     with pytest.raises(colibri.InvalidArgumentError, match="session"):
         m._start(pa, dict(kw), other._core)
@@ -1370,3 +1370,94 @@ def test_option_vocabulary_and_stats_names_come_from_the_engine() -> None:
         assert list(typing.get_args(alias)) == choices[name], name
     py_fields = set(colibri.GenerationStats.__dataclass_fields__) - {"extra"}
     assert py_fields == set(_core.generation_stats_fields())
+
+
+def test_penalties_bias_and_min_tokens_keep_speculation_lossless_on_the_trained_model() -> None:
+    m = colibri.Model(threads=1)
+    prompt = "def fibonacci(n):\n    "
+    kw: dict[str, Any] = {
+        "max_tokens": 40,
+        "temperature": 0,
+        "repetition_penalty": 1.3,
+        "presence_penalty": 0.4,
+        "frequency_penalty": 0.3,
+        "logit_bias": {m.encode("\n", add_special_tokens=False)[0]: -2.0},
+    }
+    plain = m.generate(prompt, draft="off", **kw)
+    raw = m.generate(prompt, draft="off", max_tokens=40, temperature=0)
+    assert plain.token_ids != raw.token_ids, "the processing changed nothing"
+    for depth in (1, 3, "auto"):
+        spec = m.generate(prompt, draft="mtp", draft_depth=depth, **kw)
+        assert spec.token_ids == plain.token_ids, depth
+    assert any(spec.stats.drafts_accepted), "no draft was accepted: the test shows nothing"
+    sampled = {**kw, "temperature": 0.8, "top_p": 0.95, "min_p": 0.05, "seed": 9}
+    assert (
+        m.generate(prompt, draft="mtp", draft_depth=2, **sampled).token_ids
+        == m.generate(prompt, draft="off", **sampled).token_ids
+    )
+    # min_tokens: the stop token greedy picks first cannot end the generation early.
+    first = raw.token_ids[0]
+    held = m.generate(prompt, max_tokens=6, temperature=0, stop_token_ids=[first], min_tokens=3)
+    assert first not in held.token_ids[:3] and len(held.token_ids) >= 3
+    # ignore_eos removes only the EOS ids from the stop set.
+    out = m.generate(prompt, max_tokens=4, temperature=0, ignore_eos=True)
+    assert len(out.token_ids) == 4
+
+
+def test_logprobs_match_the_logits_of_an_independent_forward() -> None:
+    m = colibri.Model(threads=1)
+    prompt = m.encode("import os\nimport ")
+    out = m.generate(prompt, max_tokens=6, temperature=0, logprobs=4, stop_token_ids=[])
+    assert out.logprobs is not None and out.top_logprobs is not None
+    assert len(out.logprobs) == len(out.top_logprobs) == len(out.token_ids)
+    ctx = list(prompt)
+    for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
+        row = m.logits(ctx)[-1].astype(np.float64)
+        log_softmax = row - row.max() - np.log(np.exp(row - row.max()).sum())
+        assert abs(lp - log_softmax[tok]) < 1e-4
+        assert len(top) == 4 and top[0][0] == tok
+        assert [t for t, _ in top] == list(np.argsort(-row, kind="stable")[:4])
+        ctx.append(tok)
+    # Sampling reports the law it drew from: a top-k cut token has -inf.
+    s = m.generate(prompt, max_tokens=3, temperature=1.0, top_k=2, seed=1, logprobs=3)
+    assert s.top_logprobs is not None
+    assert all(top[2][1] == float("-inf") for top in s.top_logprobs)
+    assert all(lp > float("-inf") for lp in s.logprobs or [])
+    assert m.generate(prompt, max_tokens=2).logprobs is None
+
+
+def test_sampling_params_object_equals_keywords_and_conflicts_are_errors() -> None:
+    m = colibri.Model(threads=1)
+    sp = colibri.SamplingParams(max_tokens=8, temperature=0.7, top_k=20, seed=5, min_p=0.02)
+    by_object = m.generate("x = ", sp)
+    by_keywords = m.generate(
+        "x = ", max_new_tokens=8, temperature=0.7, top_k=20, seed=5, min_p=0.02
+    )
+    assert by_object.token_ids == by_keywords.token_ids
+    assert len(m.chat([{"role": "user", "content": "hi"}], sp).token_ids) <= 8
+    with pytest.raises(colibri.InvalidArgumentError, match="both"):
+        m.generate("x", sp, temperature=0.1)
+    with pytest.raises(colibri.InvalidArgumentError, match="not both"):
+        m.generate("x", max_tokens=2, max_new_tokens=2)
+    with pytest.raises(colibri.InvalidArgumentError, match="sampling_params"):
+        m.generate("x", {"temperature": 0})  # type: ignore[call-overload]
+    s = m.session()
+    assert len(s.generate("x = ", sampling_params=sp).token_ids) <= 8
+    for bad, needle in [
+        ({"min_p": 2.0}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"logit_bias": {10**9: 1.0}}, "logit_bias"),
+        ({"logit_bias": {3: float("nan")}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logprobs": _core.limits()["max_top_logprobs"] + 1}, "logprobs"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ]:
+        with pytest.raises(colibri.InvalidArgumentError, match=needle):
+            m.generate("x", max_tokens=2, **bad)
+    # Banning a token with -inf bias keeps it out of a greedy generation.
+    greedy = m.generate("x = ", max_tokens=5, temperature=0)
+    banned = greedy.token_ids[0]
+    out = m.generate("x = ", max_tokens=5, temperature=0, logit_bias={banned: float("-inf")})
+    assert banned not in out.token_ids

@@ -32,6 +32,7 @@ from colibri.model import (
     Model,
     Session,
 )
+from colibri.sampling import SamplingParams
 
 __version__: str = _core.__version__
 
@@ -54,6 +55,7 @@ __all__ = [
     "Model",
     "ModelNotFoundError",
     "NonFiniteWeightError",
+    "SamplingParams",
     "SavedContextError",
     "Session",
     "UnsupportedModelError",

@@ -186,12 +186,22 @@ class Engine:
         stop_ids: list[int] | None = None,
         on_tokens: Callable[[list[int]], bool] | None = None,
         session: Session | None = None,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: list[tuple[int, float]] | None = None,
+        min_tokens: int = 0,
+        logprobs: int | None = None,
     ) -> dict[str, Any]:
         """Generate after ``ids``; returns ``{"tokens", "finish_reason", "stats"}`` (stats
         keyed by ``generation_stats_fields()``). ``draft_depth`` 0 is auto; ``stop_ids``
         None uses the EOS ids; ``on_tokens`` gets the tokens each forward accepted and
         returns False to stop. Ctrl-C raises KeyboardInterrupt within one forward. The KV
-        cache reused is ``session``'s, or the engine's own."""
+        cache reused is ``session``'s, or the engine's own. The penalties, ``logit_bias``
+        and ``min_tokens`` process every row's logits (verify rows included, so speculation
+        stays lossless); ``logprobs`` k adds ``"logprobs"``: per token
+        ``{"token", "logprob", "top": [(id, logprob)] * k}``."""
     def drop_page_cache(self) -> None:
         """Evict the model's expert bytes from the OS page cache (cold-start benchmarks)."""
     def expert_stats(self) -> dict[str, Any]:
@@ -199,6 +209,9 @@ class Engine:
 
 def choices() -> dict[str, list[str]]:
     """The accepted values of each string option (io, prefetch, pin, draft), "auto" first."""
+
+def limits() -> dict[str, int]:
+    """Limits the engine enforces: ``max_draft_depth``, ``max_top_logprobs``."""
 
 def generation_stats_fields() -> list[str]:
     """The names of the fields a generation's stats carry."""

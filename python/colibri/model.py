@@ -26,6 +26,7 @@ from colibri.errors import (
     InvalidArgumentError,
     ModelNotFoundError,
 )
+from colibri.sampling import SamplingParams
 
 DraftMode = Literal["auto", "mtp", "ngram", "off"]
 IoMode = Literal["auto", "mmap", "pread", "direct"]
@@ -48,6 +49,7 @@ _ENGINE_FINISH_REASONS: dict[str, FinishReason] = {
 # The vocabulary of the string options comes from the Rust engine (crate::engine::CHOICES);
 # the Literal types above repeat it for type checkers, and a test keeps them equal.
 _CHOICES: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in _core.choices().items()}
+_LIMITS: dict[str, int] = dict(_core.limits())
 _DRAFT_MODES = _CHOICES["draft"]
 _IO_MODES = _CHOICES["io"]
 _PREFETCH_MODES = _CHOICES["prefetch"]
@@ -115,6 +117,11 @@ class GenerationResult:
     #: ``"length"`` (max_new_tokens), ``"stop"`` (EOS or a stop string) or ``"cancelled"``.
     finish_reason: FinishReason
     stats: GenerationStats
+    #: With ``logprobs=k``: each generated token's log-probability under the distribution
+    #: the sampler drew it from (greedy: the softmax of the processed logits).
+    logprobs: list[float] | None = None
+    #: With ``logprobs=k``: per token, the k most likely ``(token id, logprob)``.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def __str__(self) -> str:
         return self.text
@@ -447,9 +454,10 @@ class Model:
         if depth == "auto":
             return 0
         d = _check_int("draft_depth", depth, minimum=1)
-        if d > 8:
+        cap = _LIMITS["max_draft_depth"]
+        if d > cap:
             raise InvalidArgumentError(
-                f"invalid value for 'draft_depth': {d}; must be 1..8 or 'auto'"
+                f"invalid value for 'draft_depth': {d}; must be 1..{cap} or 'auto'"
             )
         return d
 
@@ -546,16 +554,26 @@ class Model:
     def generate(
         self,
         prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
         *,
         max_new_tokens: int | None = ...,
+        max_tokens: int | None = ...,
         temperature: float | None = ...,
         top_k: int | None = ...,
         top_p: float | None = ...,
+        min_p: float | None = ...,
         seed: int | None = ...,
         stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool | None = ...,
+        repetition_penalty: float | None = ...,
+        presence_penalty: float | None = ...,
+        frequency_penalty: float | None = ...,
+        logit_bias: Mapping[int, float] | None = ...,
+        min_tokens: int | None = ...,
+        logprobs: int | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
         stream: Literal[False] = False,
     ) -> GenerationResult: ...
 
@@ -563,94 +581,144 @@ class Model:
     def generate(
         self,
         prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
         *,
         max_new_tokens: int | None = ...,
+        max_tokens: int | None = ...,
         temperature: float | None = ...,
         top_k: int | None = ...,
         top_p: float | None = ...,
+        min_p: float | None = ...,
         seed: int | None = ...,
         stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool | None = ...,
+        repetition_penalty: float | None = ...,
+        presence_penalty: float | None = ...,
+        frequency_penalty: float | None = ...,
+        logit_bias: Mapping[int, float] | None = ...,
+        min_tokens: int | None = ...,
+        logprobs: int | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
         stream: Literal[True],
     ) -> GenerationStream: ...
 
     def generate(
         self,
         prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
         *,
         max_new_tokens: int | None = None,
+        max_tokens: int | None = None,
         temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
+        min_p: float | None = None,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        min_tokens: int | None = None,
+        logprobs: int | None = None,
         draft: DraftMode | None = None,
         draft_depth: int | Literal["auto"] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
         stream: bool = False,
     ) -> GenerationResult | GenerationStream:
         """Continue ``prompt`` (text or token ids).
 
         Args:
-            max_new_tokens: at most this many new tokens (≥ 1); default
-                ``generation_config.json``'s ``max_new_tokens``, else 128
+            sampling_params: a :class:`SamplingParams` holding any of the keywords below
+                (vLLM style); a keyword given as well must not repeat one of its fields.
+            max_new_tokens: at most this many new tokens (≥ 1; ``max_tokens`` is the same);
+                default ``generation_config.json``'s ``max_new_tokens``, else 128
                 (:attr:`default_max_new_tokens`).
             temperature: 0 for greedy decoding; default from ``generation_config.json``
-                (greedy when it does not ask for sampling). ``top_k``, ``top_p`` and ``seed``
-                only shape sampling: given for a greedy generation they are ignored with a
-                ``UserWarning``.
+                (greedy when it does not ask for sampling). ``top_k``, ``top_p``, ``min_p``
+                and ``seed`` only shape sampling: given for a greedy generation they are
+                ignored with a ``UserWarning``.
             top_k: keep the k most likely tokens (0 = off).
             top_p: nucleus sampling mass in (0, 1] (1 = off).
+            min_p: keep tokens at least this share as likely as the top one (0 = off).
             seed: makes sampling reproducible; ``None`` picks a random seed.
             stop: strings that end the generation (not included in the text).
-            draft: drafter for speculative decoding (defaults to the Model's).
-            draft_depth: tokens drafted per step, 1-8 or ``"auto"``.
             stop_token_ids: token ids that end the generation; ``None`` uses the model's
                 EOS ids, ``[]`` never stops on a token (only ``max_new_tokens`` and ``stop``).
                 The stopping token is kept in ``token_ids`` but not in ``text``.
+            ignore_eos: keep generating past the EOS ids (other stop token ids still stop).
+            repetition_penalty: > 1 discourages tokens already in the prompt or output
+                (transformers' and vLLM's rule; 1 = off).
+            presence_penalty, frequency_penalty: subtracted from the logit of a token the
+                output holds, once / per occurrence (OpenAI's; 0 = off).
+            logit_bias: token id → value added to its logit (``-inf`` bans the token).
+            min_tokens: the stop token ids cannot end the generation before this many.
+            logprobs: report each generated token's log-probability
+                (:attr:`GenerationResult.logprobs`) and this many most likely alternatives
+                (:attr:`GenerationResult.top_logprobs`; 0 = none).
+            draft: drafter for speculative decoding (defaults to the Model's).
+            draft_depth: tokens drafted per step, 1-8 or ``"auto"``.
             stream: if true, return a :class:`GenerationStream`: an iterator of text chunks
                 yielded as tokens are accepted, whose ``result`` is set once it is exhausted.
+
+        Every logit processing step (bias, penalties, ``min_tokens``) runs in the Rust
+        sampler on every row it picks from, verify rows included: speculative decoding stays
+        lossless with them.
 
         Returns:
             A :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`.
         """
-        params = self._params(
-            prompt,
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            seed,
-            stop,
-            draft,
-            draft_depth,
-            stop_token_ids,
-        )
-        return self._launch(params, stream)
+        kw = {k: v for k, v in locals().items() if k in _GENERATE_KEYWORDS}
+        return self._launch(self._params(prompt, sampling_params, kw), stream)
 
     def _params(
         self,
         prompt: str | Sequence[int],
-        max_new_tokens: object,
-        temperature: object,
-        top_k: object,
-        top_p: object,
-        seed: object,
-        stop: str | Sequence[str] | None,
-        draft: object,
-        draft_depth: object,
-        stop_token_ids: Sequence[int] | None = None,
+        sampling_params: object,
+        keywords: Mapping[str, Any],
     ) -> dict[str, Any]:
+        """The engine's arguments for ``prompt``, from ``sampling_params`` and the call's
+        keywords (``None`` = not given), validated."""
+        given: dict[str, Any] = {}
+        if sampling_params is not None:
+            if not isinstance(sampling_params, SamplingParams):
+                raise InvalidArgumentError(
+                    f"invalid value for 'sampling_params': {sampling_params!r}; expected a "
+                    "colibri.SamplingParams"
+                )
+            given.update(sampling_params.fields())
+        if keywords.get("max_new_tokens") is not None and keywords.get("max_tokens") is not None:
+            raise InvalidArgumentError(
+                "give 'max_new_tokens' or 'max_tokens' (the same thing), not both"
+            )
+        for name, value in keywords.items():
+            if value is None:
+                continue
+            field_name = "max_tokens" if name == "max_new_tokens" else name
+            if field_name in given:
+                raise InvalidArgumentError(
+                    f"'{name}' is given both as a keyword and in sampling_params; give it once"
+                )
+            given[field_name] = value
+        max_new_tokens = given.get("max_tokens")
+        temperature = given.get("temperature")
+        top_k = given.get("top_k")
+        top_p = given.get("top_p")
+        seed = given.get("seed")
+        stop = given.get("stop")
+        stop_token_ids = given.get("stop_token_ids")
+        draft = given.get("draft")
+        draft_depth = given.get("draft_depth")
         ids = self._prompt_ids(prompt)
         if max_new_tokens is None:
             max_new_tokens = self.default_max_new_tokens
         n = _check_int("max_new_tokens", max_new_tokens, minimum=1)
         gc = self._generation_config
         sampling = bool(gc.get("do_sample", False))
-        given = {"top_k": top_k, "top_p": top_p, "seed": seed}
-        ignored = [k for k, v in given.items() if v is not None]
+        ignored = [k for k in ("top_k", "top_p", "min_p", "seed") if given.get(k) is not None]
         given_temperature = temperature
         if temperature is None:
             temperature = float(gc.get("temperature", 1.0)) if sampling else 0.0
@@ -693,6 +761,14 @@ class Model:
                     "of token ids"
                 )
             stop_ids = [self._check_token("stop_token_ids", t) for t in stop_token_ids]
+        if given.get("ignore_eos") is not None:
+            if not isinstance(given["ignore_eos"], bool):
+                raise InvalidArgumentError(
+                    f"invalid value for 'ignore_eos': {given['ignore_eos']!r}; expected a bool"
+                )
+            if given["ignore_eos"]:
+                stop_ids = [t for t in stop_ids if t not in self.eos_token_ids]
+        processing = self._processing(given)
         d = self.default_draft if draft is None else _check_choice("draft", draft, _DRAFT_MODES)
         depth = self.default_draft_depth if draft_depth is None else self._check_depth(draft_depth)
         if len(ids) >= self.max_context:
@@ -727,7 +803,58 @@ class Model:
             "draft": d,
             "draft_depth": depth,
             "stop_ids": stop_ids,
+            **processing,
         }
+
+    def _processing(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The logit-processing and logprobs arguments of a generation, validated."""
+        out: dict[str, Any] = {}
+        min_p = _check_float("min_p", given.get("min_p", 0.0))
+        if not 0.0 <= min_p <= 1.0:
+            raise InvalidArgumentError(f"invalid value for 'min_p': {min_p}; must be in [0, 1]")
+        out["min_p"] = min_p
+        rep = _check_float("repetition_penalty", given.get("repetition_penalty", 1.0))
+        if rep <= 0:
+            raise InvalidArgumentError(
+                f"invalid value for 'repetition_penalty': {rep}; must be > 0 (1 = off)"
+            )
+        out["repetition_penalty"] = rep
+        for name in ("presence_penalty", "frequency_penalty"):
+            out[name] = _check_float(name, given.get(name, 0.0))
+        bias = given.get("logit_bias") or {}
+        if not isinstance(bias, Mapping):
+            raise InvalidArgumentError(
+                f"invalid value for 'logit_bias': {bias!r}; expected a mapping of token id to "
+                "a number"
+            )
+        pairs: list[tuple[int, float]] = []
+        for tok, value in bias.items():
+            t = self._check_token("logit_bias", tok)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidArgumentError(
+                    f"invalid value for 'logit_bias': token {t}: {value!r} is not a number"
+                )
+            v = float(value)
+            if v != v or v == float("inf"):
+                raise InvalidArgumentError(
+                    f"invalid value for 'logit_bias': token {t}: {v}; use a finite number, or "
+                    "-inf to ban the token"
+                )
+            pairs.append((t, v))
+        out["logit_bias"] = pairs
+        out["min_tokens"] = _check_int("min_tokens", given.get("min_tokens", 0), minimum=0)
+        if out["min_tokens"] >= 1 << 63:
+            raise InvalidArgumentError("invalid value for 'min_tokens': too large")
+        logprobs = given.get("logprobs")
+        if logprobs is not None:
+            cap = _LIMITS["max_top_logprobs"]
+            logprobs = _check_int("logprobs", logprobs, minimum=0)
+            if logprobs > cap:
+                raise InvalidArgumentError(
+                    f"invalid value for 'logprobs': {logprobs} alternatives; at most {cap}"
+                )
+        out["logprobs"] = logprobs
+        return out
 
     def _run(
         self,
@@ -775,6 +902,13 @@ class Model:
                 stop_ids=p["stop_ids"],
                 on_tokens=on_tokens,
                 session=p.get("session"),
+                min_p=p["min_p"],
+                repetition_penalty=p["repetition_penalty"],
+                presence_penalty=p["presence_penalty"],
+                frequency_penalty=p["frequency_penalty"],
+                logit_bias=p["logit_bias"],
+                min_tokens=p["min_tokens"],
+                logprobs=p["logprobs"],
             )
         tokens: list[int] = list(raw["tokens"])
         reason = str(raw["finish_reason"])
@@ -789,11 +923,16 @@ class Model:
             text = decoder.text
             if on_text is not None and len(text) > shown:
                 on_text(text[shown:])
+        scored = raw.get("logprobs")
         return GenerationResult(
             text=text,
             token_ids=tokens,
             finish_reason=finish,
             stats=_stats(raw["stats"]),
+            logprobs=None if scored is None else [float(r["logprob"]) for r in scored],
+            top_logprobs=None
+            if scored is None
+            else [[(int(t), float(lp)) for t, lp in r["top"]] for r in scored],
         )
 
     # ----------------------------------------------------------------------------- chat
@@ -810,16 +949,26 @@ class Model:
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | None = None,
         *,
         max_new_tokens: int | None = ...,
+        max_tokens: int | None = ...,
         temperature: float | None = ...,
         top_k: int | None = ...,
         top_p: float | None = ...,
+        min_p: float | None = ...,
         seed: int | None = ...,
         stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool | None = ...,
+        repetition_penalty: float | None = ...,
+        presence_penalty: float | None = ...,
+        frequency_penalty: float | None = ...,
+        logit_bias: Mapping[int, float] | None = ...,
+        min_tokens: int | None = ...,
+        logprobs: int | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
         stream: Literal[False] = False,
     ) -> GenerationResult: ...
 
@@ -827,32 +976,52 @@ class Model:
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | None = None,
         *,
         max_new_tokens: int | None = ...,
+        max_tokens: int | None = ...,
         temperature: float | None = ...,
         top_k: int | None = ...,
         top_p: float | None = ...,
+        min_p: float | None = ...,
         seed: int | None = ...,
         stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool | None = ...,
+        repetition_penalty: float | None = ...,
+        presence_penalty: float | None = ...,
+        frequency_penalty: float | None = ...,
+        logit_bias: Mapping[int, float] | None = ...,
+        min_tokens: int | None = ...,
+        logprobs: int | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
         stream: Literal[True],
     ) -> GenerationStream: ...
 
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | None = None,
         *,
         max_new_tokens: int | None = None,
+        max_tokens: int | None = None,
         temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
+        min_p: float | None = None,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        min_tokens: int | None = None,
+        logprobs: int | None = None,
         draft: DraftMode | None = None,
         draft_depth: int | Literal["auto"] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
         stream: bool = False,
     ) -> GenerationResult | GenerationStream:
         """Generate the assistant's reply to ``messages`` (a list of
@@ -861,18 +1030,8 @@ class Model:
         Takes the keyword arguments of :meth:`generate`, with the same meaning; returns a
         :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`.
         """
-        params = self._params(
-            self._chat_ids(messages),
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            seed,
-            stop,
-            draft,
-            draft_depth,
-            stop_token_ids,
-        )
+        kw = {k: v for k, v in locals().items() if k in _GENERATE_KEYWORDS}
+        params = self._params(self._chat_ids(messages), sampling_params, kw)
         return self._launch(params, stream)
 
     def _chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -907,13 +1066,14 @@ class Model:
     ) -> GenerationResult | GenerationStream:
         """``generate(prompt, **kwargs)`` on ``session``'s caches."""
         stream = bool(kwargs.pop("stream", False))
+        sampling_params = kwargs.pop("sampling_params", None)
         unknown = sorted(set(kwargs) - set(_GENERATE_KEYWORDS))
         if unknown:
             raise InvalidArgumentError(
                 f"invalid keyword {unknown[0]!r}; generate takes {', '.join(_GENERATE_KEYWORDS)}"
-                ", stream"
+                ", sampling_params, stream"
             )
-        params = self._params(prompt, *(kwargs.get(k) for k in _GENERATE_KEYWORDS))
+        params = self._params(prompt, sampling_params, kwargs)
         params["session"] = session
         return self._launch(params, stream)
 
@@ -956,17 +1116,26 @@ def _default_max_new_tokens(gc: Mapping[str, Any], path: Path) -> int:
     return value
 
 
-#: The keywords of :meth:`Model.generate` besides ``stream``, in ``Model._params`` order.
+#: The keywords of :meth:`Model.generate` besides ``sampling_params`` and ``stream``.
 _GENERATE_KEYWORDS = (
     "max_new_tokens",
+    "max_tokens",
     "temperature",
     "top_k",
     "top_p",
+    "min_p",
     "seed",
     "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_tokens",
+    "logprobs",
     "draft",
     "draft_depth",
-    "stop_token_ids",
 )
 
 

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use crate::{Error, Result};
 
 pub use guard::GuardConfig;
-pub use sampling::SamplingParams;
+pub use sampling::{History, SamplingParams, TokenLogprob};
 pub use spec::{
     generate, generate_after, CacheState, DraftDepth, DraftSource, FinishReason, GenerateOptions,
     Generation,

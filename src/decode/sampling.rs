@@ -1,14 +1,24 @@
-//! Token selection: greedy argmax, and sampling from the *processed* distribution
-//! (temperature, then top-k, then top-p, renormalised).
+//! Token selection: greedy argmax, and sampling from the *processed* distribution.
+//!
+//! A row's logits are first *processed* by what the context decides ([`History`]: the
+//! logit bias, the repetition / presence / frequency penalties, `min_tokens`' mask of the
+//! stop tokens), then picked: argmax when greedy, else a draw from the *processed
+//! distribution* (temperature, then top-k, then top-p, then min-p, renormalised).
 //!
 //! Sampling is inverse-CDF over token ids in ascending order with one uniform draw `u` per
 //! emitted token. The speculative loop relies on that: it picks the target's token for every
-//! verified row exactly as plain decoding would and accepts a draft iff the pick equals it
-//! (docs/speculative.md, "Acceptance").
+//! verified row exactly as plain decoding would (the row's history being the context plus
+//! the drafts before it, which are the tokens plain decoding emitted if they are accepted)
+//! and accepts a draft iff the pick equals it (docs/speculative.md, "Acceptance"). So every
+//! processing step here keeps speculation lossless, as long as it depends only on the
+//! tokens before the row.
+
+use std::collections::{HashMap, HashSet};
 
 use crate::{Error, Result};
 
-/// How to pick tokens. `temperature == 0` is greedy (then `top_k`/`top_p` are ignored).
+/// How to pick tokens. `temperature == 0` is greedy (then `top_k`/`top_p`/`min_p` are
+/// ignored; the bias, the penalties and `min_tokens` still apply). vLLM's names and meanings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
     /// 0 = greedy; otherwise logits are divided by it. Finite, ≥ 0.
@@ -17,8 +27,23 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Keep the smallest most-likely prefix whose mass reaches `top_p`; 1.0 = off. In (0, 1].
     pub top_p: f32,
+    /// Keep only tokens at least `min_p` times as likely as the most likely one; 0 = off.
+    /// In [0, 1].
+    pub min_p: f32,
     /// Seed of the sampling stream; `None` draws one from the clock.
     pub seed: Option<u64>,
+    /// Above 1 discourages every token already in the prompt or the output (a positive logit is
+    /// divided by it, a negative one multiplied), as transformers and vLLM do; 1 = off.
+    pub repetition_penalty: f32,
+    /// Subtracted from the logit of every token the output already holds (OpenAI); 0 = off.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time the output holds it; 0 = off.
+    pub frequency_penalty: f32,
+    /// Added to the logits of these tokens before anything else (OpenAI's `logit_bias`;
+    /// −inf bans a token).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// The stop tokens cannot be picked before this many tokens were generated.
+    pub min_tokens: usize,
 }
 
 impl Default for SamplingParams {
@@ -27,7 +52,13 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed: None,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
         }
     }
 }
@@ -39,6 +70,15 @@ impl SamplingParams {
 
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
+    }
+
+    /// Whether any step of [`History::process`] changes logits.
+    pub fn processes_logits(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || !self.logit_bias.is_empty()
+            || self.min_tokens > 0
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -58,7 +98,153 @@ impl SamplingParams {
                 format!("got {p}; it must lie in (0, 1] (1.0 turns nucleus filtering off)"),
             ));
         }
+        let m = self.min_p;
+        if !m.is_finite() || !(0.0..=1.0).contains(&m) {
+            return Err(Error::invalid(
+                "min_p",
+                format!("got {m}; it must lie in [0, 1] (0 turns it off)"),
+            ));
+        }
+        let r = self.repetition_penalty;
+        if !r.is_finite() || r <= 0.0 {
+            return Err(Error::invalid(
+                "repetition_penalty",
+                format!("got {r}; it must be a finite positive number (1.0 turns it off)"),
+            ));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !v.is_finite() {
+                return Err(Error::invalid(
+                    name,
+                    format!("got {v}; it must be a finite number (0 turns it off)"),
+                ));
+            }
+        }
+        if let Some((t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| b.is_nan() || *b == f32::INFINITY)
+        {
+            return Err(Error::invalid(
+                "logit_bias",
+                format!("token {t}: bias {b}; use a finite number, or -inf to ban the token"),
+            ));
+        }
         Ok(())
+    }
+
+    /// Check the token ids the parameters name against the vocabulary.
+    pub fn validate_tokens(&self, vocab: usize) -> Result<()> {
+        match self.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+            Some((t, _)) => Err(Error::invalid(
+                "logit_bias",
+                format!("token id {t} is outside the vocabulary (size {vocab})"),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+/// What the logit processing of a row depends on: the prompt and the tokens generated
+/// before it. Kept incrementally by the decode loop ([`push`](Self::push) per emitted token).
+#[derive(Clone, Debug, Default)]
+pub struct History {
+    /// Every token of the prompt and the output (repetition penalty).
+    seen: HashSet<u32>,
+    /// Occurrences of each token in the output (presence and frequency penalties).
+    output: HashMap<u32, u32>,
+    generated: usize,
+    /// Masked while fewer than `min_tokens` were generated.
+    stop_tokens: Vec<u32>,
+}
+
+impl History {
+    /// The history at the first generated token of `prompt`.
+    pub fn new(prompt: &[u32], params: &SamplingParams, stop_tokens: &[u32]) -> Self {
+        History {
+            seen: if params.repetition_penalty != 1.0 {
+                prompt.iter().copied().collect()
+            } else {
+                HashSet::new()
+            },
+            output: HashMap::new(),
+            generated: 0,
+            stop_tokens: if params.min_tokens > 0 {
+                stop_tokens.to_vec()
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    /// `token` was emitted.
+    pub fn push(&mut self, token: u32, params: &SamplingParams) {
+        self.generated += 1;
+        if params.repetition_penalty != 1.0 {
+            self.seen.insert(token);
+        }
+        if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+            *self.output.entry(token).or_default() += 1;
+        }
+    }
+
+    /// The processed logits of a row whose context is this history followed by `extra`
+    /// (the drafts before a verified row): `row` itself when nothing applies.
+    pub fn process<'a>(
+        &self,
+        row: &'a [f32],
+        params: &SamplingParams,
+        extra: &[u32],
+    ) -> std::borrow::Cow<'a, [f32]> {
+        if !params.processes_logits() {
+            return std::borrow::Cow::Borrowed(row);
+        }
+        let mut x = row.to_vec();
+        for &(t, b) in &params.logit_bias {
+            if let Some(v) = x.get_mut(t as usize) {
+                *v += b;
+            }
+        }
+        let r = params.repetition_penalty;
+        if r != 1.0 {
+            let penalise = |v: &mut f32| *v = if *v > 0.0 { *v / r } else { *v * r };
+            for &t in &self.seen {
+                if let Some(v) = x.get_mut(t as usize) {
+                    penalise(v);
+                }
+            }
+            for (i, &t) in extra.iter().enumerate() {
+                // Once per token, whether the history or an earlier draft holds it.
+                if !self.seen.contains(&t) && !extra[..i].contains(&t) {
+                    if let Some(v) = x.get_mut(t as usize) {
+                        penalise(v);
+                    }
+                }
+            }
+        }
+        let (presence, frequency) = (params.presence_penalty, params.frequency_penalty);
+        if presence != 0.0 || frequency != 0.0 {
+            let mut counts = self.output.clone();
+            for &t in extra {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (&t, &c) in &counts {
+                if let Some(v) = x.get_mut(t as usize) {
+                    *v -= presence + frequency * c as f32;
+                }
+            }
+        }
+        if self.generated + extra.len() < params.min_tokens {
+            for &t in &self.stop_tokens {
+                if let Some(v) = x.get_mut(t as usize) {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
+        std::borrow::Cow::Owned(x)
     }
 }
 
@@ -85,7 +271,8 @@ fn nan_logits(index: usize) -> Error {
 
 /// The distribution sampling draws from: softmax(logits / temperature), restricted to the
 /// `top_k` largest logits, then to the smallest prefix (by descending probability) whose mass
-/// reaches `top_p`, renormalised. Ties in either cut keep the lowest token ids. Greedy
+/// reaches `top_p`, then to the tokens at least `min_p` times as likely as the top one,
+/// renormalised. Ties in either cut keep the lowest token ids. Greedy
 /// (`temperature == 0`) gives the point mass at [`argmax`]. Returns one probability per token id.
 pub fn processed_distribution(logits: &[f32], params: &SamplingParams) -> Result<Vec<f64>> {
     let v = logits.len();
@@ -138,6 +325,16 @@ pub fn processed_distribution(logits: &[f32], params: &SamplingParams) -> Result
         let keep = nucleus(&mut cand, weight, f64::from(params.top_p) * total);
         for c in &cand[keep..] {
             probs[c.1 as usize] = 0.0;
+        }
+    }
+    if params.min_p > 0.0 {
+        // Relative to the most likely token, whose weight is 1 and which every cut keeps,
+        // so this cut commutes with the others.
+        let floor = f64::from(params.min_p);
+        for p in probs.iter_mut() {
+            if *p < floor {
+                *p = 0.0;
+            }
         }
     }
     let kept_total: f64 = probs.iter().sum();
@@ -219,12 +416,78 @@ pub fn sample(probs: &[f64], u: f64) -> Result<u32> {
     last_positive.ok_or_else(|| Error::Internal("sampling from an all-zero distribution".into()))
 }
 
-/// The token for one logits row: argmax when greedy, else a draw with the uniform `u`.
+/// The token for one (processed) logits row: argmax when greedy, else a draw with the
+/// uniform `u`.
 pub fn pick(logits: &[f32], params: &SamplingParams, u: f64) -> Result<u32> {
     if params.is_greedy() {
         return argmax(logits);
     }
     sample(&processed_distribution(logits, params)?, u)
+}
+
+/// Most alternatives a token's log-probability may list (OpenAI's and vLLM's default cap).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// The log-probability of a generated token and, when asked, the most likely alternatives.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// (token, logprob) of the `top_logprobs` most likely tokens, most likely first (ties:
+    /// lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The log-probabilities the sampler's distribution gives a (processed) row: when sampling,
+/// the processed distribution itself (temperature, top-k, top-p, min-p; a cut token is
+/// −inf); when greedy, whose distribution is a point mass, the softmax of the processed logits
+/// at temperature 1 (what OpenAI's API reports at temperature 0).
+pub fn token_logprob(
+    logits: &[f32],
+    params: &SamplingParams,
+    token: u32,
+    top: usize,
+) -> Result<TokenLogprob> {
+    let probs = if params.is_greedy() {
+        let unit = SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::default()
+        };
+        processed_distribution(logits, &unit)?
+    } else {
+        processed_distribution(logits, params)?
+    };
+    let ln = |p: f64| {
+        if p > 0.0 {
+            p.ln() as f32
+        } else {
+            f32::NEG_INFINITY
+        }
+    };
+    let mut best: Vec<(u32, f32)> = Vec::new();
+    if top > 0 {
+        let mut ids: Vec<u32> = (0..probs.len() as u32).collect();
+        let order = |a: &u32, b: &u32| {
+            probs[*b as usize]
+                .total_cmp(&probs[*a as usize])
+                .then(a.cmp(b))
+        };
+        let k = top.min(ids.len());
+        if k < ids.len() {
+            ids.select_nth_unstable_by(k - 1, order);
+            ids.truncate(k);
+        }
+        ids.sort_unstable_by(order);
+        best = ids
+            .into_iter()
+            .map(|t| (t, ln(probs[t as usize])))
+            .collect();
+    }
+    Ok(TokenLogprob {
+        token,
+        logprob: ln(probs.get(token as usize).copied().unwrap_or(0.0)),
+        top: best,
+    })
 }
 
 #[cfg(test)]
@@ -237,11 +500,77 @@ mod tests {
             top_k,
             top_p,
             seed: Some(0),
+            ..SamplingParams::default()
         }
     }
 
     fn close(a: &[f64], b: &[f64]) -> bool {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-12)
+    }
+
+    #[test]
+    fn min_p_keeps_tokens_at_least_that_share_of_the_top_one() {
+        // Weights relative to the top: 1, e^-1 = 0.37, e^-2 = 0.14, e^-3 = 0.05.
+        let logits = [3.0f32, 2.0, 1.0, 0.0];
+        let sp = SamplingParams {
+            min_p: 0.2,
+            ..params(1.0, 0, 1.0)
+        };
+        let got = processed_distribution(&logits, &sp).unwrap();
+        let (a, b) = (1.0f64, (-1.0f64).exp());
+        assert!(
+            close(&got, &[a / (a + b), b / (a + b), 0.0, 0.0]),
+            "{got:?}"
+        );
+        let bad = SamplingParams {
+            min_p: 1.5,
+            ..params(1.0, 0, 1.0)
+        };
+        assert!(bad.validate().unwrap_err().to_string().contains("'min_p'"));
+    }
+
+    #[test]
+    fn history_applies_bias_penalties_and_min_tokens_with_the_drafts_before_a_row() {
+        let sp = SamplingParams {
+            repetition_penalty: 2.0,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            logit_bias: vec![(0, 1.0)],
+            min_tokens: 2,
+            ..params(1.0, 0, 1.0)
+        };
+        let row = [1.0f32, 2.0, -2.0, 4.0, 0.5];
+        let mut h = History::new(&[1, 2], &sp, &[4]);
+        // Prompt tokens 1 and 2: repetition only (2/2, -2*2); stop token 4 masked.
+        let x = h.process(&row, &sp, &[]);
+        assert_eq!(&x[..], &[2.0, 1.0, -4.0, 4.0, f32::NEG_INFINITY]);
+        h.push(3, &sp);
+        // Output holds 3 once; the drafts add 3 again and 0: repetition once per token,
+        // frequency per occurrence; two tokens before the row lift the min_tokens mask.
+        let x = h.process(&row, &sp, &[3, 0]);
+        let t3 = 4.0 / 2.0 - 0.5 - 0.25 * 2.0;
+        let t0 = (1.0 + 1.0) / 2.0 - 0.5 - 0.25;
+        assert_eq!(&x[..], &[t0, 1.0, -4.0, t3, 0.5]);
+        // Nothing to do: the row itself.
+        let plain = params(1.0, 0, 1.0);
+        assert!(matches!(
+            History::new(&[1], &plain, &[4]).process(&row, &plain, &[1]),
+            std::borrow::Cow::Borrowed(_)
+        ));
+        assert!(sp.validate_tokens(4).is_ok() && sp.validate_tokens(0).is_err());
+    }
+
+    #[test]
+    fn logprobs_are_the_sampled_law_or_the_unit_temperature_softmax_when_greedy() {
+        let logits = [0.0f32, 1.0, 2.0];
+        let z: f64 = [0.0f64, 1.0, 2.0].iter().map(|x| x.exp()).sum();
+        let g = token_logprob(&logits, &params(0.0, 0, 1.0), 2, 2).unwrap();
+        assert!((f64::from(g.logprob) - (2.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(g.top.iter().map(|t| t.0).collect::<Vec<_>>(), [2, 1]);
+        // Sampling with top-k 2 cuts token 0: its logprob is -inf.
+        let s = token_logprob(&logits, &params(1.0, 2, 1.0), 0, 3).unwrap();
+        assert_eq!(s.logprob, f32::NEG_INFINITY);
+        assert_eq!(s.top[2], (0, f32::NEG_INFINITY));
     }
 
     #[test]

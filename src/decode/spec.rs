@@ -14,7 +14,9 @@ use super::guard::{DepthController, GuardConfig, PauseGuard};
 use super::mtp::MtpDrafter;
 use super::ngram::NgramDrafter;
 use super::rng::Rng;
-use super::sampling::{pick, SamplingParams};
+use super::sampling::{
+    pick, token_logprob, History, SamplingParams, TokenLogprob, MAX_TOP_LOGPROBS,
+};
 use super::stats::{DecodeStats, MAX_DEPTH};
 use super::{check_cancel, check_step, last_logits, Drafter, Target};
 use crate::{Error, Result};
@@ -111,6 +113,9 @@ pub struct GenerateOptions {
     pub max_context: Option<usize>,
     /// Rows per prefill `step_all` and per MTP absorb batch (0 = the whole prompt at once).
     pub prefill_chunk: usize,
+    /// Report each generated token's log-probability with this many most likely
+    /// alternatives ([`Generation::logprobs`]); `None` computes none.
+    pub logprobs: Option<usize>,
 }
 
 impl Default for GenerateOptions {
@@ -124,6 +129,7 @@ impl Default for GenerateOptions {
             guard: GuardConfig::default(),
             max_context: None,
             prefill_chunk: 0,
+            logprobs: None,
         }
     }
 }
@@ -134,6 +140,12 @@ impl GenerateOptions {
             return Err(Error::invalid("max_new_tokens", "must be at least 1"));
         }
         self.sampling.validate()?;
+        if let Some(k) = self.logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return Err(Error::invalid(
+                "logprobs",
+                format!("{k} alternatives; at most {MAX_TOP_LOGPROBS}"),
+            ));
+        }
         self.depth.validate()?;
         self.guard.validate()
     }
@@ -170,6 +182,8 @@ pub struct Generation {
     pub tokens: Vec<u32>,
     pub finish: FinishReason,
     pub stats: DecodeStats,
+    /// One per generated token when [`GenerateOptions::logprobs`] asked for them.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 impl Generation {
@@ -396,6 +410,7 @@ pub(crate) fn run_after(
     } = hooks;
     let vocab = target.vocab_size();
     check_prompt(prompt, vocab, opts.max_context)?;
+    opts.sampling.validate_tokens(vocab)?;
     let keep = keep.min(prompt.len() - 1).min(target.kv_len());
     target.truncate(keep);
     target.mtp_truncate(mtp_keep.min(keep).min(target.mtp_kv_len()));
@@ -409,6 +424,9 @@ pub(crate) fn run_after(
         acceptance,
         prompt_len: prompt.len(),
         ctx: prompt.to_vec(),
+        history: History::new(prompt, &opts.sampling, &opts.stop_tokens),
+        logprobs: Vec::new(),
+        burst_logprobs: Vec::new(),
         rng: Rng::from_seed(seed),
         stats: DecodeStats::new(prompt.len(), keep),
         prefilled_from: keep,
@@ -429,6 +447,7 @@ pub(crate) fn run_after(
         tokens: lp.ctx[lp.prompt_len..].to_vec(),
         finish,
         stats: lp.stats,
+        logprobs: lp.logprobs,
     })
 }
 
@@ -473,6 +492,12 @@ struct Loop<'t, 'o, 'd, 'c> {
     prompt_len: usize,
     /// Prompt + emitted tokens. Invariant between cycles: target.kv_len() == ctx.len() − 1.
     ctx: Vec<u32>,
+    /// What the logit processing of the next row depends on (`ctx` as the sampler sees it).
+    history: History,
+    /// One per emitted token, when asked for.
+    logprobs: Vec<TokenLogprob>,
+    /// Those of the burst being picked, moved to `logprobs` as `emit` keeps its tokens.
+    burst_logprobs: Vec<TokenLogprob>,
     rng: Rng,
     stats: DecodeStats,
     guard: PauseGuard,
@@ -532,7 +557,7 @@ impl Loop<'_, '_, '_, '_> {
             }
             start = end;
         }
-        let first = pick(&last_row, &self.opts.sampling, self.rng.next_f64())?;
+        let first = self.choose(&last_row, &[], None)?;
         self.stats.prefill_secs = self.now() - t;
         Ok(first)
     }
@@ -632,16 +657,33 @@ impl Loop<'_, '_, '_, '_> {
     fn accept(&mut self, logits: &[f32], drafts: &[u32]) -> Result<Vec<u32>> {
         let mut burst = Vec::with_capacity(drafts.len() + 1);
         for (j, row) in logits.chunks_exact(self.vocab).enumerate() {
-            let tok = pick(row, &self.opts.sampling, self.rng.next_f64())?;
-            match drafts.get(j) {
-                Some(&d) if d == tok || self.accept_all() => burst.push(d),
-                _ => {
-                    burst.push(tok);
-                    break;
-                }
+            // Row j follows the context and drafts[..j]: all accepted if we got here, so
+            // they are the tokens plain decoding emitted before it.
+            let draft = drafts.get(j).copied();
+            let tok = self.choose(row, &drafts[..j], draft)?;
+            burst.push(tok);
+            if Some(tok) != draft {
+                break;
             }
         }
         Ok(burst)
+    }
+
+    /// The token for a row whose context is `ctx` + `extra`: the pick of the processed row
+    /// (or `draft`, under the negative control), with its log-probability when asked for.
+    fn choose(&mut self, row: &[f32], extra: &[u32], draft: Option<u32>) -> Result<u32> {
+        let params = &self.opts.sampling;
+        let processed = self.history.process(row, params, extra);
+        let picked = pick(&processed, params, self.rng.next_f64())?;
+        let tok = match draft {
+            Some(d) if self.accept_all() => d,
+            _ => picked,
+        };
+        if let Some(top) = self.opts.logprobs {
+            self.burst_logprobs
+                .push(token_logprob(&processed, params, tok, top)?);
+        }
+        Ok(tok)
     }
 
     fn accept_all(&self) -> bool {
@@ -660,8 +702,11 @@ impl Loop<'_, '_, '_, '_> {
     ) -> Option<FinishReason> {
         let before = self.ctx.len();
         let mut finish = None;
+        let mut scored = std::mem::take(&mut self.burst_logprobs).into_iter();
         for &t in burst {
             self.ctx.push(t);
+            self.history.push(t, &self.opts.sampling);
+            self.logprobs.extend(scored.next());
             if self.opts.stop_tokens.contains(&t) {
                 finish = Some(FinishReason::Stop);
                 break;

@@ -6,7 +6,7 @@ use super::guard::GuardConfig;
 use super::mock::{Forced, ForcedDrafter, MockConfig, MockTarget};
 use super::mtp::MtpDrafter;
 use super::rng::Rng;
-use super::sampling::{processed_distribution, SamplingParams};
+use super::sampling::{processed_distribution, token_logprob, History, SamplingParams};
 use super::spec::{run, Acceptance, Hooks};
 use super::*;
 use crate::Error;
@@ -138,6 +138,86 @@ fn greedy_with_mtp_and_ngram_drafting_is_token_identical_to_plain() {
     let a1 = mtp_acc.1 as f64 / mtp_acc.0 as f64;
     assert!((0.7..0.9).contains(&a1), "MTP depth-1 acceptance {a1}");
     assert!(ngram_accepted > 0);
+}
+
+#[test]
+fn greedy_with_penalties_bias_and_min_tokens_stays_identical_to_plain() {
+    let mut t = mock();
+    for prompt in prompts(16) {
+        let with = |draft, depth| GenerateOptions {
+            sampling: penalised(SamplingParams::default()),
+            stop_tokens: vec![5],
+            ..opts(draft, depth, 30)
+        };
+        let plain = gen(&mut t, &prompt, &with(DraftSource::Off, DraftDepth::Auto));
+        let raw = gen(
+            &mut t,
+            &prompt,
+            &opts(DraftSource::Off, DraftDepth::Auto, 30),
+        );
+        assert!(
+            !plain.tokens[..2].contains(&5),
+            "min_tokens: {:?}",
+            plain.tokens
+        );
+        assert_ne!(plain.tokens, raw.tokens, "the penalties changed nothing");
+        for (source, depth) in [
+            (DraftSource::Mtp, DraftDepth::Fixed(1)),
+            (DraftSource::Mtp, DraftDepth::Fixed(4)),
+            (DraftSource::Mtp, DraftDepth::Auto),
+            (DraftSource::Ngram, DraftDepth::Fixed(3)),
+        ] {
+            let g = gen(&mut t, &prompt, &with(source, depth));
+            assert_eq!(
+                g.tokens, plain.tokens,
+                "{source:?} {depth:?} prompt {prompt:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn logprobs_come_from_the_sampled_distribution_and_do_not_change_the_tokens() {
+    let mut t = mock();
+    let prompt = [3, 11, 6];
+    for temperature in [0.0f32, 0.8] {
+        let base = GenerateOptions {
+            sampling: SamplingParams {
+                temperature,
+                top_k: 6,
+                seed: Some(4),
+                ..penalised(SamplingParams::default())
+            },
+            stop_tokens: vec![5],
+            ..opts(DraftSource::Mtp, DraftDepth::Fixed(3), 12)
+        };
+        let scored = GenerateOptions {
+            logprobs: Some(3),
+            ..base.clone()
+        };
+        let a = gen(&mut t, &prompt, &base);
+        let b = gen(&mut t, &prompt, &scored);
+        assert_eq!(a.tokens, b.tokens);
+        assert!(a.logprobs.is_empty());
+        assert_eq!(b.logprobs.len(), b.tokens.len());
+        // Recompute each token's row without speculation and compare.
+        let mut ctx = prompt.to_vec();
+        let mut history = History::new(&prompt, &base.sampling, &base.stop_tokens);
+        for (lp, &tok) in b.logprobs.iter().zip(&b.tokens) {
+            let n = ctx.len();
+            let row = history.process(t.logits(Some(ctx[n - 2]), ctx[n - 1]), &base.sampling, &[]);
+            let want = token_logprob(&row, &base.sampling, tok, 3).unwrap();
+            assert_eq!(lp, &want);
+            assert_eq!(lp.token, tok);
+            assert_eq!(lp.top.len(), 3);
+            assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+            if temperature == 0.0 {
+                assert_eq!(lp.top[0].0, tok, "greedy picks the most likely token");
+            }
+            ctx.push(tok);
+            history.push(tok, &base.sampling);
+        }
+    }
 }
 
 #[test]
@@ -580,20 +660,37 @@ const N: usize = 20_000;
 /// by McDiarmid P(TV ≥ E[TV] + t) ≤ exp(−2Nt²) = 1e-6 for t = √(ln 1e6 / 2N) = 0.0186.
 const TV_BOUND: f64 = 0.033;
 
+/// Context-dependent processing for the lossless tests: every penalty, a bias, and
+/// `min_tokens` masking the stop token 5 at output positions 1 and 2.
+fn penalised(sp: SamplingParams) -> SamplingParams {
+    SamplingParams {
+        repetition_penalty: 1.6,
+        presence_penalty: 0.5,
+        frequency_penalty: 0.4,
+        logit_bias: vec![(2, 1.5), (7, -0.8)],
+        min_tokens: 2,
+        ..sp
+    }
+}
+
 fn sampling_opts(
     draft: DraftSource,
     depth: DraftDepth,
     top_k: usize,
     top_p: f32,
+    penalties: bool,
 ) -> GenerateOptions {
+    let sp = SamplingParams {
+        temperature: 1.0,
+        top_k,
+        top_p,
+        seed: None,
+        ..SamplingParams::default()
+    };
     GenerateOptions {
         max_new_tokens: 3,
-        sampling: SamplingParams {
-            temperature: 1.0,
-            top_k,
-            top_p,
-            seed: None,
-        },
+        sampling: if penalties { penalised(sp) } else { sp },
+        stop_tokens: if penalties { vec![5] } else { Vec::new() },
         draft,
         depth,
         guard: no_guard(),
@@ -601,28 +698,31 @@ fn sampling_opts(
     }
 }
 
-/// Exact marginals of plain sampling at output positions 1..=3 by enumeration.
-fn exact_marginals(t: &MockTarget, prompt: &[u32], sp: &SamplingParams) -> [Vec<f64>; 3] {
-    let v = t.cfg.vocab;
+/// Exact marginals of plain sampling at output positions 1..=3 by enumeration, each row
+/// processed with the history of the tokens before it.
+fn exact_marginals(t: &MockTarget, prompt: &[u32], o: &GenerateOptions) -> [Vec<f64>; 3] {
+    let (v, sp) = (t.cfg.vocab, &o.sampling);
     let n = prompt.len();
-    let dist =
-        |prev: Option<u32>, cur: u32| processed_distribution(t.logits(prev, cur), sp).unwrap();
+    let history = History::new(prompt, sp, &o.stop_tokens);
+    let dist = |prev: Option<u32>, cur: u32, extra: &[u32]| {
+        processed_distribution(&history.process(t.logits(prev, cur), sp, extra), sp).unwrap()
+    };
     let prev0 = if n >= 2 { Some(prompt[n - 2]) } else { None };
-    let p1 = dist(prev0, prompt[n - 1]);
+    let p1 = dist(prev0, prompt[n - 1], &[]);
     let mut m2 = vec![0.0; v];
     let mut m3 = vec![0.0; v];
     for a in 0..v as u32 {
         if p1[a as usize] == 0.0 {
             continue;
         }
-        let p2 = dist(Some(prompt[n - 1]), a);
+        let p2 = dist(Some(prompt[n - 1]), a, &[a]);
         for b in 0..v as u32 {
             let pab = p1[a as usize] * p2[b as usize];
             m2[b as usize] += pab;
             if pab == 0.0 {
                 continue;
             }
-            let p3 = dist(Some(a), b);
+            let p3 = dist(Some(a), b, &[a, b]);
             for c in 0..v {
                 m3[c] += pab * p3[c];
             }
@@ -658,7 +758,10 @@ fn empirical(
             }
         }
         .unwrap();
-        assert_eq!(g.tokens.len(), 3);
+        // The negative control may accept a masked stop token and end early.
+        if forced_mtp != Some(Acceptance::AcceptAll) {
+            assert_eq!(g.tokens.len(), 3);
+        }
         for (pos, &tok) in g.tokens.iter().enumerate() {
             counts[pos][tok as usize] += 1;
         }
@@ -678,11 +781,39 @@ fn sampled_output_distribution_matches_plain_sampling_and_the_negative_control_f
         ..MockConfig::default()
     });
     let prompt = [3, 11, 6];
-    for (top_k, top_p) in [(0, 1.0), (6, 0.9)] {
-        let base = sampling_opts(DraftSource::Off, DraftDepth::Auto, top_k, top_p);
-        let exact = exact_marginals(&t, &prompt, &base.sampling);
+    for (top_k, top_p, pen) in [(0, 1.0, false), (6, 0.9, false), (0, 1.0, true)] {
+        let base = sampling_opts(DraftSource::Off, DraftDepth::Auto, top_k, top_p, pen);
+        let exact = exact_marginals(&t, &prompt, &base);
+        if pen {
+            // The processing is really on: the stop token is masked at position 1, the
+            // prompt's tokens are penalised, and the marginal differs from the raw one.
+            let raw = exact_marginals(
+                &t,
+                &prompt,
+                &sampling_opts(DraftSource::Off, DraftDepth::Auto, 0, 1.0, false),
+            );
+            assert_eq!(exact[0][5], 0.0);
+            let moved = (0..3).map(|p| tv(&exact[p], &raw[p])).fold(0.0, f64::max);
+            assert!(moved > 0.05, "penalties changed little: TV {moved}");
+            // Plain sampling through run() matches the enumeration with the history.
+            let plain = empirical(&mut t, &prompt, &base, None);
+            for pos in 0..3 {
+                let d = tv(&plain[pos], &exact[pos]);
+                assert!(
+                    d <= TV_BOUND,
+                    "plain with penalties, position {}: TV {d}",
+                    pos + 1
+                );
+            }
+        }
         for depth in [2, 3] {
-            let o = sampling_opts(DraftSource::Mtp, DraftDepth::Fixed(depth), top_k, top_p);
+            let o = sampling_opts(
+                DraftSource::Mtp,
+                DraftDepth::Fixed(depth),
+                top_k,
+                top_p,
+                pen,
+            );
             let emp = empirical(&mut t, &prompt, &o, None);
             for pos in 0..3 {
                 let d = tv(&emp[pos], &exact[pos]);
@@ -698,7 +829,7 @@ fn sampled_output_distribution_matches_plain_sampling_and_the_negative_control_f
             }
         }
         // Negative control: accepting every draft skews positions 2 and 3 towards the head's picks.
-        let o = sampling_opts(DraftSource::Mtp, DraftDepth::Fixed(2), top_k, top_p);
+        let o = sampling_opts(DraftSource::Mtp, DraftDepth::Fixed(2), top_k, top_p, pen);
         let emp = empirical(&mut t, &prompt, &o, Some(Acceptance::AcceptAll));
         let worst = (0..3)
             .map(|pos| tv(&emp[pos], &exact[pos]))
@@ -730,6 +861,7 @@ fn fixed_seed_reproduces_and_equals_plain_sampling_per_seed() {
         top_k: 10,
         top_p: 0.95,
         seed: Some(seed),
+        ..SamplingParams::default()
     };
     let with = |draft, depth, seed| GenerateOptions {
         max_new_tokens: 40,

@@ -36,6 +36,7 @@ fn params() -> SamplingParams {
         top_k: TOP_K,
         top_p: 1.0,
         seed: None,
+        ..SamplingParams::default()
     }
 }
 

@@ -59,6 +59,8 @@ pub struct Completion {
     pub tokens: Vec<u32>,
     pub finish: FinishReason,
     pub stats: GenerationStats,
+    /// One per token when the options asked for log-probabilities.
+    pub logprobs: Vec<decode::TokenLogprob>,
 }
 
 /// A loaded model ready to generate: container, expert store (with its I/O and prefetch
@@ -268,6 +270,7 @@ impl Engine {
             stats: GenerationStats::new(&generation.stats, &self.store.stats()),
             tokens: generation.tokens,
             finish: generation.finish,
+            logprobs: generation.logprobs,
         })
     }
 

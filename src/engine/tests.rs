@@ -35,6 +35,7 @@ fn options(e: &Engine, sampled: bool) -> GenerateOptions {
             top_k: 20,
             top_p: 0.95,
             seed: Some(7),
+            ..SamplingParams::default()
         };
     }
     o

@@ -214,7 +214,7 @@ impl PyEngine {
     }
 
     /// Generate after `ids`; returns {"tokens", "finish_reason", "stats"}.
-    #[pyo3(signature = (ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, draft="auto", draft_depth=0, stop_ids=None, on_tokens=None, session=None))]
+    #[pyo3(signature = (ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, draft="auto", draft_depth=0, stop_ids=None, on_tokens=None, session=None, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, min_tokens=0, logprobs=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
         &self,
@@ -230,6 +230,13 @@ impl PyEngine {
         stop_ids: Option<Vec<u32>>,
         on_tokens: Option<Py<PyAny>>,
         session: Option<PyRef<'py, PySession>>,
+        min_p: f32,
+        repetition_penalty: f32,
+        presence_penalty: f32,
+        frequency_penalty: f32,
+        logit_bias: Option<Vec<(u32, f32)>>,
+        min_tokens: usize,
+        logprobs: Option<usize>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let e = &self.engine;
         let mut opts = e.default_generate_options();
@@ -238,8 +245,15 @@ impl PyEngine {
             temperature,
             top_k,
             top_p,
+            min_p,
             seed: Some(seed),
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            logit_bias: logit_bias.unwrap_or_default(),
+            min_tokens,
         };
+        opts.logprobs = logprobs;
         if let Some(stop) = stop_ids {
             opts.stop_tokens = stop;
         }
@@ -278,6 +292,18 @@ impl PyEngine {
         d.set_item("tokens", completion.tokens)?;
         d.set_item("finish_reason", completion.finish.as_str())?;
         d.set_item("stats", json_to_py(py, &completion.stats)?)?;
+        if opts.logprobs.is_some() {
+            // Built directly: a −inf log-probability has no JSON form.
+            let rows = PyList::empty(py);
+            for lp in &completion.logprobs {
+                let row = PyDict::new(py);
+                row.set_item("token", lp.token)?;
+                row.set_item("logprob", lp.logprob)?;
+                row.set_item("top", lp.top.clone())?;
+                rows.append(row)?;
+            }
+            d.set_item("logprobs", rows)?;
+        }
         Ok(d)
     }
 
@@ -330,6 +356,18 @@ pub fn choices(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     for (name, values) in crate::engine::CHOICES {
         d.set_item(*name, values.to_vec())?;
     }
+    Ok(d)
+}
+
+/// Limits the engine enforces: `max_draft_depth`, `max_top_logprobs`.
+#[pyfunction]
+pub fn limits(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("max_draft_depth", crate::decode::stats::MAX_DEPTH)?;
+    d.set_item(
+        "max_top_logprobs",
+        crate::decode::sampling::MAX_TOP_LOGPROBS,
+    )?;
     Ok(d)
 }
 

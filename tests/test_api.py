@@ -1461,3 +1461,20 @@ def test_sampling_params_object_equals_keywords_and_conflicts_are_errors() -> No
     banned = greedy.token_ids[0]
     out = m.generate("x = ", max_tokens=5, temperature=0, logit_bias={banned: float("-inf")})
     assert banned not in out.token_ids
+
+
+def test_close_and_context_manager_release_the_model(test_model_dir: Path) -> None:
+    with colibri.Model(test_model_dir, threads=1) as m:
+        s = m.session()
+        out = m.generate([5, 6, 7], max_new_tokens=3, temperature=0)
+        assert len(out.token_ids) == 3 and not m.closed
+    assert m.closed and "closed" in repr(m)
+    for call in (
+        lambda: m.generate([5, 6], max_new_tokens=2),
+        lambda: m.logits([5]),
+        lambda: s.generate([5, 6], max_new_tokens=2),
+        lambda: m.session(),
+    ):
+        with pytest.raises(colibri.ColibriError, match="closed"):
+            call()
+    m.close()  # twice is harmless

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -306,3 +307,26 @@ def test_ignored_sampling_flags_warn_on_one_line(capsys: Capsys, test_model_dir:
     err = capsys.readouterr().err
     assert err.startswith("warning: 'top_p' ignored: this generation is greedy"), err
     assert "UserWarning" not in err and "cli.py" not in err
+
+
+def test_generate_prints_llama_cpp_style_timings_and_takes_the_sampler_flags(
+    capsys: Capsys, test_model_dir: Path
+) -> None:
+    argv = ["generate", "-m", str(test_model_dir), "Hello", "-n", "6", "--no-stream", "-v"]
+    flags = ["--repetition-penalty", "1.3", "--presence-penalty", "0.2"]
+    flags += ["--frequency-penalty", "0.1", "--min-p", "0.05", "--min-tokens", "3"]
+    capsys.readouterr()
+    assert main([*argv, *flags, "--ignore-eos"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"prompt eval time = +[\d.]+ ms / +\d+ tokens", err), err
+    assert re.search(r"eval time = .* tokens per second\)", err), err
+    assert main(["generate", "-m", str(test_model_dir), "x", "--min-p", "3"]) == 1
+    assert "min_p" in capsys.readouterr().err
+
+
+def test_bench_reports_prompt_processing_speed(capsys: Capsys, test_model_dir: Path) -> None:
+    argv = ["bench", "-m", str(test_model_dir), "-n", "4", "--runs", "2", "--warmup", "0"]
+    row = run_json(capsys, *argv, "--json")["modes"]["off"]
+    assert row["prompt_tokens"] > 0
+    assert len(row["prompt_tokens_per_second"]) == 2
+    assert all(v > 0 for v in row["prompt_tokens_per_second"])

@@ -171,6 +171,24 @@ def _add_sampling_options(p: argparse.ArgumentParser, *, max_new_tokens: int | N
     g.add_argument(
         "--stop", action="append", default=None, help="stop string (repeatable)", metavar="TEXT"
     )
+    g.add_argument(
+        "--min-p", type=float, default=None, help="keep tokens >= this share of the top one"
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="> 1 discourages tokens already in the prompt or output (1 = off)",
+    )
+    g.add_argument(
+        "--presence-penalty", type=float, default=None, help="subtracted once per seen token"
+    )
+    g.add_argument(
+        "--frequency-penalty", type=float, default=None, help="subtracted per occurrence"
+    )
+    g.add_argument(
+        "--min-tokens", type=int, default=None, help="no stop token before this many tokens"
+    )
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS tokens")
     g.add_argument(
         "--draft",
@@ -225,8 +243,36 @@ def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "stop": args.stop,
         "draft": args.draft,
         "draft_depth": _depth(args.draft_depth),
-        "stop_token_ids": [] if args.ignore_eos else None,
+        "ignore_eos": True if args.ignore_eos else None,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "min_tokens": args.min_tokens,
     }
+
+
+def _timings(s: Any) -> str:
+    """llama.cpp-style timing lines: prompt processing, then generation."""
+
+    def line(what: str, secs: float, n: int) -> str:
+        ms = secs * 1000.0
+        per = ms / n if n else 0.0
+        rate = n / secs if secs > 0 else 0.0
+        return (
+            f"{what} = {ms:10.2f} ms / {n:5d} tokens ({per:8.2f} ms per token, "
+            f"{rate:8.2f} tokens per second)"
+        )
+
+    prefilled = s.prompt_tokens - s.prompt_cached_tokens
+    return "\n".join(
+        [
+            line("prompt eval time", s.prefill_seconds, prefilled)
+            + (f", {s.prompt_cached_tokens} cached" if s.prompt_cached_tokens else ""),
+            line("       eval time", s.decode_seconds, max(s.generated_tokens - 1, 0)),
+            line("      total time", s.prefill_seconds + s.decode_seconds, s.generated_tokens),
+        ]
+    )
 
 
 def _stats_line(s: Any) -> str:
@@ -265,6 +311,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(out.text)
     if args.verbose and out is not None:
         print(_stats_line(out.stats), file=sys.stderr)
+        print(_timings(out.stats), file=sys.stderr)
     return 0
 
 
@@ -364,16 +411,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for i in range(args.runs + args.warmup):
             kw = _gen_kwargs(args)
             kw["draft"] = mode
-            out = m.generate(args.prompt, **kw)
+            # A fresh session per run: the prompt is processed in full every time (the
+            # model's own conversation would reuse the previous run's KV).
+            out = m.session().generate(args.prompt, **kw)
             if i >= args.warmup:
                 runs.append(out.stats)
         tps = sorted(s.tokens_per_second for s in runs)
         med = tps[len(tps) // 2]
+        pps = sorted(s.prompt_tokens_per_second for s in runs)
+        pp_med = pps[len(pps) // 2]
         proposed = sum(sum(s.drafts_proposed) for s in runs)
         accepted = sum(sum(s.drafts_accepted) for s in runs)
         row = {
             "tokens_per_second_median": med,
             "tokens_per_second": tps,
+            "prompt_tokens": runs[0].prompt_tokens,
+            "prompt_tokens_per_second_median": pp_med,
+            "prompt_tokens_per_second": pps,
             "generated_tokens": sum(s.generated_tokens for s in runs),
             "forwards": sum(s.forwards for s in runs),
             "tokens_per_forward": sum(s.tokens_per_forward for s in runs) / len(runs),
@@ -386,7 +440,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         report["modes"][mode] = row
         if not args.json:
             print(
-                f"draft={mode:<6} {med:8.1f} tok/s (median of {len(runs)}), "
+                f"draft={mode:<6} {med:8.1f} tok/s (median of {len(runs)}), prompt "
+                f"{pp_med:8.1f} tok/s ({row['prompt_tokens']} tokens), "
                 f"{row['tokens_per_forward']:.2f} tok/fwd, drafts {accepted}/{proposed}, "
                 f"experts {row['expert_hits']} hits / {row['expert_misses']} misses"
             )

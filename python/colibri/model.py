@@ -420,7 +420,7 @@ class Model:
         self.default_max_new_tokens: int = _default_max_new_tokens(
             self._generation_config, self.path / "generation_config.json"
         )
-        self._engine = _core.Engine(
+        self._live_engine: Any = _core.Engine(
             str(self.path),
             threads=threads,
             io=io,
@@ -1088,7 +1088,41 @@ class Model:
         return info
 
     def __repr__(self) -> str:
-        return f"colibri.Model({str(self.path)!r}, mtp={self.has_mtp})"
+        state = ", closed" if self._live_engine is None else ""
+        return f"colibri.Model({str(self.path)!r}, mtp={self.has_mtp}{state})"
+
+    # ----------------------------------------------------------------------------- lifetime
+    @property
+    def _engine(self) -> Any:
+        engine = self._live_engine
+        if engine is None:
+            raise ColibriError(
+                "this model was closed (Model.close() or the end of its `with` block); open "
+                "it again to use it"
+            )
+        return engine
+
+    @_engine.setter
+    def _engine(self, engine: Any) -> None:
+        self._live_engine = engine
+
+    def close(self) -> None:
+        """Release the model now: its weights, expert cache, KV caches and threads (waits
+        for a running generation to finish). Later calls raise :class:`ColibriError`;
+        closing twice is harmless. ``with colibri.Model(...) as m:`` closes at the end."""
+        with self._lock:
+            self._live_engine = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._live_engine is None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _caller_stacklevel() -> int:

@@ -1478,3 +1478,26 @@ def test_close_and_context_manager_release_the_model(test_model_dir: Path) -> No
         with pytest.raises(colibri.ColibriError, match="closed"):
             call()
     m.close()  # twice is harmless
+
+
+def test_prefill_progress_reports_each_chunk_and_changes_nothing() -> None:
+    m = colibri.Model(threads=1)  # the embedded model: a context of 1,100 tokens fits
+    prompt = [(7 * i) % 4000 + 3 for i in range(1100)]
+    seen: list[tuple[int, int]] = []
+    kw: dict[str, Any] = {"max_new_tokens": 4, "temperature": 0, "stop_token_ids": []}
+    with_bar = m.session().generate(prompt, prefill_progress=lambda d, t: seen.append((d, t)), **kw)
+    assert seen == [(512, 1100), (1024, 1100), (1100, 1100)]
+    alone = colibri.Model(threads=1).session().generate(prompt, **kw)
+    assert with_bar.token_ids == alone.token_ids
+
+    # A callback that raises stops the prefill with its exception, the model still usable.
+    def boom(done: int, total: int) -> None:
+        raise RuntimeError("stop here")
+
+    s = m.session()
+    with pytest.raises(RuntimeError, match="stop here"):
+        s.generate(prompt, prefill_progress=boom, **kw)
+    assert s.kv_tokens == 0
+    assert m.generate([5, 6], **kw).token_ids
+    with pytest.raises(colibri.InvalidArgumentError, match="prefill_progress"):
+        m.generate([5, 6], prefill_progress=3, **kw)  # type: ignore[call-overload]

@@ -193,6 +193,7 @@ class Engine:
         logit_bias: list[tuple[int, float]] | None = None,
         min_tokens: int = 0,
         logprobs: int | None = None,
+        prefill_progress: Callable[[int, int], object] | None = None,
     ) -> dict[str, Any]:
         """Generate after ``ids``; returns ``{"tokens", "finish_reason", "stats"}`` (stats
         keyed by ``generation_stats_fields()``). ``draft_depth`` 0 is auto; ``stop_ids``
@@ -201,7 +202,8 @@ class Engine:
         cache reused is ``session``'s, or the engine's own. The penalties, ``logit_bias``
         and ``min_tokens`` process every row's logits (verify rows included, so speculation
         stays lossless); ``logprobs`` k adds ``"logprobs"``: per token
-        ``{"token", "logprob", "top": [(id, logprob)] * k}``."""
+        ``{"token", "logprob", "top": [(id, logprob)] * k}``. ``prefill_progress(done,
+        total)`` is called after each prompt chunk (512 tokens), where Ctrl-C is also checked."""
     def drop_page_cache(self) -> None:
         """Evict the model's expert bytes from the OS page cache (cold-start benchmarks)."""
     def expert_stats(self) -> dict[str, Any]:

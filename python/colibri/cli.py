@@ -287,12 +287,34 @@ def _stats_line(s: Any) -> str:
     )
 
 
+def _prefill_bar() -> Any:
+    """A ``prefill_progress`` callback drawing a tqdm bar on a terminal's stderr for prompts
+    of more than two chunks (None when stderr is not a terminal)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    bar: list[Any] = []
+
+    def update(done: int, total: int) -> None:
+        if not bar:
+            if total <= 1024:
+                return
+            bar.append(tqdm(total=total, desc="prompt", unit="tok", leave=False))
+        bar[0].update(done - bar[0].n)
+        if done >= total:
+            bar[0].close()
+
+    return update
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
     m = _load(args)
     kwargs = _gen_kwargs(args)
+    kwargs["prefill_progress"] = _prefill_bar()
     stream = sys.stdout.isatty() if args.stream is None else args.stream
     if args.json:
         out = m.generate(prompt, **kwargs)

@@ -572,6 +572,7 @@ class Model:
         logit_bias: Mapping[int, float] | None = ...,
         min_tokens: int | None = ...,
         logprobs: int | None = ...,
+        prefill_progress: Callable[[int, int], object] | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
         stream: Literal[False] = False,
@@ -599,6 +600,7 @@ class Model:
         logit_bias: Mapping[int, float] | None = ...,
         min_tokens: int | None = ...,
         logprobs: int | None = ...,
+        prefill_progress: Callable[[int, int], object] | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
         stream: Literal[True],
@@ -625,6 +627,7 @@ class Model:
         logit_bias: Mapping[int, float] | None = None,
         min_tokens: int | None = None,
         logprobs: int | None = None,
+        prefill_progress: Callable[[int, int], object] | None = None,
         draft: DraftMode | None = None,
         draft_depth: int | Literal["auto"] | None = None,
         stream: bool = False,
@@ -659,6 +662,10 @@ class Model:
             logprobs: report each generated token's log-probability
                 (:attr:`GenerationResult.logprobs`) and this many most likely alternatives
                 (:attr:`GenerationResult.top_logprobs`; 0 = none).
+            prefill_progress: called as ``prefill_progress(done, total)`` after each chunk
+                of the prompt is processed (chunks of 512 tokens; the tokens reused from the
+                session's cache are not counted): progress of long prompts. Ctrl-C stops a
+                long prefill within one chunk, with or without it.
             draft: drafter for speculative decoding (defaults to the Model's).
             draft_depth: tokens drafted per step, 1-8 or ``"auto"``.
             stream: if true, return a :class:`GenerationStream`: an iterator of text chunks
@@ -854,6 +861,13 @@ class Model:
                     f"invalid value for 'logprobs': {logprobs} alternatives; at most {cap}"
                 )
         out["logprobs"] = logprobs
+        progress = given.get("prefill_progress")
+        if progress is not None and not callable(progress):
+            raise InvalidArgumentError(
+                f"invalid value for 'prefill_progress': {progress!r}; expected a callable "
+                "taking (done, total)"
+            )
+        out["prefill_progress"] = progress
         return out
 
     def _run(
@@ -909,6 +923,7 @@ class Model:
                 logit_bias=p["logit_bias"],
                 min_tokens=p["min_tokens"],
                 logprobs=p["logprobs"],
+                prefill_progress=p["prefill_progress"],
             )
         tokens: list[int] = list(raw["tokens"])
         reason = str(raw["finish_reason"])
@@ -967,6 +982,7 @@ class Model:
         logit_bias: Mapping[int, float] | None = ...,
         min_tokens: int | None = ...,
         logprobs: int | None = ...,
+        prefill_progress: Callable[[int, int], object] | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
         stream: Literal[False] = False,
@@ -994,6 +1010,7 @@ class Model:
         logit_bias: Mapping[int, float] | None = ...,
         min_tokens: int | None = ...,
         logprobs: int | None = ...,
+        prefill_progress: Callable[[int, int], object] | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
         stream: Literal[True],
@@ -1020,6 +1037,7 @@ class Model:
         logit_bias: Mapping[int, float] | None = None,
         min_tokens: int | None = None,
         logprobs: int | None = None,
+        prefill_progress: Callable[[int, int], object] | None = None,
         draft: DraftMode | None = None,
         draft_depth: int | Literal["auto"] | None = None,
         stream: bool = False,
@@ -1168,6 +1186,7 @@ _GENERATE_KEYWORDS = (
     "logit_bias",
     "min_tokens",
     "logprobs",
+    "prefill_progress",
     "draft",
     "draft_depth",
 )

@@ -29,7 +29,7 @@ pub use guard::GuardConfig;
 pub use sampling::{History, SamplingParams, TokenLogprob};
 pub use spec::{
     generate, generate_after, CacheState, DraftDepth, DraftSource, FinishReason, GenerateOptions,
-    Generation,
+    Generation, PrefillProgress, PROGRESS_CHUNK,
 };
 pub use stats::DecodeStats;
 

@@ -97,6 +97,22 @@ impl DraftDepth {
     }
 }
 
+/// Called after each prefill chunk with (prompt tokens processed, prompt tokens to
+/// process): the progress of long prompts, for a bar or a log line.
+#[derive(Clone)]
+pub struct PrefillProgress(pub std::sync::Arc<dyn Fn(usize, usize) + Send + Sync>);
+
+impl std::fmt::Debug for PrefillProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PrefillProgress(..)")
+    }
+}
+
+/// Prompt tokens per prefill forward when progress is reported and no chunk size was set:
+/// large enough that re-reading the weights per chunk costs little (a forward reads them
+/// once whatever its rows), small enough to report every few seconds on a large model.
+pub const PROGRESS_CHUNK: usize = 512;
+
 /// Everything `generate` needs besides the model and the prompt.
 #[derive(Clone, Debug)]
 pub struct GenerateOptions {
@@ -116,6 +132,9 @@ pub struct GenerateOptions {
     /// Report each generated token's log-probability with this many most likely
     /// alternatives ([`Generation::logprobs`]); `None` computes none.
     pub logprobs: Option<usize>,
+    /// Told the prefill's progress after each chunk (chunks of [`PROGRESS_CHUNK`] when
+    /// `prefill_chunk` is 0).
+    pub prefill_progress: Option<PrefillProgress>,
 }
 
 impl Default for GenerateOptions {
@@ -130,6 +149,7 @@ impl Default for GenerateOptions {
             max_context: None,
             prefill_chunk: 0,
             logprobs: None,
+            prefill_progress: None,
         }
     }
 }
@@ -536,10 +556,11 @@ impl Loop<'_, '_, '_, '_> {
     fn prefill(&mut self, cancel: &AtomicBool) -> Result<u32> {
         let t = self.now();
         let n = self.prompt_len;
-        let chunk = if self.opts.prefill_chunk == 0 {
-            n
-        } else {
-            self.opts.prefill_chunk
+        let progress = self.opts.prefill_progress.as_ref();
+        let chunk = match (self.opts.prefill_chunk, progress) {
+            (0, Some(_)) => PROGRESS_CHUNK,
+            (0, None) => n,
+            (c, _) => c,
         };
         let mut last_row = Vec::new();
         let mut start = self.prefilled_from;
@@ -554,6 +575,9 @@ impl Loop<'_, '_, '_, '_> {
             }
             if let Some(d) = self.drafter.as_mut() {
                 d.observe(&out.hidden);
+            }
+            if let Some(p) = progress {
+                (p.0)(end - self.prefilled_from, n - self.prefilled_from);
             }
             start = end;
         }

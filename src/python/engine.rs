@@ -15,7 +15,7 @@ use numpy::{PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::decode::{DraftDepth, DraftSource, SamplingParams};
+use crate::decode::{DraftDepth, DraftSource, PrefillProgress, SamplingParams};
 use crate::engine::{Engine, EngineOptions, Session};
 use crate::error::Error;
 use crate::python::{run, to_py_err};
@@ -214,7 +214,7 @@ impl PyEngine {
     }
 
     /// Generate after `ids`; returns {"tokens", "finish_reason", "stats"}.
-    #[pyo3(signature = (ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, draft="auto", draft_depth=0, stop_ids=None, on_tokens=None, session=None, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, min_tokens=0, logprobs=None))]
+    #[pyo3(signature = (ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, draft="auto", draft_depth=0, stop_ids=None, on_tokens=None, session=None, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, min_tokens=0, logprobs=None, prefill_progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
         &self,
@@ -237,6 +237,7 @@ impl PyEngine {
         logit_bias: Option<Vec<(u32, f32)>>,
         min_tokens: usize,
         logprobs: Option<usize>,
+        prefill_progress: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let e = &self.engine;
         let mut opts = e.default_generate_options();
@@ -263,7 +264,27 @@ impl PyEngine {
             d => DraftDepth::Fixed(d),
         };
         let session = session.as_ref().map(|s| s.inner.clone());
-        let cancel = AtomicBool::new(false);
+        let cancel = Arc::new(AtomicBool::new(false));
+        // Told after every prefill chunk: checks for Ctrl-C (so a long prompt stops within
+        // one chunk) and calls the user's callback; an error of either cancels the call.
+        let progress_error: Arc<std::sync::Mutex<Option<PyErr>>> = Arc::default();
+        {
+            let (cancel, error) = (cancel.clone(), progress_error.clone());
+            opts.prefill_progress = Some(PrefillProgress(Arc::new(move |done, total| {
+                Python::attach(|py| {
+                    let outcome = py.check_signals().and_then(|()| match &prefill_progress {
+                        Some(cb) => cb.call1(py, (done, total)).map(|_| ()),
+                        None => Ok(()),
+                    });
+                    if let Err(e) = outcome {
+                        if let Ok(mut slot) = error.lock() {
+                            slot.get_or_insert(e);
+                        }
+                        cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                })
+            })));
+        }
         let mut pending: Option<PyErr> = None;
         let completion = run(py, || {
             let mut on = |toks: &[u32]| -> bool {
@@ -284,6 +305,9 @@ impl PyEngine {
             };
             e.generate(session.as_deref(), &ids, &opts, &mut on, &cancel)
         });
+        if let Some(err) = progress_error.lock().ok().and_then(|mut e| e.take()) {
+            return Err(err);
+        }
         if let Some(err) = pending {
             return Err(err);
         }

@@ -2,10 +2,13 @@
 //! the speculative draft/verify loop. Model-independent: the model is reached only through
 //! [`Target`]. docs/speculative.md explains the algorithm, the MTP bookkeeping and the tests.
 //!
-//! - `rng`: deterministic PRNG; `sampling`: processed distribution, greedy/sampled picks
-//! - `ngram`, `mtp`: drafters; `guard`: pause guard and automatic depth; `stats`: counters
+//! - `rng`: deterministic PRNG; `sampling`: logit processing, the processed distribution,
+//!   greedy/sampled picks, logprobs
+//! - `ngram`, `mtp`: drafters; `guard`: the pause guard; `depth`: the automatic depth
+//!   controller; `stats`: counters
 //! - `spec`: [`generate`], the loop that drafts, verifies, accepts and rolls back
 
+pub mod depth;
 pub mod guard;
 pub mod mtp;
 pub mod ngram;
@@ -33,16 +36,21 @@ pub use spec::{
 };
 pub use stats::DecodeStats;
 
+/// What a target's forward returns to the loop.
 pub struct StepOutput {
-    pub logits: Vec<f32>, /* [S, V] row-major */
-    pub hidden: Vec<f32>, /* [S, H] */
+    /// [S, V] row-major (or the last row only, from the `_last` calls).
+    pub logits: Vec<f32>,
+    /// [S, H]: the state the MTP head carries from each row — for the main model
+    /// `model.norm(h)` of its final residual (post-norm, what transformers' MTP consumes), for
+    /// the MTP head its own normed output. Not the raw residual.
+    pub hidden: Vec<f32>,
 }
 
 pub trait Target {
     fn vocab_size(&self) -> usize;
     fn hidden_size(&self) -> usize;
     /// Main model over `tokens` at positions start_pos..start_pos+S (start_pos == kv_len()); appends KV rows;
-    /// returns logits and the pre-final-norm hidden state of every row.
+    /// returns logits and the MTP head's carried state (`model.norm(h)`) of every row.
     fn step_all(&mut self, tokens: &[u32], start_pos: usize) -> Result<StepOutput>;
     fn kv_len(&self) -> usize;
     fn truncate(&mut self, len: usize); // roll back main-model KV to `len` rows
@@ -79,7 +87,8 @@ pub trait Target {
 /// context.len() - 1`); the last one is fed by the next verify.
 pub trait Drafter {
     /// The main model kept new KV rows (prefill, or the accepted rows of a verify) whose
-    /// pre-norm hidden states are `hidden` ([rows, H], in position order).
+    /// carried states (`StepOutput::hidden`: `model.norm(h)`) are `hidden` ([rows, H], in
+    /// position order).
     fn observe(&mut self, _hidden: &[f32]) {}
 
     /// Up to `max` (≥ 1) draft tokens to follow `context`. May return fewer, or none.

@@ -10,7 +10,8 @@
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use super::guard::{DepthController, GuardConfig, PauseGuard};
+use super::depth::DepthController;
+use super::guard::{GuardConfig, PauseGuard};
 use super::mtp::MtpDrafter;
 use super::ngram::NgramDrafter;
 use super::rng::Rng;

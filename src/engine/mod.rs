@@ -7,6 +7,7 @@
 //! Calls are serialised: one generation runs at a time (they share the model's scratch
 //! buffers and the store's counters). Every method takes `&self`; an `Engine` is `Sync`.
 
+pub mod batch;
 pub mod options;
 pub mod saved;
 pub mod session;
@@ -26,6 +27,7 @@ use crate::experts::{self, ExpertStore};
 use crate::model::{context, Model};
 use crate::{Error, Result};
 
+pub use batch::BatchRequest;
 pub use options::{check_choice, choices, EngineOptions, PinChoice, CHOICES};
 pub use session::Session;
 pub use stats::GenerationStats;

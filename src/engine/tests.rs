@@ -248,3 +248,108 @@ fn a_session_of_another_engine_is_refused() {
         .unwrap_err();
     assert!(err.to_string().contains("another model"), "{err}");
 }
+
+#[test]
+fn a_batch_gives_each_session_what_it_gets_alone() {
+    for (rel, vocab) in [
+        ("python/colibri/models/tiny", 4096u32),
+        ("tests/fixtures/glm_dsa", 256),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let e = open(rel, tmp.path(), None);
+        let prompts: Vec<Vec<u32>> = vec![
+            PROMPT.iter().map(|t| t % vocab).collect(),
+            vec![5, 17, 99 % vocab, 3],
+            (0..23).map(|i| (i * 37 + 11) % vocab).collect(),
+        ];
+        let mut sampled = options(&e, true);
+        sampled.logprobs = Some(3);
+        let mut penalised = options(&e, false);
+        penalised.sampling.repetition_penalty = 1.4;
+        penalised.sampling.presence_penalty = 0.3;
+        penalised.max_new_tokens = 7;
+        let opts = [options(&e, false), sampled, penalised];
+        let sessions: Vec<_> = (0..3).map(|_| e.new_session().unwrap()).collect();
+        for turn in 0..2 {
+            let prompts_now: Vec<Vec<u32>> = prompts
+                .iter()
+                .zip(&sessions)
+                .map(|(p, s)| {
+                    let mut held = s.tokens().unwrap();
+                    if turn == 0 {
+                        p.clone()
+                    } else {
+                        held.extend([1, 2, 3]);
+                        held
+                    }
+                })
+                .collect();
+            let requests: Vec<BatchRequest> = sessions
+                .iter()
+                .zip(&prompts_now)
+                .zip(&opts)
+                .map(|((s, p), o)| BatchRequest {
+                    session: s,
+                    prompt: p,
+                    options: o.clone(),
+                })
+                .collect();
+            let mut streamed = vec![Vec::new(); 3];
+            let out = e
+                .generate_batch(
+                    &requests,
+                    &mut |i, t| {
+                        streamed[i].extend_from_slice(t);
+                        true
+                    },
+                    &AtomicBool::new(false),
+                )
+                .unwrap();
+            let alone_engine = open(rel, tmp.path(), None);
+            for (i, r) in out.into_iter().enumerate() {
+                let got = r.unwrap();
+                let mut o = opts[i].clone();
+                o.draft = DraftSource::Off;
+                let alone = alone_engine
+                    .generate(
+                        Some(&alone_engine.new_session().unwrap()),
+                        &prompts_now[i],
+                        &o,
+                        &mut |_| true,
+                        &AtomicBool::new(false),
+                    )
+                    .unwrap();
+                assert_eq!(got.tokens, alone.tokens, "{rel} turn {turn} request {i}");
+                assert_eq!(
+                    got.logprobs, alone.logprobs,
+                    "{rel} turn {turn} request {i}"
+                );
+                assert_eq!(streamed[i], got.tokens);
+                assert_eq!(
+                    sessions[i].kv_tokens().unwrap(),
+                    prompts_now[i].len() + got.tokens.len() - 1
+                );
+                if turn == 1 {
+                    assert!(got.stats.prompt_cached_tokens > 0, "turn 2 reuses turn 1");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_batch_refuses_a_session_twice() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = open("python/colibri/models/tiny", tmp.path(), None);
+    let s = e.new_session().unwrap();
+    let r = |s| BatchRequest {
+        session: s,
+        prompt: &PROMPT,
+        options: options(&e, false),
+    };
+    let err = e
+        .generate_batch(&[r(&s), r(&s)], &mut |_, _| true, &AtomicBool::new(false))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("each session once"), "{err}");
+}

@@ -276,6 +276,12 @@ impl KvCaches {
             kv.truncate(0);
         }
     }
+    /// Keep the first `len` rows (of the main layers; the MTP layer's at most as many).
+    pub fn truncate(&mut self, len: usize) {
+        for kv in self.all_mut() {
+            kv.truncate(len);
+        }
+    }
     /// Forget every row and give the memory back (an evicted session's).
     pub fn release(&mut self) {
         for kv in self.all_mut() {
@@ -667,6 +673,108 @@ impl Model {
             hidden: x,
             selections: traced,
         })
+    }
+
+    /// One forward over several sequences at once (batched decode across sessions):
+    /// sequence b's `tokens` at positions `caches[b].len()..`, attending to its own caches,
+    /// which get the new rows. Every row goes through the dense and routed feed-forward
+    /// together, so an expert one row routes to is read once for all of them. Returns, per
+    /// sequence, the logits of every row and `model.norm` of every row's hidden state (the
+    /// MTP head's carried state). The result is each sequence's [`step`](Self::step) alone:
+    /// every per-row computation is independent of the other rows (S-invariance).
+    /// On error every cache is left as it was.
+    pub fn step_batch(
+        &mut self,
+        seqs: &mut [(&mut KvCaches, &[u32])],
+    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+        self.on_pool(|m| m.step_batch_here(seqs))
+    }
+
+    fn step_batch_here(
+        &mut self,
+        seqs: &mut [(&mut KvCaches, &[u32])],
+    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+        let h = self.cfg.hidden_size;
+        let eps = self.cfg.rms_norm_eps;
+        let mut spans = Vec::with_capacity(seqs.len());
+        let mut all_tokens = Vec::new();
+        for (caches, tokens) in seqs.iter() {
+            if caches.layers.len() != self.layers.len() {
+                return Err(Error::invalid(
+                    "session",
+                    "its caches are shaped for another model",
+                ));
+            }
+            let start = caches.len();
+            self.check_tokens(tokens, start, start)?;
+            spans.push((all_tokens.len(), tokens.len(), start));
+            all_tokens.extend_from_slice(tokens);
+        }
+        let rows = all_tokens.len();
+        let mut x = self.embed(&self.embed_tokens, &all_tokens);
+        let pool = Some(&*self.pool);
+        let top_k = self.prefetch_top_k;
+        let result = (|| {
+            let mut selections: Vec<Option<Selection>> = vec![None; seqs.len()];
+            for (i, layer) in self.layers.iter().enumerate() {
+                self.experts.begin_layer(i);
+                for (b, (caches, _)) in seqs.iter_mut().enumerate() {
+                    let (at, n, start) = spans[b];
+                    let selected = layer.attend(
+                        &mut x[at * h..(at + n) * h],
+                        n,
+                        start,
+                        start,
+                        &mut caches.layers[i],
+                        &self.rope,
+                        eps,
+                        pool,
+                        selections[b].as_ref(),
+                    )?;
+                    if selected.is_some() {
+                        selections[b] = selected;
+                    }
+                }
+                let mut resident_out = None;
+                if let (Some(next), true) = (self.layers.get(i + 1), top_k > 0) {
+                    let resident = layer.resident_ffn(&x, rows, eps, pool)?;
+                    let ids = match &resident {
+                        Some(y) => {
+                            let ahead: Vec<f32> = x.iter().zip(y).map(|(a, b)| a + b).collect();
+                            next.predict(&ahead, rows, top_k, eps, pool)?
+                        }
+                        None => next.predict(&x, rows, top_k, eps, pool)?,
+                    };
+                    if !ids.is_empty() {
+                        self.experts.prefetch(i + 1, &ids);
+                    }
+                    resident_out = resident;
+                }
+                layer.feed_forward(&mut x, rows, eps, &*self.experts, pool, resident_out)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            for (b, (caches, _)) in seqs.iter_mut().enumerate() {
+                for kv in caches.layers.iter_mut() {
+                    kv.truncate(spans[b].2);
+                }
+            }
+            return Err(e);
+        }
+        let xn = rmsnorm(&x, &self.norm, eps);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        let logits = self.head_logits(head, &xn, rows)?;
+        let vocab = self.cfg.vocab_size;
+        Ok(spans
+            .iter()
+            .map(|&(at, n, _)| {
+                (
+                    logits[at * vocab..(at + n) * vocab].to_vec(),
+                    xn[at * h..(at + n) * h].to_vec(),
+                )
+            })
+            .collect())
     }
 
     /// The state the MTP head consumes for main-model hidden states: `model.norm(hidden)`.

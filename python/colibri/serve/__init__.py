@@ -22,7 +22,7 @@ try:
     import prometheus_client  # noqa: F401
     import sse_starlette  # noqa: F401
     import starlette  # noqa: F401
-    import uvicorn  # noqa: F401
+    import uvicorn
 except ImportError as e:  # pragma: no cover - exercised by the CLI test in a bare venv
     raise ImportError(
         f"colibri serve needs the 'serve' extra ({e.name} is not installed): {INSTALL_HINT}",

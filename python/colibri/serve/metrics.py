@@ -60,7 +60,7 @@ class _Live(Collector):
             "colibri_memory_bytes", "Memory in use and its budgets", labels=["kind"]
         )
         for k, v in mem.items():
-            if v is not None:
+            if isinstance(v, int):
                 g.add_metric([k], float(v))
         yield g
 
@@ -201,7 +201,8 @@ class ServerStats:
         self.misses.inc(s.expert_misses)
         self.bytes_read.inc(s.expert_bytes_read)
         self.wait.inc(s.expert_wait_seconds)
-        for d, (p, a) in enumerate(zip(s.drafts_proposed, s.drafts_accepted, strict=False), start=1):
+        pairs = zip(s.drafts_proposed, s.drafts_accepted, strict=False)
+        for d, (p, a) in enumerate(pairs, start=1):
             while len(self._proposed) < d:
                 self._proposed.append(0)
                 self._accepted.append(0)
@@ -251,7 +252,7 @@ class ServerStats:
         )
 
     # ----------------------------------------------------------------------------- reading
-    def memory(self) -> dict[str, int | None]:
+    def memory(self) -> dict[str, Any]:
         """Bytes in use and their budgets: the expert cache (LRU and pinned) against its
         budget, the sessions' KV caches against the idle-session budget, the process RSS."""
         st = self.model._engine.expert_stats()
@@ -263,6 +264,7 @@ class ServerStats:
             "kv_sessions": None if sched is None else sched.pool.kv_bytes,
             "kv_idle_budget": self._idle_budget,
             "rss": _rss_bytes(),
+            "io_mode": str(st["io_mode"]),
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -287,7 +289,9 @@ class ServerStats:
             "prefetch_recall": self._recalled / self._routed if self._routed else None,
             "drafts_proposed": list(self._proposed),
             "drafts_accepted": list(self._accepted),
-            "acceptance": [a / p if p else None for p, a in zip(self._proposed, self._accepted, strict=True)],
+            "acceptance": [
+                a / p if p else None for p, a in zip(self._proposed, self._accepted, strict=True)
+            ],
             "layers": layers,
             "memory": self.memory(),
             "history": list(self.history),

@@ -30,6 +30,7 @@ except ImportError as e:  # pragma: no cover - exercised by the CLI test in a ba
     ) from e
 
 from collections.abc import Callable, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
 
 from colibri.model import Model  # noqa: E402
 from colibri.serve.app import create_app  # noqa: E402
@@ -69,7 +70,14 @@ def serve(
         access_log=log_level in ("debug", "info"),
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
+    state = app.state.server
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            state.stop_soon()  # running generations end now, not at the graceful timeout
+
+    server = _Server(config)
     sock = config.bind_socket()
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host

@@ -169,6 +169,14 @@ class Server:
         )
         self.stats.scheduler = self.scheduler
         self.created = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def stop_soon(self) -> None:
+        """From any thread or a signal handler: stop taking requests and cancel the running
+        generations (each within one forward), so a shutdown does not wait for them."""
+        if self.loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has already closed
+                self.loop.call_soon_threadsafe(self.scheduler.stop)
 
     def _finished(self, job: Job) -> None:
         if job.outcome is not None:
@@ -252,6 +260,8 @@ class Server:
         outcome = await self._wait(request, job)
         if outcome is None:  # the client went away: nobody reads an answer
             return Response(status_code=499)
+        if outcome.result.finish_reason == "cancelled":  # by the server's shutdown
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
         return JSONResponse(protocol.response(req, outcome.result, self.model))
 
     def _check(self, req: protocol.Request) -> None:
@@ -298,8 +308,12 @@ class Server:
                 yield _json_line(err.body())
                 return
             outcome = job.outcome
-            if outcome is None:
-                return  # cancelled by the server's shutdown
+            if outcome is None or outcome.result.finish_reason == "cancelled":
+                # Cancelled by the server's shutdown (a client that left reads nothing).
+                yield _json_line(
+                    ApiError(503, "the server is shutting down", code="shutting_down").body()
+                )
+                return
             result = outcome.result
             lp = (
                 None
@@ -367,6 +381,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.loop = asyncio.get_running_loop()
         yield
         await server.scheduler.close()
 

@@ -278,6 +278,8 @@ class ServerStats:
         }
         return {
             "model": str(self.model.path),
+            #: Layers from this index on are the MTP head's.
+            "num_hidden_layers": int(self.model.config.get("num_hidden_layers", 0)),
             "uptime_seconds": time.time() - self.started,
             "queue_depth": 0 if sched is None else sched.waiting,
             "running": 0 if sched is None else sched.running,

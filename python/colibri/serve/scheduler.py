@@ -276,10 +276,19 @@ class Scheduler:
         if self.on_finish is not None:
             self.on_finish(job)
 
-    async def close(self) -> None:
-        """Refuse new requests, cancel the running and queued ones, and wait for them."""
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`stop` or :meth:`close` was called."""
+        return self._closing
+
+    def stop(self) -> None:
+        """Refuse new requests and cancel the running and queued ones (on the loop)."""
         self._closing = True
         for job in list(self._jobs):
             job.cancel()
+
+    async def close(self) -> None:
+        """:meth:`stop`, then wait for the generations to end."""
+        self.stop()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -28,6 +28,7 @@ import httpx
 import openai
 import pytest
 from colibri.serve import protocol
+from colibri.serve.app import default_served_name
 from colibri.serve.scheduler import SessionPool, common_prefix
 from conftest import ROOT
 from prometheus_client.parser import text_string_to_metric_families
@@ -486,6 +487,36 @@ def test_conversation_turns_prefill_only_their_new_tokens(server: Live) -> None:
         new_tokens = prompt - prev_prompt - prev_completion
         assert prompt - cached <= new_tokens + 2, rows
         assert prompt - cached < prompt / 4, rows
+
+
+def test_request_defaults(local: colibri.Model) -> None:
+    """Absent fields take OpenAI's defaults: chat runs to the end of the context, completions
+    stop at 16 tokens; temperature falls back to the model's generation config (greedy
+    here), so sampling-only fields are not passed to a greedy generation."""
+    chat = protocol.parse(
+        {"messages": [{"role": "user", "content": "hi", "name": "bob"}], "top_p": 0.5, "seed": 1},
+        "chat",
+        local,
+        MODEL,
+    )
+    assert chat.generate == {
+        "max_new_tokens": local.max_context - len(chat.prompt_ids),
+        "temperature": None,
+        "stop": None,
+    }
+    comp = protocol.parse({"prompt": "x", "temperature": 0.5, "seed": -1}, "completion", local, "m")
+    assert comp.generate["max_new_tokens"] == 16
+    assert comp.generate["seed"] == 2**64 - 1 and comp.generate["temperature"] == 0.5
+    assert comp.id.startswith("cmpl-") and chat.id.startswith("chatcmpl-")
+
+    class Hub:
+        path = Path("/cache/hub/models--someone--glm-5-int4/snapshots/0123abcd")
+
+    class Local:
+        path = Path("/models/my-model")
+
+    assert default_served_name(Hub()) == "someone/glm-5-int4"  # type: ignore[arg-type]
+    assert default_served_name(Local()) == "my-model"  # type: ignore[arg-type]
 
 
 def test_session_pool_choice() -> None:

@@ -473,7 +473,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     api_key = args.api_key if args.api_key is not None else os.environ.get("COLIBRI_API_KEY")
     m = _load(args)
-    name = args.served_model_name or m.path.name
+    from colibri.serve.app import default_served_name
+
+    name = args.served_model_name or default_served_name(m)
     auth = "API key required" if api_key else "no API key"
 
     def listening(url: str) -> None:

@@ -239,8 +239,7 @@ class Server:
 
     async def _complete(self, request: Request, kind: protocol.Kind) -> Response:
         body = await _read_json(request)
-        req = await asyncio.to_thread(protocol.parse, body, kind, self.model, self.name)
-        self._check(req)
+        req = await asyncio.to_thread(self._prepare, body, kind)
         try:
             job = self.scheduler.submit(req.prompt_ids, req.generate, request.url.path)
         except QueueFull as e:
@@ -264,13 +263,16 @@ class Server:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         return JSONResponse(protocol.response(req, outcome.result, self.model))
 
-    def _check(self, req: protocol.Request) -> None:
-        """The checks ``Session.generate`` makes (ranges, the context limit), done now so
-        that a bad request is a 400 before anything is queued or streamed."""
+    def _prepare(self, body: object, kind: protocol.Kind) -> protocol.Request:
+        """Check the request and tokenise its prompt (on a worker thread: a long prompt
+        takes a while), with the checks ``Session.generate`` makes (ranges, the context
+        limit) done now, so that a bad request is a 400 before anything is queued."""
+        req = protocol.parse(body, kind, self.model, self.name)
         try:
             self.model.generate(req.prompt_ids, stream=True, **req.generate).close()
         except ColibriError as e:
             raise protocol.from_colibri_error(e, req.kind) from e
+        return req
 
     async def _wait(self, request: Request, job: Job) -> Any:
         """The outcome of ``job``, or None if the client disconnected first (the job is
@@ -354,6 +356,17 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 
+def default_served_name(model: Model) -> str:
+    """The model id the API uses unless told otherwise: ``owner/name`` for a model from
+    the Hugging Face cache, else the model directory's name (``tiny`` for the embedded
+    one)."""
+    path = model.path
+    repo = path.parents[1].name if len(path.parents) > 1 else ""
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return path.name
+
+
 def create_app(
     model: Model,
     *,
@@ -369,14 +382,14 @@ def create_app(
         model: the loaded model; the server runs one generation on it at a time.
         api_key: when set, every endpoint but ``/health`` needs ``Authorization: Bearer
             <api_key>`` (or HTTP Basic with it as the password, for the dashboard).
-        served_name: the model id clients send and ``/v1/models`` lists (default: the
-            model directory's name).
+        served_name: the model id clients send and ``/v1/models`` lists (default:
+            :func:`default_served_name`).
         sessions: conversations whose KV cache is kept between requests.
         max_queue: requests that may wait while one runs; more get a 429.
         allow_origins: origins allowed to call the API from a browser (CORS); none by
             default.
     """
-    name = served_name or model.path.name
+    name = served_name or default_served_name(model)
     server = Server(model, served_name=name, sessions=sessions, max_queue=max_queue)
 
     @contextlib.asynccontextmanager

@@ -370,6 +370,8 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
         mct = _opt_int(body, "max_completion_tokens", 1)
         if mct is not None:
             max_tokens = mct
+        if max_tokens is None:  # OpenAI's (and vLLM's) default: the rest of the context
+            max_tokens = max(1, model.max_context - len(prompt_ids))
     elif max_tokens is None:
         max_tokens = 16  # OpenAI's default for /v1/completions
     temperature = _opt_num(body, "temperature", 0.0, 2.0)

@@ -519,6 +519,29 @@ def test_request_defaults(local: colibri.Model) -> None:
     assert default_served_name(Local()) == "my-model"  # type: ignore[arg-type]
 
 
+def test_stream_cancel_from_another_thread(local: colibri.Model) -> None:
+    """``GenerationStream.cancel()``: what the server calls when a client leaves while the
+    worker thread iterates the stream; the iteration ends within a forward."""
+    stream = local.generate(PROMPT, max_new_tokens=1500, stream=True, stop_token_ids=[])
+    got: list[str] = []
+    first = threading.Event()
+
+    def consume() -> None:
+        for chunk in stream:
+            got.append(chunk)
+            first.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert first.wait(30)
+    stream.cancel()
+    t.join(30)
+    assert not t.is_alive()
+    assert stream.result is not None and stream.result.finish_reason == "cancelled"
+    assert stream.result.stats.generated_tokens < 1500
+    assert "".join(got) == stream.result.text
+
+
 def test_session_pool_choice() -> None:
     class Stub:
         def session(self) -> object:

@@ -53,7 +53,7 @@ def serve(
 ) -> None:
     """Serve ``model`` with uvicorn until SIGINT/SIGTERM (see :func:`create_app` for the
     options). ``port=0`` takes a free port; ``on_listen(url)`` is called with the base URL
-    once the socket is bound (the CLI prints it)."""
+    once the server accepts connections (the CLI prints it)."""
     app = create_app(
         model,
         api_key=api_key,
@@ -71,16 +71,18 @@ def serve(
         timeout_graceful_shutdown=5,
     )
     state = app.state.server
+    sock = config.bind_socket()
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
 
     class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[Any] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and on_listen is not None:  # accepting connections now
+                on_listen(f"http://{shown}:{bound_port}")
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             super().handle_exit(sig, frame)
             state.stop_soon()  # running generations end now, not at the graceful timeout
 
-    server = _Server(config)
-    sock = config.bind_socket()
-    bound_host, bound_port = sock.getsockname()[:2]
-    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    if on_listen is not None:
-        on_listen(f"http://{shown}:{bound_port}")
-    server.run(sockets=[sock])
+    _Server(config).run(sockets=[sock])

@@ -265,6 +265,14 @@ class GenerationStream(Iterator[str]):
             raise item.error
         self.result = item.result
 
+    def cancel(self) -> None:
+        """Ask the generation to stop within one forward, from any thread, without waiting.
+
+        The consumer's iteration then ends (after the chunks already produced) and
+        :attr:`result` has ``finish_reason == "cancelled"``; a server cancels a request whose
+        client went away this way while another thread iterates the stream."""
+        self._cancel.set()
+
     def close(self) -> None:
         """Stop the generation (within one forward) and wait for the engine to be free."""
         if self._finished:

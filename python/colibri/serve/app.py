@@ -1,0 +1,434 @@
+"""The ASGI application: OpenAI's ``/v1`` endpoints, ``/health``, ``/metrics``, ``/stats``
+and the dashboard at ``/``, on Starlette, with SSE streaming through sse-starlette."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from importlib import resources
+from typing import Any
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from colibri.errors import ColibriError
+from colibri.model import Model
+from colibri.serve import protocol
+from colibri.serve.metrics import ServerStats
+from colibri.serve.protocol import ApiError
+from colibri.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown
+
+#: The largest request body accepted (a long prompt is a few MB at most).
+MAX_BODY_BYTES = 32 * 2**20
+
+#: Paths answered without the API key.
+PUBLIC_PATHS = frozenset({"/health"})
+
+#: Paths a browser opens (the dashboard and its data): a missing key asks for HTTP Basic
+#: credentials (any user name, the key as password), so a person can log in.
+BROWSER_PATHS = frozenset({"/", "/stats"})
+
+#: Endpoint labels of the request counter (anything else is "other").
+ENDPOINTS = frozenset(
+    {
+        "/",
+        "/health",
+        "/metrics",
+        "/stats",
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+    }
+)
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class _Guard:
+    """ASGI middleware: the API key check (``Authorization: Bearer KEY``, or HTTP Basic
+    with the key as password) on every path but :data:`PUBLIC_PATHS`, and the request
+    counter of the metrics."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, stats: ServerStats) -> None:
+        self.app = app
+        self.key = None if api_key is None else api_key.encode()
+        self.stats = stats
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self.key is None:
+            return True
+        header = b""
+        for k, v in scope.get("headers", []):
+            if k == b"authorization":
+                header = v
+        scheme, _, value = header.partition(b" ")
+        value = value.strip()
+        if scheme.lower() == b"bearer":
+            return hmac.compare_digest(value, self.key)
+        if scheme.lower() == b"basic":
+            try:
+                _, _, password = base64.b64decode(value, validate=True).partition(b":")
+            except (binascii.Error, ValueError):
+                return False
+            return hmac.compare_digest(password, self.key)
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"
+        status = 500
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            guarded = path not in PUBLIC_PATHS and scope.get("method") != "OPTIONS"
+            if guarded and not self._authorized(scope):
+                challenge = (
+                    'Basic realm="colibri", charset="UTF-8"'
+                    if path in BROWSER_PATHS
+                    else 'Bearer realm="colibri"'
+                )
+                err = ApiError(
+                    401,
+                    "a valid API key is required: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": challenge},
+                )
+                await _error(err)(scope, receive, counting_send)
+                return
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.stats.request(endpoint, status)
+
+
+async def _read_json(request: Request) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="too_large")
+    body = b""
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return when the client has gone (after the body, the next message says so)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _json_line(obj: object) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+class Server:
+    """The state behind the routes: the model, its scheduler, the stats."""
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        served_name: str,
+        sessions: int,
+        max_queue: int,
+    ) -> None:
+        self.model = model
+        self.name = served_name
+        self.stats = ServerStats(model)
+        self.scheduler = Scheduler(
+            model, sessions=sessions, max_queue=max_queue, on_finish=self._finished
+        )
+        self.stats.scheduler = self.scheduler
+        self.created = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def stop_soon(self) -> None:
+        """From any thread or a signal handler: stop taking requests and cancel the running
+        generations (each within one forward), so a shutdown does not wait for them."""
+        if self.loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has already closed
+                self.loop.call_soon_threadsafe(self.scheduler.stop)
+
+    def _finished(self, job: Job) -> None:
+        if job.outcome is not None:
+            o = job.outcome
+            self.stats.generation(job.tag, o.result, o.expert_stats, o.seconds, o.queued_seconds)
+
+    # ----------------------------------------------------------------------------- routes
+    async def dashboard(self, request: Request) -> Response:
+        page = resources.files("colibri.serve").joinpath("static/dashboard.html").read_text("utf-8")
+        return HTMLResponse(page, headers={"Cache-Control": "no-store"})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": self.name,
+                "queue_depth": self.scheduler.waiting,
+                "running": self.scheduler.running,
+            }
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        body = await asyncio.to_thread(self.stats.prometheus)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def stats_json(self, request: Request) -> Response:
+        snap = await asyncio.to_thread(self.stats.snapshot)
+        snap["served_model"] = self.name
+        return JSONResponse(snap, headers={"Cache-Control": "no-store"})
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "colibri",
+            "max_context": self.model.max_context,
+            "has_mtp": self.model.has_mtp,
+        }
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model_card(self, request: Request) -> Response:
+        if request.path_params["name"] != self.name:
+            raise ApiError(
+                404,
+                f"the model '{request.path_params['name']}' does not exist; this server "
+                f"serves '{self.name}'",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(self._model_card())
+
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, "completion")
+
+    async def _complete(self, request: Request, kind: protocol.Kind) -> Response:
+        body = await _read_json(request)
+        req = await asyncio.to_thread(self._prepare, body, kind)
+        try:
+            job = self.scheduler.submit(req.prompt_ids, req.generate, request.url.path)
+        except QueueFull as e:
+            raise ApiError(
+                429,
+                f"the server is busy: {e.waiting} requests are queued (--max-queue "
+                f"{self.scheduler.max_queue}); retry after {e.retry_after} s",
+                code="queue_full",
+                headers={"Retry-After": str(e.retry_after)},
+            ) from e
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), code="shutting_down", headers={"Retry-After": "5"}) from e
+        if req.stream:
+            return EventSourceResponse(
+                self._events(req, job), ping=15, headers={"Cache-Control": "no-store"}
+            )
+        outcome = await self._wait(request, job)
+        if outcome is None:  # the client went away: nobody reads an answer
+            return Response(status_code=499)
+        if outcome.result.finish_reason == "cancelled":  # by the server's shutdown
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        return JSONResponse(protocol.response(req, outcome.result, self.model))
+
+    def _prepare(self, body: object, kind: protocol.Kind) -> protocol.Request:
+        """Check the request and tokenise its prompt (on a worker thread: a long prompt
+        takes a while), with the checks ``Session.generate`` makes (ranges, the context
+        limit) done now, so that a bad request is a 400 before anything is queued."""
+        req = protocol.parse(body, kind, self.model, self.name)
+        try:
+            self.model.generate(req.prompt_ids, stream=True, **req.generate).close()
+        except ColibriError as e:
+            raise protocol.from_colibri_error(e, req.kind) from e
+        return req
+
+    async def _wait(self, request: Request, job: Job) -> Any:
+        """The outcome of ``job``, or None if the client disconnected first (the job is
+        then cancelled: within one forward, or before it leaves the queue)."""
+        work = asyncio.ensure_future(job.wait())
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                job.cancel()
+        if not work.done() or work.cancelled():
+            with contextlib.suppress(Exception):
+                await work
+            return None
+        try:
+            return work.result()
+        except ColibriError as e:
+            raise ApiError(500, f"{type(e).__name__}: {e}", code="engine_error") from e
+
+    async def _events(self, req: protocol.Request, job: Job) -> AsyncIterator[str]:
+        """The SSE ``data:`` lines of a streamed answer; the job is cancelled if the
+        client disconnects (sse-starlette cancels this generator)."""
+        try:
+            if req.kind == "chat":
+                yield _json_line(protocol.chunk(req, text="", role=True))
+            elif req.echo:
+                yield _json_line(protocol.chunk(req, text=req.echo))
+            try:
+                async for text in job.chunks():
+                    yield _json_line(protocol.chunk(req, text=text))
+            except ColibriError as e:
+                err = ApiError(500, f"{type(e).__name__}: {e}", code="engine_error")
+                yield _json_line(err.body())
+                return
+            outcome = job.outcome
+            if outcome is None or outcome.result.finish_reason == "cancelled":
+                # Cancelled by the server's shutdown (a client that left reads nothing).
+                yield _json_line(
+                    ApiError(503, "the server is shutting down", code="shutting_down").body()
+                )
+                return
+            result = outcome.result
+            lp = (
+                None
+                if req.logprobs is None
+                else protocol.logprobs_body(self.model, result, req.kind, req.logprobs)
+            )
+            yield _json_line(
+                protocol.chunk(
+                    req,
+                    text=None if req.kind == "chat" else "",
+                    finish=protocol.FINISH_REASONS[result.finish_reason],
+                    logprobs=lp,
+                )
+            )
+            if req.include_usage:
+                yield _json_line(protocol.usage_chunk(req, result))
+            yield "[DONE]"
+        finally:
+            if job.outcome is None:
+                job.cancel()
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return _error(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {404: "no such endpoint", 405: "method not allowed"}.get(
+        exc.status_code, str(exc.detail)
+    )
+    err = ApiError(exc.status_code, f"{message}: {request.method} {request.url.path}")
+    return _error(err)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def default_served_name(model: Model) -> str:
+    """The model id the API uses unless told otherwise: ``owner/name`` for a model from
+    the Hugging Face cache, else the model directory's name (``tiny`` for the embedded
+    one)."""
+    path = model.path
+    repo = path.parents[1].name if len(path.parents) > 1 else ""
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return path.name
+
+
+def create_app(
+    model: Model,
+    *,
+    api_key: str | None = None,
+    served_name: str | None = None,
+    sessions: int = 4,
+    max_queue: int = 32,
+    allow_origins: Sequence[str] = (),
+) -> Starlette:
+    """The server's ASGI application for ``model``.
+
+    Args:
+        model: the loaded model; the server runs one generation on it at a time.
+        api_key: when set, every endpoint but ``/health`` needs ``Authorization: Bearer
+            <api_key>`` (or HTTP Basic with it as the password, for the dashboard).
+        served_name: the model id clients send and ``/v1/models`` lists (default:
+            :func:`default_served_name`).
+        sessions: conversations whose KV cache is kept between requests.
+        max_queue: requests that may wait while one runs; more get a 429.
+        allow_origins: origins allowed to call the API from a browser (CORS); none by
+            default.
+    """
+    name = served_name or default_served_name(model)
+    server = Server(model, served_name=name, sessions=sessions, max_queue=max_queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.loop = asyncio.get_running_loop()
+        yield
+        await server.scheduler.close()
+
+    routes = [
+        Route("/", server.dashboard, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics, methods=["GET"]),
+        Route("/stats", server.stats_json, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", server.model_card, methods=["GET"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat, methods=["POST"]),
+    ]
+    middleware = [Middleware(_Guard, api_key=api_key, stats=server.stats)]
+    if allow_origins:
+        middleware.insert(
+            0,
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(allow_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+            ),
+        )
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        ApiError: _api_error,
+        HTTPException: _http_error,
+        Exception: _internal_error,
+    }
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers=handlers,
+        lifespan=lifespan,
+    )
+    app.state.server = server
+    return app

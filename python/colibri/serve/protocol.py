@@ -1,0 +1,711 @@
+"""The OpenAI wire format: request bodies checked field by field and turned into colibri
+generation arguments, and the response, chunk, usage and error bodies.
+
+Every field of OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` requests is either
+honoured or refused with a 400 that names it (``param``): nothing is silently ignored. This
+module needs no web framework, so it is tested on its own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from colibri.errors import ColibriError, InvalidArgumentError
+from colibri.model import GenerationResult, GenerationStats, Model
+
+Kind = Literal["chat", "completion"]
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-shaped body:
+    ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _ERROR_TYPES.get(status, "server_error")
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the error response."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+}
+
+
+def unsupported(param: str, why: str) -> ApiError:
+    """The 400 for a field (or a value of it) that colibri cannot honour."""
+    return ApiError(400, f"'{param}' is not supported: {why}", param=param, code="unsupported")
+
+
+def invalid(param: str, message: str) -> ApiError:
+    """The 400 for a field with a bad value."""
+    return ApiError(
+        400, f"invalid value for '{param}': {message}", param=param, code="invalid_value"
+    )
+
+
+_PARAM_IN_MESSAGE = re.compile(r"invalid (?:value for|keyword) '([^']+)'")
+
+#: colibri's own parameter names in its error messages, as the request spells them.
+_WIRE_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "prompt": "prompt",
+    "text": "prompt",
+}
+
+
+def from_colibri_error(e: ColibriError, kind: Kind) -> ApiError:
+    """A colibri error met while preparing a request, as the 400 (or 500) to answer."""
+    if not isinstance(e, InvalidArgumentError):
+        return ApiError(500, f"{type(e).__name__}: {e}", code="internal_error")
+    message = str(e)
+    m = _PARAM_IN_MESSAGE.search(message)
+    param = m.group(1) if m else None
+    if param is not None:
+        param = _WIRE_NAMES.get(param, param)
+        if param == "prompt" and kind == "chat":
+            param = "messages"
+    code = "context_length_exceeded" if "max_context" in message else "invalid_value"
+    return ApiError(400, message, param=param, code=code)
+
+
+# ----------------------------------------------------------------------------- logprobs
+
+#: Whether this engine returns per-token log-probabilities (``generate(..., logprobs=k)``
+#: giving ``result.logprobs`` and ``result.top_logprobs``). Until it does, a request asking
+#: for them is a 400 naming the field.
+ENGINE_HAS_LOGPROBS = "logprobs" in inspect.signature(Model.generate).parameters
+
+
+def logprobs_body(
+    model: Model, result: GenerationResult, kind: Kind, top: int
+) -> dict[str, Any] | None:
+    """The OpenAI ``logprobs`` object of a choice, from the engine's per-token
+    log-probabilities (``result.logprobs[i]`` for generated token ``i``,
+    ``result.top_logprobs[i]``: the ``top`` most likely ``(token_id, logprob)`` there).
+
+    Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}],
+    "refusal": None}``; completions: ``{"tokens", "token_logprobs", "top_logprobs",
+    "text_offset"}``. The one place that maps them, for JSON and SSE answers alike."""
+    lps: Sequence[float] | None = getattr(result, "logprobs", None)
+    if lps is None:
+        return None
+    tops: Sequence[Sequence[tuple[int, float]]] = getattr(result, "top_logprobs", None) or [
+        [] for _ in lps
+    ]
+    ids = result.token_ids[: len(lps)]
+
+    def text(t: int) -> str:
+        return model.decode([t], skip_special_tokens=False)
+
+    if kind == "chat":
+        content = []
+        for t, lp, alts in zip(ids, lps, tops, strict=False):
+            s = text(t)
+            content.append(
+                {
+                    "token": s,
+                    "logprob": float(lp),
+                    "bytes": list(s.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": text(a), "logprob": float(b), "bytes": list(text(a).encode())}
+                        for a, b in list(alts)[:top]
+                    ],
+                }
+            )
+        return {"content": content, "refusal": None}
+    tokens = [text(t) for t in ids]
+    offsets, at = [], 0
+    for s in tokens:
+        offsets.append(at)
+        at += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [float(lp) for lp in lps],
+        "top_logprobs": [{text(a): float(b) for a, b in list(alts)[:top]} for alts in tops]
+        if top
+        else None,
+        "text_offset": offsets,
+    }
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+@dataclass
+class Request:
+    """A checked request: what to generate and how to answer."""
+
+    kind: Kind
+    #: The prompt as token ids (a chat rendered with the model's template).
+    prompt_ids: list[int]
+    #: Keywords for ``Session.generate`` (``max_new_tokens``, ``temperature``, ...).
+    generate: dict[str, Any]
+    stream: bool = False
+    include_usage: bool = False
+    #: Completions' ``echo``: the prompt text put before the completion.
+    echo: str = ""
+    #: Top alternatives per token when log-probabilities are asked for, else None.
+    logprobs: int | None = None
+    model: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = ""
+
+
+#: Fields both endpoints accept, with no meaning of their own beyond what is checked below.
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "logprobs",
+    "user",
+    "safety_identifier",
+    "draft",
+    "draft_depth",
+    "ignore_eos",
+    "stop_token_ids",
+}
+_CHAT_ONLY = {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "response_format",
+    "store",
+    "metadata",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "service_tier",
+    "web_search_options",
+    "verbosity",
+    "prompt_cache_key",
+}
+_COMPLETION_ONLY = {"prompt", "best_of", "echo", "suffix"}
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _opt_int(body: Mapping[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise invalid(name, f"{v!r}; expected an integer")
+    if v < lo or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise invalid(name, f"{v}; must be {bound}")
+    return int(v)
+
+
+def _opt_num(body: Mapping[str, Any], name: str, lo: float, hi: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_num(v):
+        raise invalid(name, f"{v!r}; expected a number")
+    if not lo <= v <= hi:
+        raise invalid(name, f"{v}; must be in [{lo:g}, {hi:g}]")
+    return float(v)
+
+
+def _opt_bool(body: Mapping[str, Any], name: str) -> bool | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise invalid(name, f"{v!r}; expected true or false")
+    return v
+
+
+def _must_be_off(body: Mapping[str, Any], name: str, off: Sequence[object], why: str) -> None:
+    v = body.get(name)
+    if v is None or any(v == o and type(v) is type(o) for o in off):
+        return
+    raise unsupported(name, why)
+
+
+def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
+    """Check an OpenAI request body for ``kind`` and prepare its generation.
+
+    Raises :class:`ApiError` (400 naming the field; 404 for another model name)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    allowed = _COMMON | (_CHAT_ONLY if kind == "chat" else _COMPLETION_ONLY)
+    for name in body:
+        if name not in allowed:
+            raise ApiError(
+                400,
+                f"unrecognized request argument supplied: '{name}'",
+                param=name,
+                code="unknown_parameter",
+            )
+    name = body.get("model")
+    if name is not None and name != served:
+        raise ApiError(
+            404,
+            f"the model '{name}' does not exist; this server serves '{served}' (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+
+    # What colibri cannot do (yet): a 400 that says so, never a silent default.
+    n = body.get("n")
+    if n is not None and n != 1:
+        if not _is_int(n) or n < 1:
+            raise invalid("n", f"{n!r}; expected a positive integer")
+        raise unsupported("n", "one choice per request (send the request n times)")
+    for pen in ("frequency_penalty", "presence_penalty"):
+        v = body.get(pen)
+        if v is not None and not _is_num(v):
+            raise invalid(pen, f"{v!r}; expected a number")
+        _must_be_off(body, pen, [0, 0.0], "colibri samples without repetition penalties")
+    lb = body.get("logit_bias")
+    if lb is not None and lb != {}:
+        raise unsupported("logit_bias", "colibri does not bias logits")
+    if kind == "chat":
+        _refuse_chat_features(body)
+    else:
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != 1:
+            raise unsupported("best_of", "one candidate per request")
+        suffix = body.get("suffix")
+        if suffix not in (None, ""):
+            raise unsupported("suffix", "colibri does not insert text (no fill-in-the-middle)")
+
+    stream = bool(_opt_bool(body, "stream"))
+    include_usage = False
+    so = body.get("stream_options")
+    if so is not None:
+        if not stream:
+            raise invalid("stream_options", "only allowed when 'stream' is true")
+        if not isinstance(so, dict):
+            raise invalid("stream_options", f"{so!r}; expected an object")
+        for k in so:
+            if k not in ("include_usage", "include_obfuscation"):
+                raise ApiError(
+                    400,
+                    f"unrecognized request argument supplied: 'stream_options.{k}'",
+                    param=f"stream_options.{k}",
+                    code="unknown_parameter",
+                )
+        include_usage = bool(_opt_bool(so, "include_usage"))
+        if so.get("include_obfuscation"):
+            raise unsupported(
+                "stream_options.include_obfuscation", "chunks are sent without padding"
+            )
+
+    logprobs = _parse_logprobs(body, kind)
+
+    # The prompt.
+    echo = ""
+    if kind == "chat":
+        prompt_ids = _chat_prompt(body.get("messages"), model)
+    else:
+        prompt_ids = _completion_prompt(body.get("prompt"), model)
+        if _opt_bool(body, "echo"):
+            echo = model.decode(prompt_ids)
+
+    # Sampling and length.
+    max_tokens = _opt_int(body, "max_tokens", 1)
+    if kind == "chat":
+        mct = _opt_int(body, "max_completion_tokens", 1)
+        if mct is not None:
+            max_tokens = mct
+        if max_tokens is None:  # OpenAI's (and vLLM's) default: the rest of the context
+            max_tokens = max(1, model.max_context - len(prompt_ids))
+    elif max_tokens is None:
+        max_tokens = 16  # OpenAI's default for /v1/completions
+    temperature = _opt_num(body, "temperature", 0.0, 2.0)
+    top_p = _opt_num(body, "top_p", 0.0, 1.0)
+    if top_p == 0.0:
+        top_p, temperature = None, 0.0  # no mass left but the most likely token: greedy
+    top_k = _opt_int(body, "top_k", 0)
+    seed = body.get("seed")
+    if seed is not None:
+        if not _is_int(seed):
+            raise invalid("seed", f"{seed!r}; expected an integer")
+        seed %= 2**64  # OpenAI takes any 64-bit integer, negative ones included
+    stop = _parse_stop(body.get("stop"))
+    greedy = temperature == 0.0 or (
+        temperature is None and not model._generation_config.get("do_sample", False)
+    )
+    gen: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "temperature": temperature,
+        "stop": stop,
+    }
+    if not greedy:  # they only shape sampling: a greedy generation needs none of them
+        gen.update(top_p=top_p, top_k=top_k, seed=seed)
+    draft = body.get("draft")
+    if draft is not None:
+        gen["draft"] = draft
+    depth = body.get("draft_depth")
+    if depth is not None:
+        gen["draft_depth"] = depth
+    # As vLLM has them: extra stop tokens on top of EOS, and ignore_eos to drop EOS.
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not isinstance(stop_ids, list):
+        raise invalid("stop_token_ids", f"{stop_ids!r}; expected a list of token ids")
+    ignore_eos = bool(_opt_bool(body, "ignore_eos"))
+    if stop_ids or ignore_eos:
+        eos = [] if ignore_eos else model.eos_token_ids
+        gen["stop_token_ids"] = eos + [t for t in stop_ids or [] if t not in eos]
+    if logprobs is not None:
+        gen["logprobs"] = logprobs
+    for text_field in ("user", "safety_identifier", "prompt_cache_key"):
+        v = body.get(text_field)
+        if v is not None and not isinstance(v, str):
+            raise invalid(text_field, f"{v!r}; expected a string")
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    return Request(
+        kind=kind,
+        prompt_ids=prompt_ids,
+        generate=gen,
+        stream=stream,
+        include_usage=include_usage,
+        echo=echo,
+        logprobs=logprobs,
+        model=served,
+        id=prefix + uuid.uuid4().hex[:24],
+    )
+
+
+def _refuse_chat_features(body: Mapping[str, Any]) -> None:
+    """The 400s for chat features colibri has not got: tools, structured output, audio,
+    stored completions, predicted outputs, reasoning controls."""
+    for name in ("tools", "functions"):
+        v = body.get(name)
+        if v not in (None, []):
+            raise unsupported(name, "colibri does not call tools yet")
+    for name in ("tool_choice", "function_call"):
+        v = body.get(name)
+        if v not in (None, "none"):
+            raise unsupported(name, "colibri does not call tools yet")
+    if body.get("parallel_tool_calls") is not None:
+        _opt_bool(body, "parallel_tool_calls")  # meaningless without tools, but typed
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or "type" not in rf:
+            raise invalid("response_format", f"{rf!r}; expected an object with a 'type'")
+        if rf["type"] != "text":
+            raise unsupported(
+                "response_format", f"type '{rf['type']}': colibri generates free text only"
+            )
+    _must_be_off(body, "store", [False], "completions are not stored")
+    md = body.get("metadata")
+    if md not in (None, {}):
+        raise unsupported("metadata", "completions are not stored, so there is none to tag")
+    mods = body.get("modalities")
+    if mods is not None and mods != ["text"]:
+        raise unsupported("modalities", "colibri generates text only")
+    for name, why in (
+        ("audio", "colibri generates text only"),
+        ("prediction", "predicted outputs are not used (drafting is the model's own MTP)"),
+        ("reasoning_effort", "this server has no reasoning controls"),
+        ("web_search_options", "colibri does not search the web"),
+        ("verbosity", "this server has no verbosity control"),
+    ):
+        if body.get(name) is not None:
+            raise unsupported(name, why)
+    tier = body.get("service_tier")
+    if tier not in (None, "auto", "default"):
+        raise unsupported("service_tier", f"'{tier}': there is one tier, 'default'")
+    if body.get("top_logprobs") is not None and not body.get("logprobs"):
+        raise invalid("top_logprobs", "requires 'logprobs': true")
+
+
+def _parse_logprobs(body: Mapping[str, Any], kind: Kind) -> int | None:
+    """How many alternatives per token the request wants, or None for no logprobs."""
+    if kind == "chat":
+        on = _opt_bool(body, "logprobs")
+        top = _opt_int(body, "top_logprobs", 0, 20)
+        if not on:
+            return None
+        want, name = top or 0, "logprobs"
+    else:
+        top = _opt_int(body, "logprobs", 0, 20)
+        if top is None:
+            return None
+        want, name = top, "logprobs"
+    if not ENGINE_HAS_LOGPROBS:
+        raise unsupported(name, "this engine does not return token log-probabilities yet")
+    return want
+
+
+def _parse_stop(stop: object) -> list[str] | None:
+    if stop is None:
+        return None
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid("stop", f"{stop!r}; expected a string or a list of strings")
+    if any(not s for s in stops):
+        raise invalid("stop", "empty strings never match; remove them")
+    return stops or None
+
+
+def _chat_prompt(messages: object, model: Model) -> list[int]:
+    """The token ids of ``messages`` rendered with the model's chat template."""
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "expected a non-empty list of messages")
+    clean: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(where, "expected an object with 'role' and 'content'")
+        for k in m:
+            if k not in ("role", "content", "name", "refusal", "tool_calls", "function_call"):
+                raise ApiError(
+                    400,
+                    f"unrecognized request argument supplied: '{where}.{k}'",
+                    param=f"{where}.{k}",
+                    code="unknown_parameter",
+                )
+        role = m.get("role")
+        if role in ("tool", "function"):
+            raise unsupported(f"{where}.role", f"'{role}' messages: colibri has no tool calls")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise invalid(
+                f"{where}.role", f"{role!r}; expected system, developer, user or assistant"
+            )
+        if m.get("tool_calls") or m.get("function_call"):
+            raise unsupported(f"{where}.tool_calls", "colibri has no tool calls")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                pw = f"{where}.content[{j}]"
+                if not isinstance(part, dict):
+                    raise invalid(pw, "expected a content part object")
+                if part.get("type") != "text":
+                    raise unsupported(
+                        f"{pw}.type", f"'{part.get('type')}' parts: this model reads text only"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise invalid(f"{pw}.text", "expected a string")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise invalid(f"{where}.content", "expected a string or a list of text parts")
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if m.get("name") is not None:
+            if not isinstance(m["name"], str):
+                raise invalid(f"{where}.name", "expected a string")
+            msg["name"] = m["name"]
+        clean.append(msg)
+    try:
+        text = model.apply_chat_template(clean, add_generation_prompt=True)
+        return model.encode(text, add_special_tokens=False)
+    except InvalidArgumentError as e:
+        raise invalid("messages", str(e)) from e
+    except ColibriError as e:  # a model without a chat template, a template that fails
+        raise ApiError(400, str(e), param="messages", code="chat_template") from e
+
+
+def _completion_prompt(prompt: object, model: Model) -> list[int]:
+    """The token ids of a completions ``prompt``: a string, token ids, or a list of one."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise unsupported("prompt", "one prompt per request (batches are not supported yet)")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt", "the prompt is empty")
+        try:
+            return model.encode(prompt)
+        except InvalidArgumentError as e:
+            raise invalid("prompt", str(e)) from e
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        vocab = int(model.config["vocab_size"])
+        for t in prompt:
+            if not 0 <= t < vocab:
+                raise invalid("prompt", f"token id {t} is outside the vocabulary (0..{vocab - 1})")
+        return list(prompt)
+    raise invalid("prompt", "expected a string, a list of token ids, or a list of one of them")
+
+
+# ----------------------------------------------------------------------------- responses
+
+FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "stop"}
+
+
+def usage(stats: GenerationStats) -> dict[str, Any]:
+    """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` counts the prompt
+    tokens whose KV a session already held (not prefilled again)."""
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.prompt_cached_tokens},
+    }
+
+
+def colibri_stats(stats: GenerationStats) -> dict[str, Any]:
+    """The extension object ``"colibri"`` of a response: how the generation ran."""
+    return {
+        "prompt_cached_tokens": stats.prompt_cached_tokens,
+        "prefilled_tokens": stats.prompt_tokens - stats.prompt_cached_tokens,
+        "tokens_per_second": stats.tokens_per_second,
+        "prompt_tokens_per_second": stats.prompt_tokens_per_second,
+        "tokens_per_forward": stats.tokens_per_forward,
+        "forwards": stats.forwards,
+        "drafts_proposed": list(stats.drafts_proposed),
+        "drafts_accepted": list(stats.drafts_accepted),
+        "expert_hits": stats.expert_hits,
+        "expert_misses": stats.expert_misses,
+        "expert_bytes_read": stats.expert_bytes_read,
+        "expert_wait_seconds": stats.expert_wait_seconds,
+        "prefetch_recall": stats.prefetch_recall,
+    }
+
+
+def response(req: Request, result: GenerationResult, model: Model) -> dict[str, Any]:
+    """The JSON body of a finished, non-streamed request."""
+    finish = FINISH_REASONS[result.finish_reason]
+    lp = None if req.logprobs is None else logprobs_body(model, result, req.kind, req.logprobs)
+    if req.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text, "refusal": None},
+            "logprobs": lp,
+            "finish_reason": finish,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {
+            "index": 0,
+            "text": req.echo + result.text,
+            "logprobs": lp,
+            "finish_reason": finish,
+        }
+        obj = "text_completion"
+    return {
+        "id": req.id,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "system_fingerprint": system_fingerprint(),
+        "choices": [choice],
+        "usage": usage(result.stats),
+        "colibri": colibri_stats(result.stats),
+    }
+
+
+def chunk(
+    req: Request,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    finish: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One SSE chunk (``chat.completion.chunk`` / ``text_completion``) of a streamed answer."""
+    if req.kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        obj = "text_completion"
+    body: dict[str, Any] = {
+        "id": req.id,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "system_fingerprint": system_fingerprint(),
+        "choices": [choice],
+    }
+    if req.include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(req: Request, result: GenerationResult) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the
+    usage (and the ``colibri`` extension object)."""
+    return {
+        "id": req.id,
+        "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
+        "created": req.created,
+        "model": req.model,
+        "system_fingerprint": system_fingerprint(),
+        "choices": [],
+        "usage": usage(result.stats),
+        "colibri": colibri_stats(result.stats),
+    }
+
+
+def system_fingerprint() -> str:
+    """``colibri-<version>``: the backend configuration a response came from."""
+    from colibri import __version__
+
+    return f"colibri-{__version__}"

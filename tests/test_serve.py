@@ -1,0 +1,825 @@
+"""``colibri serve`` end to end: a live server started by ``colibri serve`` in a subprocess on
+a free 127.0.0.1 port, driven with the official ``openai`` client, raw HTTP (httpx) and a
+headless Chromium (selenium) for the dashboard. The model is the embedded tiny one, whose
+greedy output the tests compare with the library's own.
+
+Set ``COLIBRI_DASHBOARD_SCREENSHOT=docs/dashboard.png`` to write the dashboard screenshot of
+the browser test where the docs show it."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import colibri
+import httpx
+import openai
+import pytest
+from colibri.serve import protocol
+from colibri.serve.app import default_served_name
+from colibri.serve.scheduler import SessionPool, common_prefix
+from conftest import ROOT
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "tiny"
+PROMPT = "def fibonacci(n):"
+
+
+@dataclass
+class Live:
+    url: str
+    proc: subprocess.Popen[str]
+    log: list[str]
+    pump: threading.Thread
+
+    def client(self, key: str = "none", **kw: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+
+    def stats(self, **kw: Any) -> dict[str, Any]:
+        r = httpx.get(self.url + "/stats", timeout=10, **kw)
+        r.raise_for_status()
+        return r.json()
+
+
+def start_server(*args: str) -> Live:
+    """``colibri serve`` on a free port; returns once it listens."""
+    cmd = [sys.executable, "-m", "colibri.cli", "serve", "--port", "0", "--threads", "2", *args]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    log: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line)
+            lines.put(line)
+
+    pumping = threading.Thread(target=pump, daemon=True)
+    pumping.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        if line.startswith("colibri serve: model"):
+            url = line.split(" at ")[1].split("/v1")[0]
+            return Live(url, proc, log, pumping)
+    proc.kill()
+    raise AssertionError("the server did not start:\n" + "".join(log))
+
+
+def stop_server(live: Live) -> None:
+    """Ctrl-C: a graceful shutdown, then the CLI's status for an interrupt (130)."""
+    live.proc.send_signal(signal.SIGINT)
+    try:
+        rc = live.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        live.proc.kill()
+        raise AssertionError("the server did not stop on SIGINT:\n" + "".join(live.log)) from None
+    finally:
+        live.pump.join(timeout=5)
+        assert live.proc.stdout is not None
+        live.proc.stdout.close()
+    log = "".join(live.log)
+    assert rc == 130, log
+    assert "Traceback" not in log and "ERROR" not in log, log
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Live]:
+    live = start_server("--max-queue", "3", "--sessions", "4")
+    yield live
+    stop_server(live)
+
+
+@pytest.fixture(scope="module")
+def client(server: Live) -> openai.OpenAI:
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def local() -> colibri.Model:
+    """The same model in this process: what the server's answers must equal."""
+    return colibri.Model(threads=2)
+
+
+def wait_for(cond: Any, timeout: float = 20.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ----------------------------------------------------------------------------- basics
+
+
+def test_models_health_and_import(server: Live, client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    h = httpx.get(server.url + "/health").json()
+    assert h["status"] == "ok" and h["model"] == MODEL
+    # `import colibri` stays free of the web stack.
+    code = "import colibri, sys; print(any(m.split('.')[0] in sys.modules for m in "
+    code += "('starlette', 'uvicorn', 'sse_starlette', 'prometheus_client')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_serve_without_the_extra_says_how_to_install() -> None:
+    code = (
+        "import sys; sys.modules['sse_starlette'] = None\n"
+        "from colibri.cli import main; sys.exit(main(['serve', '--port', '0']))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert 'pip install "colibri[serve]"' in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_completion_equals_the_library(client: openai.OpenAI, local: colibri.Model) -> None:
+    want = local.generate(PROMPT, max_new_tokens=24, temperature=0)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert got.object == "text_completion"
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == len(local.encode(PROMPT))
+    assert got.usage.completion_tokens == 24
+    assert got.usage.total_tokens == got.usage.prompt_tokens + 24
+    ext = got.model_extra["colibri"]  # the extension object
+    assert ext["tokens_per_second"] > 0 and ext["forwards"] >= 1
+    # Token-id prompts, echo, and OpenAI's default of 16 tokens.
+    ids = local.encode(PROMPT)
+    got = client.completions.create(model=MODEL, prompt=ids, echo=True, temperature=0)
+    assert got.usage is not None and got.usage.completion_tokens == 16
+    assert (
+        got.choices[0].text
+        == local.decode(ids) + local.generate(ids, max_new_tokens=16, temperature=0).text
+    )
+
+
+def test_chat_equals_the_library(client: openai.OpenAI, local: colibri.Model) -> None:
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "A function that adds two numbers."},
+    ]
+    want = local.chat(messages, max_new_tokens=20, temperature=0)
+    got = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=20, temperature=0
+    )
+    assert got.object == "chat.completion"
+    msg = got.choices[0].message
+    assert msg.role == "assistant" and msg.content == want.text
+    assert got.choices[0].finish_reason == "length"
+    # Text parts are joined; "developer" is the system role.
+    parts = [
+        {"role": "developer", "content": "You write Python."},
+        {"role": "user", "content": [{"type": "text", "text": "A function that adds "},
+                                     {"type": "text", "text": "two numbers."}]},
+    ]  # fmt: skip
+    again = client.chat.completions.create(
+        model=MODEL, messages=parts, max_tokens=20, temperature=0
+    )
+    assert again.choices[0].message.content == want.text
+
+
+def test_streaming(client: openai.OpenAI, local: colibri.Model) -> None:
+    messages = [{"role": "user", "content": "import os"}]
+    want = local.chat(messages, max_new_tokens=40, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == "length" and all(f is None for f in finals[:-1])
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 40
+    assert all(c.usage is None for c in chunks[:-1])
+    # Completions stream too; without include_usage there is no usage chunk.
+    parts = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stream=True
+        )
+    )
+    assert (
+        "".join(p.choices[0].text for p in parts)
+        == local.generate(PROMPT, max_new_tokens=30, temperature=0).text
+    )
+    assert parts[-1].choices[0].finish_reason == "length"
+    assert all(p.usage is None for p in parts)
+    echoed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stream=True, echo=True
+    )
+    assert "".join(p.choices[0].text for p in echoed) == PROMPT + "".join(
+        p.choices[0].text for p in parts
+    )
+
+
+def test_stop_strings_are_removed(client: openai.OpenAI, local: colibri.Model) -> None:
+    full = local.generate(PROMPT, max_new_tokens=40, temperature=0).text
+    stop = full[12:16]
+    assert stop.strip() and stop in full
+    want = full[: full.index(stop)]
+    got = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop, "never-seen"]
+    )
+    assert got.choices[0].text == want
+    assert got.choices[0].finish_reason == "stop"
+    streamed = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed) == want
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_really_seeds(client: openai.OpenAI, local: colibri.Model) -> None:
+    def ask(seed: int) -> str:
+        r = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=32, temperature=1.0, top_p=0.95, seed=seed
+        )
+        return r.choices[0].text
+
+    a, b = ask(7), ask(7)
+    assert a == b
+    want = local.generate(PROMPT, max_new_tokens=32, temperature=1.0, top_p=0.95, seed=7)
+    assert a == want.text
+    assert len({ask(s) for s in (1, 2, 3)} | {a}) > 1
+
+
+def test_extensions_top_k_ignore_eos_draft(client: openai.OpenAI, local: colibri.Model) -> None:
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0.8,
+        seed=3,
+        extra_body={"top_k": 5, "ignore_eos": True, "draft": "off"},
+    )
+    want = local.generate(
+        PROMPT, max_new_tokens=24, temperature=0.8, seed=3, top_k=5, stop_token_ids=[], draft="off"
+    )
+    assert r.choices[0].text == want.text
+    assert r.model_extra["colibri"]["drafts_proposed"] == [0] * len(want.stats.drafts_proposed)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _bad(call: Any, param: str | None, status: int = 400) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as info:
+        call()
+    e = info.value
+    assert e.status_code == status, e
+    body = e.body
+    assert isinstance(body, dict) and set(body) >= {"message", "type", "param", "code"}, body
+    assert body["param"] == param, body
+    if param is not None:
+        assert param.split(".")[0].split("[")[0] in body["message"], body
+    return e
+
+
+def test_unsupported_fields_are_400s_naming_them(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create
+    msgs = [{"role": "user", "content": "hi"}]
+    _bad(lambda: chat(model=MODEL, messages=msgs, n=2), "n")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    _bad(lambda: chat(model=MODEL, messages=msgs, tools=[tool]), "tools")
+    _bad(lambda: chat(model=MODEL, messages=msgs, tool_choice="required"), "tool_choice")
+    image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    _bad(
+        lambda: chat(model=MODEL, messages=[{"role": "user", "content": image}]),
+        "messages[0].content[0].type",
+    )
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
+    _bad(lambda: chat(model=MODEL, messages=msgs, response_format=schema), "response_format")
+    _bad(lambda: chat(model=MODEL, messages=msgs, presence_penalty=0.5), "presence_penalty")
+    _bad(lambda: chat(model=MODEL, messages=msgs, logit_bias={"1": 5}), "logit_bias")
+    _bad(lambda: chat(model=MODEL, messages=msgs, audio={"voice": "x", "format": "mp3"}), "audio")
+    _bad(lambda: chat(model=MODEL, messages=[{"role": "tool", "content": "x"}]), "messages[0].role")
+    _bad(lambda: chat(model=MODEL, messages=msgs, extra_body={"min_p": 0.1}), "min_p")
+    _bad(lambda: chat(model=MODEL, messages=msgs, temperature=2.5), "temperature")
+    _bad(lambda: chat(model=MODEL, messages=msgs, stream_options={"include_usage": True}),
+         "stream_options")  # fmt: skip
+    _bad(lambda: chat(model=MODEL, messages=[]), "messages")
+    comp = client.completions.create
+    _bad(lambda: comp(model=MODEL, prompt=["a", "b"]), "prompt")
+    _bad(lambda: comp(model=MODEL, prompt="a", suffix="b"), "suffix")
+    _bad(lambda: comp(model=MODEL, prompt="a", best_of=2), "best_of")
+    _bad(lambda: comp(model=MODEL, prompt="", max_tokens=4), "prompt")
+    _bad(lambda: comp(model=MODEL, prompt="a", max_tokens=0), "max_tokens")
+    e = _bad(lambda: comp(model=MODEL, prompt="x " * 3000), "prompt")
+    assert e.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    e = _bad(lambda: comp(model="gpt-4o", prompt="a"), "model", status=404)
+    assert isinstance(e, openai.NotFoundError)
+
+
+def test_logprobs_are_refused_until_the_engine_has_them(client: openai.OpenAI) -> None:
+    if protocol.ENGINE_HAS_LOGPROBS:  # the engine grew them: the mapping is tested below
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=2)
+        assert r.choices[0].logprobs is not None
+        assert len(r.choices[0].logprobs.token_logprobs or []) == 4
+        return
+    msgs = [{"role": "user", "content": "hi"}]
+    e = _bad(
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=msgs, logprobs=True, top_logprobs=2
+        ),
+        "logprobs",
+    )
+    assert "log-probabilities" in e.message
+    _bad(lambda: client.completions.create(model=MODEL, prompt="a", logprobs=1), "logprobs")
+    # logprobs=false is honoured (nothing asked, nothing refused).
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, logprobs=False)
+    assert r.choices[0].logprobs is None
+
+
+def test_logprobs_mapping() -> None:
+    """The one function that turns the engine's per-token logprobs into OpenAI's shapes
+    (what the server will answer once ``generate(..., logprobs=k)`` exists)."""
+
+    class FakeModel:
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join(chr(ord("a") + t) for t in ids)
+
+    class FakeResult:
+        def __init__(self) -> None:
+            self.token_ids = [0, 1]
+            self.logprobs = [-0.5, -1.25]
+            self.top_logprobs = [[(0, -0.5), (2, -1.0)], [(1, -1.25), (3, -2.0)]]
+
+    m, r = FakeModel(), FakeResult()
+    chat = protocol.logprobs_body(m, r, "chat", 1)  # type: ignore[arg-type]
+    assert chat == {
+        "content": [
+            {
+                "token": "a",
+                "logprob": -0.5,
+                "bytes": [97],
+                "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}],
+            },
+            {
+                "token": "b",
+                "logprob": -1.25,
+                "bytes": [98],
+                "top_logprobs": [{"token": "b", "logprob": -1.25, "bytes": [98]}],
+            },
+        ],
+        "refusal": None,
+    }
+    comp = protocol.logprobs_body(m, r, "completion", 2)  # type: ignore[arg-type]
+    assert comp == {
+        "tokens": ["a", "b"],
+        "token_logprobs": [-0.5, -1.25],
+        "top_logprobs": [{"a": -0.5, "c": -1.0}, {"b": -1.25, "d": -2.0}],
+        "text_offset": [0, 1],
+    }
+
+
+def test_http_errors_are_openai_shaped(server: Live) -> None:
+    def check(r: httpx.Response, status: int) -> dict[str, Any]:
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        return err
+
+    err = check(
+        httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=10), 400
+    )
+    assert err["code"] == "invalid_json"
+    check(httpx.post(server.url + "/v1/completions", json=[1, 2], timeout=10), 400)
+    check(httpx.get(server.url + "/v1/nothing-here", timeout=10), 404)
+    check(httpx.get(server.url + "/v1/chat/completions", timeout=10), 405)
+    check(httpx.get(server.url + "/v1/models/other", timeout=10), 404)
+
+
+# ----------------------------------------------------------------------------- auth
+
+
+def test_api_key_guards_every_endpoint_but_health() -> None:
+    live = start_server("--api-key", "s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            live.client().models.list()
+        with pytest.raises(openai.AuthenticationError):
+            live.client("wrong").completions.create(model=MODEL, prompt="a", max_tokens=2)
+        ok = live.client("s3cret").completions.create(model=MODEL, prompt="a", max_tokens=2)
+        assert ok.usage is not None and ok.usage.completion_tokens == 2
+        for path in ("/", "/stats", "/metrics", "/v1/models"):
+            r = httpx.get(live.url + path, timeout=10)
+            assert r.status_code == 401, path
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            good = httpx.get(live.url + path, headers={"Authorization": "Bearer s3cret"})
+            assert good.status_code == 200, path
+        # A browser logs into the dashboard with HTTP Basic (any user, the key as password).
+        assert httpx.get(live.url + "/").headers["www-authenticate"].startswith("Basic")
+        assert httpx.get(live.url + "/", auth=("me", "s3cret")).status_code == 200
+        assert httpx.get(live.url + "/stats", auth=("me", "nope")).status_code == 401
+        assert httpx.get(live.url + "/health").status_code == 200
+    finally:
+        stop_server(live)
+
+
+# ----------------------------------------------------------------------------- KV reuse
+
+
+def test_conversation_turns_prefill_only_their_new_tokens(server: Live) -> None:
+    """Four turns of one chat, with another conversation interleaved: from turn 2 on, the
+    prefill is only the new tokens (the reply's re-rendered boundary and the new user
+    message); the earlier turns come from the conversation's session."""
+    client = server.client()
+    chat: list[dict[str, str]] = [{"role": "system", "content": "You write Python."}]
+    other: list[dict[str, str]] = []
+    rows = []
+    for q in ("def add(a, b):", "import os", "class Stack:", "def main():"):
+        chat.append({"role": "user", "content": q})
+        r = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=24, temperature=0)
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        cached = r.usage.prompt_tokens_details.cached_tokens or 0
+        rows.append((r.usage.prompt_tokens, cached, r.usage.completion_tokens))
+        assert r.model_extra["colibri"]["prefilled_tokens"] == r.usage.prompt_tokens - cached
+        chat.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+        # Another conversation in between: it gets a session of its own.
+        other.append({"role": "user", "content": f"print({len(rows)})"})
+        o = client.chat.completions.create(model=MODEL, messages=other, max_tokens=8, temperature=0)
+        other.append({"role": "assistant", "content": o.choices[0].message.content or ""})
+    print("\nturn  prompt  cached  prefilled  completion")
+    for k, (p, c, g) in enumerate(rows, start=1):
+        print(f"{k:4}  {p:6}  {c:6}  {p - c:9}  {g:10}")
+    for k in range(1, 4):
+        prompt, cached, _ = rows[k]
+        prev_prompt, _, prev_completion = rows[k - 1]
+        # Everything of the previous turn is reused but for the reply's last token or two
+        # (a stop at max_tokens, then the template's own end of turn re-tokenised).
+        assert cached >= prev_prompt + prev_completion - 2, rows
+        new_tokens = prompt - prev_prompt - prev_completion
+        assert prompt - cached <= new_tokens + 2, rows
+        assert prompt - cached < prompt / 4, rows
+
+
+def test_request_defaults(local: colibri.Model) -> None:
+    """Absent fields take OpenAI's defaults: chat runs to the end of the context, completions
+    stop at 16 tokens; temperature falls back to the model's generation config (greedy
+    here), so sampling-only fields are not passed to a greedy generation."""
+    chat = protocol.parse(
+        {"messages": [{"role": "user", "content": "hi", "name": "bob"}], "top_p": 0.5, "seed": 1},
+        "chat",
+        local,
+        MODEL,
+    )
+    assert chat.generate == {
+        "max_new_tokens": local.max_context - len(chat.prompt_ids),
+        "temperature": None,
+        "stop": None,
+    }
+    comp = protocol.parse({"prompt": "x", "temperature": 0.5, "seed": -1}, "completion", local, "m")
+    assert comp.generate["max_new_tokens"] == 16
+    assert comp.generate["seed"] == 2**64 - 1 and comp.generate["temperature"] == 0.5
+    assert comp.id.startswith("cmpl-") and chat.id.startswith("chatcmpl-")
+
+    class Hub:
+        path = Path("/cache/hub/models--someone--glm-5-int4/snapshots/0123abcd")
+
+    class Local:
+        path = Path("/models/my-model")
+
+    assert default_served_name(Hub()) == "someone/glm-5-int4"  # type: ignore[arg-type]
+    assert default_served_name(Local()) == "my-model"  # type: ignore[arg-type]
+
+
+def test_stream_cancel_from_another_thread(local: colibri.Model) -> None:
+    """``GenerationStream.cancel()``: what the server calls when a client leaves while the
+    worker thread iterates the stream; the iteration ends within a forward."""
+    stream = local.generate(PROMPT, max_new_tokens=1500, stream=True, stop_token_ids=[])
+    got: list[str] = []
+    first = threading.Event()
+
+    def consume() -> None:
+        for chunk in stream:
+            got.append(chunk)
+            first.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert first.wait(30)
+    stream.cancel()
+    t.join(30)
+    assert not t.is_alive()
+    assert stream.result is not None and stream.result.finish_reason == "cancelled"
+    assert stream.result.stats.generated_tokens < 1500
+    assert "".join(got) == stream.result.text
+
+
+def test_session_pool_choice() -> None:
+    class Stub:
+        def session(self) -> object:
+            return object()
+
+    pool = SessionPool(Stub(), 2)  # type: ignore[arg-type]
+    a, n = pool.choose([1, 2, 3])
+    assert n == 0
+    a.tokens, a.prompt_len = [1, 2, 3, 9, 9], 3
+    b, _ = pool.choose([5, 6])  # no continuation: a new session while there is room
+    assert b is not a
+    b.tokens, b.prompt_len = [5, 6, 7], 2
+    again, n = pool.choose([1, 2, 3, 9, 9, 4])  # extends a's conversation
+    assert again is a and n == 5
+    third, n = pool.choose([5, 8])  # full: the slot sharing the longest prefix
+    assert third is b and n == 1
+    assert common_prefix([1, 2], [1, 2, 3]) == 2 and common_prefix([], [1]) == 0
+
+
+# ----------------------------------------------------------------------------- concurrency
+
+
+def _stream(
+    url: str, body: dict[str, Any], out: queue.Queue[Any], hang_up: threading.Event | None
+) -> None:
+    """POST a streaming completion; report its status and its first data line, then hang
+    up once ``hang_up`` is set (at once when it is None)."""
+    try:
+        with (
+            httpx.Client(timeout=60) as h,
+            h.stream("POST", url + "/v1/completions", json=body) as r,
+        ):
+            out.put(("status", r.status_code))
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    out.put(("data", line))
+                    if hang_up is not None:
+                        hang_up.wait(60)
+                    return
+    except Exception as e:  # reported to the test
+        out.put(("error", repr(e)))
+
+
+LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1900, "stream": True, "ignore_eos": True}
+
+
+def test_disconnect_cancels_the_generation(server: Live) -> None:
+    before = server.stats()["totals"]
+    out: queue.Queue[Any] = queue.Queue()
+    t0 = time.monotonic()
+    _stream(server.url, LONG, out, None)
+    assert out.get() == ("status", 200)
+    assert out.get()[0] == "data"
+    # The client has hung up: the engine stops within a forward, long before 1900 tokens.
+    after = wait_for(
+        lambda: (s := server.stats())["totals"]["cancelled"] > before["cancelled"] and s,
+        what="the cancelled generation",
+    )
+    last = after["history"][-1]
+    assert last["finish_reason"] == "cancelled"
+    assert last["generated_tokens"] < 1900
+    # A non-streamed request whose client gives up is cancelled too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**LONG, "stream": False}, timeout=0.5)
+    wait_for(
+        lambda: server.stats()["totals"]["cancelled"] >= before["cancelled"] + 2,
+        what="the second cancellation",
+    )
+    assert server.stats()["history"][-1]["generated_tokens"] < 1900
+    assert time.monotonic() - t0 < 20
+    # And the engine is free for the next one at once.
+    r = server.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert r.usage is not None and r.usage.completion_tokens == 2
+
+
+def test_queue_bound_refuses_with_retry_after(server: Live) -> None:
+    """One generation runs and --max-queue 3 wait; the next request is a 429 with
+    Retry-After, and once the queue drains requests are served again."""
+    outs: list[queue.Queue[Any]] = [queue.Queue() for _ in range(4)]
+    release = threading.Event()
+    threads = []
+    try:
+        for i, out in enumerate(outs):
+            t = threading.Thread(target=_stream, args=(server.url, LONG, out, release), daemon=True)
+            t.start()
+            threads.append(t)
+            if i == 0:  # the first one is generating before the others queue behind it
+                assert out.get(timeout=30) == ("status", 200)
+                assert out.get(timeout=30)[0] == "data"
+        wait_for(lambda: server.stats()["queue_depth"] == 3, what="three queued requests")
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 429
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "queue_full"
+        with pytest.raises(openai.RateLimitError):
+            server.client().completions.create(model=MODEL, prompt="a", max_tokens=2)
+        assert server.stats()["running"] == 1  # the first one is still generating
+    finally:
+        release.set()  # each hangs up after its first chunk: the queue drains
+        for t in threads:
+            t.join(timeout=60)
+    wait_for(lambda: (s := server.stats())["queue_depth"] == 0 and s["running"] == 0)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_load_32_requests_from_8_clients(server: Live) -> None:
+    """32 greedy requests (completions and chats, streamed and not) from 8 concurrent
+    clients: each is answered or refused with a 429, none is lost, and every answer is the
+    text the same request gets alone."""
+    reqs: list[tuple[str, dict[str, Any]]] = []
+    for i in range(32):
+        kind = "chat" if i % 2 else "completion"
+        body: dict[str, Any] = {"model": MODEL, "max_tokens": 12 + i % 5, "temperature": 0}
+        if kind == "chat":
+            body["messages"] = [{"role": "user", "content": f"def f{i}(x):"}]
+        else:
+            body["prompt"] = f"# step {i}\ndef g{i}("
+        reqs.append((kind, body))
+
+    def ask(c: openai.OpenAI, kind: str, body: dict[str, Any], stream: bool) -> str:
+        if kind == "chat":
+            if stream:
+                parts = c.chat.completions.create(**body, stream=True)
+                return "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+            return c.chat.completions.create(**body).choices[0].message.content or ""
+        if stream:
+            return "".join(p.choices[0].text for p in c.completions.create(**body, stream=True))
+        return c.completions.create(**body).choices[0].text
+
+    results: dict[int, str] = {}
+    refusals: list[str | None] = []
+
+    def worker(w: int) -> None:
+        c = server.client(timeout=120)
+        for i in range(w, 32, 8):
+            kind, body = reqs[i]
+            for _attempt in range(20):  # a refused client retries after Retry-After
+                try:
+                    results[i] = ask(c, kind, body, stream=i % 3 == 0)
+                    break
+                except openai.RateLimitError as e:
+                    after = e.response.headers.get("retry-after")
+                    refusals.append(after)
+                    time.sleep(min(float(after or 1), 1.0) * 0.25)
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(worker, range(8)))
+    elapsed = time.monotonic() - t0
+    assert sorted(results) == list(range(32))  # none lost: every one answered in the end
+    assert all(r is not None and int(r) >= 1 for r in refusals)
+    alone = server.client()
+    for i, text in results.items():
+        kind, body = reqs[i]
+        assert text == ask(alone, kind, body, stream=False), i
+    print(f"\n32 requests, 8 clients: {len(refusals)} refusals (429, retried) "
+          f"in {elapsed:.1f} s")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_metrics_are_prometheus_text(server: Live, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in (
+        "colibri_requests",
+        "colibri_generated_tokens",
+        "colibri_prompt_tokens",
+        "colibri_prompt_cached_tokens",
+        "colibri_tokens_per_second",
+        "colibri_tokens_per_forward",
+        "colibri_drafts_proposed",
+        "colibri_drafts_accepted",
+        "colibri_draft_acceptance",
+        "colibri_expert_hits",
+        "colibri_expert_misses",
+        "colibri_expert_bytes_read",
+        "colibri_expert_wait_seconds",
+        "colibri_expert_layer_hits",
+        "colibri_prefetch_recall",
+        "colibri_queue_depth",
+        "colibri_memory_bytes",
+        "colibri_request_seconds",
+    ):
+        assert name in fams, name
+
+    def value(name: str, **labels: str) -> float:
+        return sum(
+            s.value
+            for s in fams[name].samples
+            if s.name.endswith("_total") or s.name == name
+            if all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    assert value("colibri_generated_tokens") >= 8
+    assert value("colibri_requests", endpoint="/v1/completions", status="200") >= 1
+    assert value("colibri_expert_hits") > 0
+    assert value("colibri_tokens_per_second") > 0
+    assert value("colibri_memory_bytes", kind="expert_budget") > 0
+    assert value("colibri_queue_depth") == 0
+
+
+# ----------------------------------------------------------------------------- dashboard
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+def test_dashboard_updates_in_a_browser(server: Live, tmp_path: Path) -> None:
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        why = (
+            "needs Debian's chromium and chromium-driver (apt-get install chromium "
+            "chromium-driver; .ci/run installs them)"
+        )
+        if os.environ.get("COLIBRI_REQUIRE_BROWSER"):  # CI: the browser must be there
+            pytest.fail(why)
+        pytest.skip(why)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              "--window-size=1280,1180", "--hide-scrollbars"):  # fmt: skip
+        opts.add_argument(a)
+    os.environ.setdefault("SE_OFFLINE", "true")  # never let selenium fetch a driver
+    driver = webdriver.Chrome(options=opts, service=Service(str(CHROMEDRIVER)))
+    try:
+        driver.get(server.url + "/")
+
+        def text(id_: str) -> str:
+            return str(driver.find_element("id", id_).text)
+
+        def polls() -> int:
+            return int(driver.find_element("tag name", "body").get_attribute("data-polls") or 0)
+
+        wait_for(lambda: polls() >= 1, what="the first poll")
+        assert "live" in text("status")
+        n0, tokens0 = int(text("generations")), int(text("tokens"))
+        c = server.client()
+        for q in ("class Node:", "def walk(tree):"):
+            c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": q}],
+                max_tokens=20,
+                temperature=0,
+            )
+        wait_for(lambda: int(text("generations")) == n0 + 2, what="the dashboard to update")
+        assert int(text("tokens")) == tokens0 + 40
+        assert float(text("tps")) > 0
+        assert float(text("tpf")) >= 1.0
+        assert text("hitrate").endswith("%")
+        assert text("recall").endswith("%")
+        # The charts drew: the heat map has coloured cells (not only the background).
+        coloured = driver.execute_script(
+            """const c = document.getElementById('c-heat');
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            let n = 0; for (let i = 0; i < d.length; i += 4) if (d[i + 1] > 150) n++;
+            return n;"""
+        )
+        assert coloured > 500
+        logs = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert not logs, logs
+        shot = tmp_path / "dashboard.png"
+        driver.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+        if target := os.environ.get("COLIBRI_DASHBOARD_SCREENSHOT"):
+            shutil.copyfile(shot, ROOT / target)
+    finally:
+        driver.quit()
+
+
+def test_stats_json(server: Live) -> None:
+    s = server.stats()
+    assert s["served_model"] == MODEL
+    assert s["totals"]["generations"] == len(s["history"]) or len(s["history"]) == 120
+    assert s["layers"] and all(0.0 <= v["hit_rate"] <= 1.0 for v in s["layers"].values())
+    json.dumps(s)

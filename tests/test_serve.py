@@ -325,11 +325,9 @@ def test_unsupported_fields_are_400s_naming_them(client: openai.OpenAI) -> None:
     )
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
     _bad(lambda: chat(model=MODEL, messages=msgs, response_format=schema), "response_format")
-    _bad(lambda: chat(model=MODEL, messages=msgs, presence_penalty=0.5), "presence_penalty")
-    _bad(lambda: chat(model=MODEL, messages=msgs, logit_bias={"1": 5}), "logit_bias")
     _bad(lambda: chat(model=MODEL, messages=msgs, audio={"voice": "x", "format": "mp3"}), "audio")
     _bad(lambda: chat(model=MODEL, messages=[{"role": "tool", "content": "x"}]), "messages[0].role")
-    _bad(lambda: chat(model=MODEL, messages=msgs, extra_body={"min_p": 0.1}), "min_p")
+    _bad(lambda: chat(model=MODEL, messages=msgs, extra_body={"min_q": 0.1}), "min_q")
     _bad(lambda: chat(model=MODEL, messages=msgs, temperature=2.5), "temperature")
     _bad(lambda: chat(model=MODEL, messages=msgs, stream_options={"include_usage": True}),
          "stream_options")  # fmt: skip
@@ -346,24 +344,48 @@ def test_unsupported_fields_are_400s_naming_them(client: openai.OpenAI) -> None:
     assert isinstance(e, openai.NotFoundError)
 
 
-def test_logprobs_are_refused_until_the_engine_has_them(client: openai.OpenAI) -> None:
-    if protocol.ENGINE_HAS_LOGPROBS:  # the engine grew them: the mapping is tested below
-        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=2)
-        assert r.choices[0].logprobs is not None
-        assert len(r.choices[0].logprobs.token_logprobs or []) == 4
-        return
-    msgs = [{"role": "user", "content": "hi"}]
-    e = _bad(
-        lambda: client.chat.completions.create(
-            model=MODEL, messages=msgs, logprobs=True, top_logprobs=2
-        ),
-        "logprobs",
+def test_logprobs_penalties_and_bias_through_the_openai_client(
+    client: openai.OpenAI, local: colibri.Model
+) -> None:
+    model = local
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=2, temperature=0
     )
-    assert "log-probabilities" in e.message
-    _bad(lambda: client.completions.create(model=MODEL, prompt="a", logprobs=1), "logprobs")
+    lp = r.choices[0].logprobs
+    assert lp is not None and len(lp.token_logprobs or []) == 4
+    lib = model.generate(PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    assert lib.logprobs is not None
+    assert [round(x, 5) for x in lp.token_logprobs or []] == [round(x, 5) for x in lib.logprobs]
+    assert all(len(t) <= 2 for t in lp.top_logprobs or [])
+    msgs = [{"role": "user", "content": "hi"}]
+    c = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=3, logprobs=True, top_logprobs=2, temperature=0
+    )
+    content = c.choices[0].logprobs.content if c.choices[0].logprobs else None
+    assert content is not None and len(content) >= 1 and len(content[0].top_logprobs) == 2
     # logprobs=false is honoured (nothing asked, nothing refused).
-    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, logprobs=False)
-    assert r.choices[0].logprobs is None
+    r2 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, logprobs=False)
+    assert r2.choices[0].logprobs is None
+    # Penalties and a bias reach the sampler: the same as the library's with them.
+    kw: dict[str, Any] = {"presence_penalty": 1.5, "frequency_penalty": 0.5}
+    banned = lib.token_ids[0]
+    served = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logit_bias={str(banned): -100},
+        extra_body={"repetition_penalty": 1.3, "min_p": 0.0}, **kw,
+    )  # fmt: skip
+    ref = model.generate(
+        PROMPT, max_tokens=6, temperature=0, logit_bias={banned: -100.0},
+        repetition_penalty=1.3, **kw,
+    )  # fmt: skip
+    assert served.choices[0].text == ref.text
+    _bad(
+        lambda: client.completions.create(model=MODEL, prompt="a", presence_penalty=3),
+        "presence_penalty",
+    )
+    _bad(
+        lambda: client.completions.create(model=MODEL, prompt="a", logit_bias={"x": 1}),
+        "logit_bias",
+    )
 
 
 def test_logprobs_mapping() -> None:

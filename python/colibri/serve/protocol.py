@@ -8,7 +8,6 @@ module needs no web framework, so it is tested on its own.
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 import time
@@ -108,11 +107,6 @@ def from_colibri_error(e: ColibriError, kind: Kind) -> ApiError:
 
 # ----------------------------------------------------------------------------- logprobs
 
-#: Whether this engine returns per-token log-probabilities (``generate(..., logprobs=k)``
-#: giving ``result.logprobs`` and ``result.top_logprobs``). Until it does, a request asking
-#: for them is a 400 naming the field.
-ENGINE_HAS_LOGPROBS = "logprobs" in inspect.signature(Model.generate).parameters
-
 
 def logprobs_body(
     model: Model, result: GenerationResult, kind: Kind, top: int
@@ -211,6 +205,9 @@ _COMMON = {
     "draft_depth",
     "ignore_eos",
     "stop_token_ids",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
 }
 _CHAT_ONLY = {
     "messages",
@@ -313,14 +310,6 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
         if not _is_int(n) or n < 1:
             raise invalid("n", f"{n!r}; expected a positive integer")
         raise unsupported("n", "one choice per request (send the request n times)")
-    for pen in ("frequency_penalty", "presence_penalty"):
-        v = body.get(pen)
-        if v is not None and not _is_num(v):
-            raise invalid(pen, f"{v!r}; expected a number")
-        _must_be_off(body, pen, [0, 0.0], "colibri samples without repetition penalties")
-    lb = body.get("logit_bias")
-    if lb is not None and lb != {}:
-        raise unsupported("logit_bias", "colibri does not bias logits")
     if kind == "chat":
         _refuse_chat_features(body)
     else:
@@ -411,6 +400,7 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
         gen["stop_token_ids"] = eos + [t for t in stop_ids or [] if t not in eos]
     if logprobs is not None:
         gen["logprobs"] = logprobs
+    gen.update(_logit_processing(body, model))
     for text_field in ("user", "safety_identifier", "prompt_cache_key"):
         v = body.get(text_field)
         if v is not None and not isinstance(v, str):
@@ -427,6 +417,46 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
         model=served,
         id=prefix + uuid.uuid4().hex[:24],
     )
+
+
+def _logit_processing(body: Mapping[str, Any], model: Model) -> dict[str, Any]:
+    """OpenAI's penalties and ``logit_bias`` and vLLM's ``min_p``, ``repetition_penalty``,
+    ``min_tokens``, as ``Model.generate`` keywords (applied in the engine's sampler, also
+    on greedy requests, and lossless under speculation)."""
+    out: dict[str, Any] = {}
+    for pen in ("frequency_penalty", "presence_penalty"):
+        v = _opt_num(body, pen, -2.0, 2.0)
+        if v:
+            out[pen] = v
+    rep = _opt_num(body, "repetition_penalty", 0.0, 10.0)
+    if rep is not None:
+        if rep <= 0:
+            raise invalid("repetition_penalty", f"{rep}; must be > 0 (1 = off)")
+        out["repetition_penalty"] = rep
+    min_p = _opt_num(body, "min_p", 0.0, 1.0)
+    if min_p:
+        out["min_p"] = min_p
+    min_tokens = _opt_int(body, "min_tokens", 0)
+    if min_tokens:
+        out["min_tokens"] = min_tokens
+    lb = body.get("logit_bias")
+    if lb is not None:
+        if not isinstance(lb, Mapping):
+            raise invalid("logit_bias", f"{lb!r}; expected a map of token id to bias")
+        bias: dict[int, float] = {}
+        for k, v in lb.items():
+            try:
+                tok = int(k)
+            except (TypeError, ValueError):
+                raise invalid("logit_bias", f"key {k!r} is not a token id") from None
+            if not 0 <= tok < model._vocab_size:
+                raise invalid("logit_bias", f"token id {tok} is outside the vocabulary")
+            if not _is_num(v) or not -100 <= v <= 100:
+                raise invalid("logit_bias", f"token {tok}: {v!r}; expected a number in [-100, 100]")
+            bias[tok] = float(v)
+        if bias:
+            out["logit_bias"] = bias
+    return out
 
 
 def _refuse_chat_features(body: Mapping[str, Any]) -> None:
@@ -478,17 +508,8 @@ def _parse_logprobs(body: Mapping[str, Any], kind: Kind) -> int | None:
     if kind == "chat":
         on = _opt_bool(body, "logprobs")
         top = _opt_int(body, "top_logprobs", 0, 20)
-        if not on:
-            return None
-        want, name = top or 0, "logprobs"
-    else:
-        top = _opt_int(body, "logprobs", 0, 20)
-        if top is None:
-            return None
-        want, name = top, "logprobs"
-    if not ENGINE_HAS_LOGPROBS:
-        raise unsupported(name, "this engine does not return token log-probabilities yet")
-    return want
+        return (top or 0) if on else None
+    return _opt_int(body, "logprobs", 0, 20)
 
 
 def _parse_stop(stop: object) -> list[str] | None:

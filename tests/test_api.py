@@ -1501,3 +1501,24 @@ def test_prefill_progress_reports_each_chunk_and_changes_nothing() -> None:
     assert m.generate([5, 6], **kw).token_ids
     with pytest.raises(colibri.InvalidArgumentError, match="prefill_progress"):
         m.generate([5, 6], prefill_progress=3, **kw)  # type: ignore[call-overload]
+
+
+def test_a_list_of_prompts_is_decoded_together_with_each_result_as_alone() -> None:
+    m = colibri.Model(threads=1)
+    prompts = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, x):"]
+    kw: dict[str, Any] = {"max_tokens": 10, "stop_token_ids": [], "logprobs": 2}
+    for extra in ({"temperature": 0}, {"temperature": 0.9, "seed": 4, "presence_penalty": 0.5}):
+        batch = m.generate(prompts, **kw, **extra)
+        assert isinstance(batch, list) and len(batch) == 3
+        for p, r in zip(prompts, batch, strict=True):
+            alone = m.session().generate(p, draft="off", **kw, **extra)
+            assert r.token_ids == alone.token_ids and r.text == alone.text
+            assert r.logprobs == alone.logprobs
+    # Token-id prompts, stop strings per prompt, and the errors.
+    ids = [m.encode("x = 1\n"), m.encode("y = ")]
+    out = m.generate(ids, max_tokens=6, temperature=0, stop=["\n"])
+    assert all("\n" not in r.text for r in out)
+    with pytest.raises(colibri.InvalidArgumentError, match="stream"):
+        m.generate(prompts, max_tokens=2, stream=True)  # type: ignore[call-overload]
+    with pytest.raises(colibri.InvalidArgumentError):
+        m.generate(["ok", [10**9]], max_tokens=2)

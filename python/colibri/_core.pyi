@@ -204,6 +204,16 @@ class Engine:
         stays lossless); ``logprobs`` k adds ``"logprobs"``: per token
         ``{"token", "logprob", "top": [(id, logprob)] * k}``. ``prefill_progress(done,
         total)`` is called after each prompt chunk (512 tokens), where Ctrl-C is also checked."""
+    def generate_batch(
+        self,
+        requests: list[dict[str, Any]],
+        sessions: list[Session],
+        on_tokens: Callable[[int, list[int]], bool] | None = None,
+    ) -> list[dict[str, Any] | BaseException]:
+        """Generate for several sessions at once, their decode forwards shared (batched
+        decode). ``requests[i]``: ``"ids"`` and every keyword of :meth:`generate` but
+        ``on_tokens``/``session``/``prefill_progress``; ``sessions[i]`` its (distinct)
+        session. Returns per request the result dict, or its error as an exception object."""
     def drop_page_cache(self) -> None:
         """Evict the model's expert bytes from the OS page cache (cold-start benchmarks)."""
     def expert_stats(self) -> dict[str, Any]:

@@ -561,6 +561,34 @@ class Model:
     @overload
     def generate(
         self,
+        prompt: list[str] | list[list[int]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        max_new_tokens: int | None = ...,
+        max_tokens: int | None = ...,
+        temperature: float | None = ...,
+        top_k: int | None = ...,
+        top_p: float | None = ...,
+        min_p: float | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool | None = ...,
+        repetition_penalty: float | None = ...,
+        presence_penalty: float | None = ...,
+        frequency_penalty: float | None = ...,
+        logit_bias: Mapping[int, float] | None = ...,
+        min_tokens: int | None = ...,
+        logprobs: int | None = ...,
+        prefill_progress: Callable[[int, int], object] | None = ...,
+        draft: DraftMode | None = ...,
+        draft_depth: int | Literal["auto"] | None = ...,
+        stream: Literal[False] = False,
+    ) -> list[GenerationResult]: ...
+
+    @overload
+    def generate(
+        self,
         prompt: str | Sequence[int],
         sampling_params: SamplingParams | None = None,
         *,
@@ -616,7 +644,7 @@ class Model:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | list[str] | list[list[int]],
         sampling_params: SamplingParams | None = None,
         *,
         max_new_tokens: int | None = None,
@@ -639,8 +667,13 @@ class Model:
         draft: DraftMode | None = None,
         draft_depth: int | Literal["auto"] | None = None,
         stream: bool = False,
-    ) -> GenerationResult | GenerationStream:
-        """Continue ``prompt`` (text or token ids).
+    ) -> GenerationResult | GenerationStream | list[GenerationResult]:
+        """Continue ``prompt`` (text or token ids), or every prompt of a list of them.
+
+        A list of prompts returns a list of results: each prompt gets a fresh session and
+        their decode forwards are shared (batched decode: an expert any of them routes to is
+        read once for all), each result the one the prompt gets alone with ``draft="off"``
+        (batched rows are not drafted yet).
 
         Args:
             sampling_params: a :class:`SamplingParams` holding any of the keywords below
@@ -687,6 +720,12 @@ class Model:
             A :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`.
         """
         kw = {k: v for k, v in locals().items() if k in _GENERATE_KEYWORDS}
+        if _is_batch(prompt):
+            if stream:
+                raise InvalidArgumentError(
+                    "stream=True takes one prompt; a list of prompts returns a list of results"
+                )
+            return self._run_batch([self._params(p, sampling_params, kw) for p in prompt])
         return self._launch(self._params(prompt, sampling_params, kw), stream)
 
     def _params(
@@ -884,79 +923,32 @@ class Model:
         on_text: Callable[[str], bool] | None,
         cancel: threading.Event | None = None,
     ) -> GenerationResult:
-        decoder = IncrementalDecoder(self.tokenizer)
-        matcher = StopMatcher(p["stops"])
-        shown = 0
-        stopped_by_string = False
-
-        hidden = set(p["stop_ids"])
-
-        def on_tokens(new_ids: list[int]) -> bool:
-            nonlocal shown, stopped_by_string
-            if cancel is not None and cancel.is_set():
-                return False
-            decoder.push([t for t in new_ids if t not in hidden])
-            cut = matcher.check(decoder.text, shown)
-            if cut is not None:
-                stopped_by_string = True
-                if on_text is not None and cut > shown:
-                    on_text(decoder.text[shown:cut])
-                shown = cut
-                return False
-            if on_text is not None:
-                upto = matcher.safe_len(decoder.text)
-                if upto > shown:
-                    keep_going = on_text(decoder.text[shown:upto])
-                    shown = upto
-                    return keep_going
-            return True
-
+        lane = _Lane(self.tokenizer, p, on_text, cancel)
         with self._lock:
             raw: dict[str, Any] = self._engine.generate(
                 p["ids"],
-                max_new_tokens=p["max_new_tokens"],
-                temperature=p["temperature"],
-                top_k=p["top_k"],
-                top_p=p["top_p"],
-                seed=p["seed"],
-                draft=p["draft"],
-                draft_depth=p["draft_depth"],
-                stop_ids=p["stop_ids"],
-                on_tokens=on_tokens,
+                **_engine_keywords(p),
+                on_tokens=lane.on_tokens,
                 session=p.get("session"),
-                min_p=p["min_p"],
-                repetition_penalty=p["repetition_penalty"],
-                presence_penalty=p["presence_penalty"],
-                frequency_penalty=p["frequency_penalty"],
-                logit_bias=p["logit_bias"],
-                min_tokens=p["min_tokens"],
-                logprobs=p["logprobs"],
                 prefill_progress=p["prefill_progress"],
             )
-        tokens: list[int] = list(raw["tokens"])
-        reason = str(raw["finish_reason"])
-        if reason not in _ENGINE_FINISH_REASONS:
-            raise InternalError(f"the engine returned an unknown finish reason {reason!r}")
-        finish = _ENGINE_FINISH_REASONS[reason]
-        if stopped_by_string:
-            text = decoder.text[:shown]
-            finish = "stop"
-        else:
-            decoder.flush()
-            text = decoder.text
-            if on_text is not None and len(text) > shown:
-                on_text(text[shown:])
-        scored = raw.get("logprobs")
-        return GenerationResult(
-            text=text,
-            token_ids=tokens,
-            finish_reason=finish,
-            stats=_stats(raw["stats"]),
-            logprobs=None if scored is None else [float(r["logprob"]) for r in scored],
-            top_logprobs=None
-            if scored is None
-            else [[(int(t), float(lp)) for t, lp in r["top"]] for r in scored],
-        )
+        return lane.result(raw)
+
+    def _run_batch(self, params: Sequence[Mapping[str, Any]]) -> list[GenerationResult]:
+        """Several generations at once, each on a fresh session, their decode forwards
+        shared (batched decode)."""
+        lanes = [_Lane(self.tokenizer, p, None, None) for p in params]
+        with self._lock:
+            sessions = [self._engine.new_session() for _ in params]
+            raw = self._engine.generate_batch(
+                [{"ids": p["ids"], **_engine_keywords(p)} for p in params],
+                sessions,
+                lambda i, ids: lanes[i].on_tokens(ids),
+            )
+        for r in raw:
+            if isinstance(r, BaseException):
+                raise r
+        return [lane.result(r) for lane, r in zip(lanes, raw, strict=True)]
 
     # ----------------------------------------------------------------------------- chat
     def apply_chat_template(
@@ -1149,6 +1141,102 @@ class Model:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_batch(prompt: object) -> bool:
+    """A list of prompts (texts, or token-id lists), as opposed to one prompt's token ids."""
+    return (
+        isinstance(prompt, (list, tuple))
+        and len(prompt) > 0
+        and all(isinstance(p, (str, list, tuple)) for p in prompt)
+    )
+
+
+def _engine_keywords(p: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine's keywords of a checked generation (``Model._params``)."""
+    keys = (
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "draft",
+        "draft_depth",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "min_tokens",
+        "logprobs",
+    )
+    return {"stop_ids": p["stop_ids"], **{k: p[k] for k in keys}}
+
+
+class _Lane:
+    """One generation's text side: incremental decoding, stop strings, the text callback."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        p: Mapping[str, Any],
+        on_text: Callable[[str], bool] | None,
+        cancel: threading.Event | None,
+    ) -> None:
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.matcher = StopMatcher(p["stops"])
+        self.hidden = set(p["stop_ids"])
+        self.on_text = on_text
+        self.cancel = cancel
+        self.shown = 0
+        self.stopped_by_string = False
+
+    def on_tokens(self, new_ids: list[int]) -> bool:
+        """The engine's callback: False stops the generation (a stop string, a cancel)."""
+        if self.cancel is not None and self.cancel.is_set():
+            return False
+        self.decoder.push([t for t in new_ids if t not in self.hidden])
+        text = self.decoder.text
+        cut = self.matcher.check(text, self.shown)
+        if cut is not None:
+            self.stopped_by_string = True
+            if self.on_text is not None and cut > self.shown:
+                self.on_text(text[self.shown : cut])
+            self.shown = cut
+            return False
+        if self.on_text is not None:
+            upto = self.matcher.safe_len(text)
+            if upto > self.shown:
+                keep_going = self.on_text(text[self.shown : upto])
+                self.shown = upto
+                return keep_going
+        return True
+
+    def result(self, raw: Mapping[str, Any]) -> GenerationResult:
+        """The result of the engine's answer ``raw``."""
+        reason = str(raw["finish_reason"])
+        if reason not in _ENGINE_FINISH_REASONS:
+            raise InternalError(f"the engine returned an unknown finish reason {reason!r}")
+        finish = _ENGINE_FINISH_REASONS[reason]
+        if self.stopped_by_string:
+            text = self.decoder.text[: self.shown]
+            finish = "stop"
+        else:
+            self.decoder.flush()
+            text = self.decoder.text
+            if self.on_text is not None and len(text) > self.shown:
+                self.on_text(text[self.shown :])
+        scored = raw.get("logprobs")
+        return GenerationResult(
+            text=text,
+            token_ids=[int(t) for t in raw["tokens"]],
+            finish_reason=finish,
+            stats=_stats(raw["stats"]),
+            logprobs=None if scored is None else [float(r["logprob"]) for r in scored],
+            top_logprobs=None
+            if scored is None
+            else [[(int(t), float(lp)) for t, lp in r["top"]] for r in scored],
+        )
 
 
 def _caller_stacklevel() -> int:

@@ -16,7 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::decode::{DraftDepth, DraftSource, PrefillProgress, SamplingParams};
-use crate::engine::{Engine, EngineOptions, Session};
+use crate::engine::{BatchRequest, Engine, EngineOptions, Session};
 use crate::error::Error;
 use crate::python::{run, to_py_err};
 
@@ -240,29 +240,23 @@ impl PyEngine {
         prefill_progress: Option<Py<PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let e = &self.engine;
-        let mut opts = e.default_generate_options();
-        opts.max_new_tokens = max_new_tokens;
-        opts.sampling = SamplingParams {
+        let mut opts = self.options(&RequestArgs {
+            max_new_tokens,
             temperature,
             top_k,
             top_p,
+            seed,
+            draft: draft.to_owned(),
+            draft_depth,
+            stop_ids,
             min_p,
-            seed: Some(seed),
             repetition_penalty,
             presence_penalty,
             frequency_penalty,
-            logit_bias: logit_bias.unwrap_or_default(),
+            logit_bias,
             min_tokens,
-        };
-        opts.logprobs = logprobs;
-        if let Some(stop) = stop_ids {
-            opts.stop_tokens = stop;
-        }
-        opts.draft = DraftSource::parse(draft).map_err(to_py_err)?;
-        opts.depth = match draft_depth {
-            0 => DraftDepth::Auto,
-            d => DraftDepth::Fixed(d),
-        };
+            logprobs,
+        })?;
         let session = session.as_ref().map(|s| s.inner.clone());
         let cancel = Arc::new(AtomicBool::new(false));
         // Told after every prefill chunk: checks for Ctrl-C (so a long prompt stops within
@@ -311,24 +305,84 @@ impl PyEngine {
         if let Some(err) = pending {
             return Err(err);
         }
-        let completion = completion?;
-        let d = PyDict::new(py);
-        d.set_item("tokens", completion.tokens)?;
-        d.set_item("finish_reason", completion.finish.as_str())?;
-        d.set_item("stats", json_to_py(py, &completion.stats)?)?;
-        if opts.logprobs.is_some() {
-            // Built directly: a −inf log-probability has no JSON form.
-            let rows = PyList::empty(py);
-            for lp in &completion.logprobs {
-                let row = PyDict::new(py);
-                row.set_item("token", lp.token)?;
-                row.set_item("logprob", lp.logprob)?;
-                row.set_item("top", lp.top.clone())?;
-                rows.append(row)?;
-            }
-            d.set_item("logprobs", rows)?;
+        completion_dict(py, completion?, opts.logprobs.is_some())
+    }
+
+    /// Generate for several sessions at once, their decode forwards shared (batched decode:
+    /// an expert any of them routes to is read once for all). `requests[i]` is a dict of
+    /// `generate`'s keywords (every one given) plus "ids"; `sessions[i]` its session.
+    /// `on_tokens(i, tokens)` gets request i's emitted tokens (False stops it). Returns one
+    /// result dict per request, or the error of that request as an exception object.
+    #[pyo3(signature = (requests, sessions, on_tokens=None))]
+    fn generate_batch<'py>(
+        &self,
+        py: Python<'py>,
+        requests: Vec<Bound<'py, PyDict>>,
+        sessions: Vec<PyRef<'py, PySession>>,
+        on_tokens: Option<Py<PyAny>>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        if requests.len() != sessions.len() {
+            return Err(to_py_err(Error::invalid(
+                "sessions",
+                "give one session per request",
+            )));
         }
-        Ok(d)
+        let mut parsed = Vec::with_capacity(requests.len());
+        for r in &requests {
+            let ids: Vec<u32> = r
+                .get_item("ids")?
+                .ok_or_else(|| to_py_err(Error::invalid("requests", "a request has no 'ids'")))?
+                .extract()?;
+            let args: RequestArgs = r.extract()?;
+            parsed.push((ids, self.options(&args)?));
+        }
+        let inner: Vec<Arc<Session>> = sessions.iter().map(|s| s.inner.clone()).collect();
+        let batch: Vec<BatchRequest<'_>> = parsed
+            .iter()
+            .zip(&inner)
+            .map(|((ids, opts), s)| BatchRequest {
+                session: s,
+                prompt: ids,
+                options: opts.clone(),
+            })
+            .collect();
+        let e = &self.engine;
+        let cancel = AtomicBool::new(false);
+        let mut pending: Option<PyErr> = None;
+        let results = run(py, || {
+            let mut on = |i: usize, toks: &[u32]| -> bool {
+                Python::attach(|py| {
+                    if let Err(e) = py.check_signals() {
+                        pending = Some(e);
+                        cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                        return false;
+                    }
+                    let Some(cb) = &on_tokens else { return true };
+                    match cb.call1(py, (i, toks.to_vec())) {
+                        Ok(v) => v.extract::<bool>(py).unwrap_or(true),
+                        Err(e) => {
+                            pending = Some(e);
+                            cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                            false
+                        }
+                    }
+                })
+            };
+            e.generate_batch(&batch, &mut on, &cancel)
+        });
+        if let Some(err) = pending {
+            return Err(err);
+        }
+        results?
+            .into_iter()
+            .zip(&parsed)
+            .map(|(r, (_, opts))| match r {
+                Ok(c) => Ok(completion_dict(py, c, opts.logprobs.is_some())?
+                    .into_any()
+                    .unbind()),
+                Err(err) => Ok(to_py_err(err).into_value(py).into_any()),
+            })
+            .collect()
     }
 
     /// Evict the model's expert bytes from the OS page cache (cold-start benchmarks).
@@ -371,6 +425,83 @@ impl PyEngine {
         d.set_item("layers", layers)?;
         Ok(d)
     }
+}
+
+/// Every keyword of a generation's options (`Engine.generate`'s, also the dict form a batch
+/// request takes).
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+struct RequestArgs {
+    max_new_tokens: usize,
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    seed: u64,
+    draft: String,
+    draft_depth: usize,
+    stop_ids: Option<Vec<u32>>,
+    min_p: f32,
+    repetition_penalty: f32,
+    presence_penalty: f32,
+    frequency_penalty: f32,
+    logit_bias: Option<Vec<(u32, f32)>>,
+    min_tokens: usize,
+    logprobs: Option<usize>,
+}
+
+impl PyEngine {
+    /// The engine's options for a request (its defaults where the request has none).
+    fn options(&self, r: &RequestArgs) -> PyResult<crate::decode::GenerateOptions> {
+        let mut opts = self.engine.default_generate_options();
+        opts.max_new_tokens = r.max_new_tokens;
+        opts.sampling = SamplingParams {
+            temperature: r.temperature,
+            top_k: r.top_k,
+            top_p: r.top_p,
+            min_p: r.min_p,
+            seed: Some(r.seed),
+            repetition_penalty: r.repetition_penalty,
+            presence_penalty: r.presence_penalty,
+            frequency_penalty: r.frequency_penalty,
+            logit_bias: r.logit_bias.clone().unwrap_or_default(),
+            min_tokens: r.min_tokens,
+        };
+        opts.logprobs = r.logprobs;
+        if let Some(stop) = &r.stop_ids {
+            opts.stop_tokens = stop.clone();
+        }
+        opts.draft = DraftSource::parse(&r.draft).map_err(to_py_err)?;
+        opts.depth = match r.draft_depth {
+            0 => DraftDepth::Auto,
+            d => DraftDepth::Fixed(d),
+        };
+        Ok(opts)
+    }
+}
+
+/// A completion as the dict `Engine.generate` returns.
+fn completion_dict(
+    py: Python<'_>,
+    completion: crate::engine::Completion,
+    with_logprobs: bool,
+) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("tokens", completion.tokens)?;
+    d.set_item("finish_reason", completion.finish.as_str())?;
+    d.set_item("stats", json_to_py(py, &completion.stats)?)?;
+    if with_logprobs {
+        // Built directly: a −inf log-probability has no JSON form.
+        let rows = PyList::empty(py);
+        for lp in &completion.logprobs {
+            let row = PyDict::new(py);
+            row.set_item("token", lp.token)?;
+            row.set_item("logprob", lp.logprob)?;
+            row.set_item("top", lp.top.clone())?;
+            rows.append(row)?;
+        }
+        d.set_item("logprobs", rows)?;
+    }
+    Ok(d)
 }
 
 /// The accepted values of each string option (`{"io": [...], ...}`), "auto" first.

@@ -21,7 +21,7 @@ use crate::model::linear;
 use crate::model::moe::{ExpertSource, Mlp, Moe, ResidentExperts};
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
 use crate::model::rope::Rope;
-use crate::quant::pack::dequantize_row;
+use crate::quant::pack::reference_dequantize_row;
 
 /// The feed-forward half of a decoder layer.
 enum Ffn {
@@ -578,7 +578,7 @@ impl Model {
         let view = w.view();
         let mut x = vec![0.0f32; tokens.len() * h];
         for (r, &t) in tokens.iter().enumerate() {
-            dequantize_row(&view, t as usize, &mut x[r * h..(r + 1) * h]);
+            reference_dequantize_row(&view, t as usize, &mut x[r * h..(r + 1) * h]);
         }
         x
     }

@@ -1,7 +1,7 @@
 //! The quantiser and the scalar reference dequantiser, bit-exact with docs/container.md:
 //! s = max(absmax/qmax, 1e-8); q = clip(round_half_even(w/s)); int4 stores q + 8 with element
 //! 2j in the low nibble of byte j and 2j+1 in the high nibble. Every kernel is tested
-//! against [`dequantize_row`].
+//! against [`reference_dequantize_row`].
 
 use crate::error::{Error, Result};
 use crate::quant::format::{QMatrix, QuantFormat};
@@ -118,7 +118,7 @@ pub fn quantize(
 }
 
 /// Reference dequantisation of row `o` of `m` into `out` (length `m.cols()`).
-pub fn dequantize_row(m: &QMatrix<'_>, o: usize, out: &mut [f32]) {
+pub fn reference_dequantize_row(m: &QMatrix<'_>, o: usize, out: &mut [f32]) {
     let cols = m.cols();
     let row = m.row_data(o);
     let scales = m.row_scales(o);
@@ -159,7 +159,7 @@ pub fn dequantize_row(m: &QMatrix<'_>, o: usize, out: &mut [f32]) {
 pub fn dequantize(m: &QMatrix<'_>) -> Vec<f32> {
     let mut out = vec![0.0f32; m.rows() * m.cols()];
     for o in 0..m.rows() {
-        dequantize_row(m, o, &mut out[o * m.cols()..(o + 1) * m.cols()]);
+        reference_dequantize_row(m, o, &mut out[o * m.cols()..(o + 1) * m.cols()]);
     }
     out
 }

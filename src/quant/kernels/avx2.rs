@@ -402,7 +402,7 @@ unsafe fn rows_src<S: Src, const NW: usize, const TM: usize>(
 }
 
 /// Row `o` of `w` dequantised into `out` (`w.cols()` floats): the same exact f32 weights as
-/// `pack::dequantize_row`.
+/// `pack::reference_dequantize_row`.
 ///
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C; `o < w.rows()` and `out.len() >= w.cols()`.

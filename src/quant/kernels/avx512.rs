@@ -687,7 +687,7 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, x: &[f32], s: usize, out: 
 
 /// Row `o` of `w` dequantised into `out` (`w.cols()` floats) in natural order, through the
 /// shift-and-convert sources of [`with_src!`] (the table-decoded int4 produces its vectors in
-/// a permuted order): the same exact f32 weights as `pack::dequantize_row`.
+/// a permuted order): the same exact f32 weights as `pack::reference_dequantize_row`.
 ///
 /// # Safety
 /// The CPU supports AVX-512 F and BW; `o < w.rows()` and `out.len() >= w.cols()`.

@@ -320,7 +320,7 @@ pub fn matmul_with(
 
 /// Row `row` of `w` dequantised into `out` (`w.cols()` floats) on the [`active_path`]: the
 /// exact f32 weights the kernels multiply with (`(nibble − 8) · scale`, `q · scale`, bf16 and
-/// f16 widened), equal bit for bit to the scalar reference `pack::dequantize_row`. For code
+/// f16 widened), equal bit for bit to the scalar reference `pack::reference_dequantize_row`. For code
 /// that needs weights as numbers rather than as a product
 /// (MLA's query absorption through the key half of `kv_b`).
 pub fn dequantize_row(w: &QMatrix<'_>, row: usize, out: &mut [f32]) -> Result<()> {
@@ -359,7 +359,7 @@ pub fn dequantize_row_with(
         #[cfg(target_arch = "aarch64")]
         // SAFETY: as above, with NEON present.
         KernelPath::Neon => unsafe { neon::dequantize_row(w, row, out) },
-        _ => crate::quant::pack::dequantize_row(w, row, out),
+        _ => crate::quant::pack::reference_dequantize_row(w, row, out),
     }
     Ok(())
 }

@@ -2,7 +2,7 @@
 //! tiles of up to four activation rows (two with a weight-row pair).
 //!
 //! Kept deliberately simple: every weight row is first dequantised exactly into an f32 buffer
-//! (int4 blocks of 16 with NEON, everything else by the reference `pack::dequantize_row`), then the
+//! (int4 blocks of 16 with NEON, everything else by the reference `pack::reference_dequantize_row`), then the
 //! dot products read the buffer, so S = 1 and S > 1 share every instruction that touches a sum.
 //!
 //! Tested without aarch64 hardware: `scripts/test-aarch64.sh` cross-builds the crate and runs
@@ -69,12 +69,12 @@ unsafe fn fill(w: &QMatrix<'_>, o: usize, buf: &mut [f32]) {
                 buf[i] = (nibble as i32 - 8) as f32 * scales[i / gs];
             }
         }
-        _ => pack::dequantize_row(w, o, &mut buf[..n]),
+        _ => pack::reference_dequantize_row(w, o, &mut buf[..n]),
     }
 }
 
 /// Row `o` of `w` dequantised into `out` (`w.cols()` floats), as the kernels here see it: the
-/// same values as the reference `dequantize_row` (int4 by NEON, everything else by the
+/// same values as the reference `pack::reference_dequantize_row` (int4 by NEON, everything else by the
 /// reference itself).
 ///
 /// # Safety

@@ -1,10 +1,10 @@
 //! Scalar reference kernels: the specification the SIMD paths are tested against. Each weight
-//! row is dequantised by the reference [`dequantize_row`], then each activation row gets one
+//! row is dequantised by the reference [`reference_dequantize_row`], then each activation row gets one
 //! dot product accumulated sequentially in index order ([`dot`]). The scalar kernel path runs
 //! exactly this arithmetic, chunked over output rows.
 
 use crate::quant::format::QMatrix;
-use crate::quant::pack::dequantize_row;
+use crate::quant::pack::reference_dequantize_row;
 
 /// Sequential dot product `Σ_i a[i]·b[i]`, accumulated in index order in f32.
 #[inline]
@@ -22,7 +22,7 @@ pub fn matmul(w: &QMatrix<'_>, x: &[f32], s: usize, y: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());
     let mut wrow = vec![0.0f32; cols];
     for o in 0..rows {
-        dequantize_row(w, o, &mut wrow);
+        reference_dequantize_row(w, o, &mut wrow);
         for r in 0..s {
             y[r * rows + o] = dot(&x[r * cols..(r + 1) * cols], &wrow);
         }
@@ -35,7 +35,7 @@ pub(super) fn rows(w: &QMatrix<'_>, o0: usize, x: &[f32], s: usize, out: &mut [f
     let cols = w.cols();
     let mut wrow = vec![0.0f32; cols];
     for (i, out) in out.chunks_exact_mut(s).enumerate() {
-        dequantize_row(w, o0 + i, &mut wrow);
+        reference_dequantize_row(w, o0 + i, &mut wrow);
         for (t, y) in out.iter_mut().enumerate() {
             *y = dot(&x[t * cols..(t + 1) * cols], &wrow);
         }

@@ -418,7 +418,7 @@ fn dequantized_rows_equal_the_reference_bit_for_bit() {
                 let w = p.view();
                 for o in 0..rows {
                     let mut reference = vec![f32::NAN; cols];
-                    crate::quant::pack::dequantize_row(&w, o, &mut reference);
+                    crate::quant::pack::reference_dequantize_row(&w, o, &mut reference);
                     let mut got = vec![f32::NAN; cols];
                     dequantize_row_with(path, &w, o, &mut got).unwrap();
                     assert_eq!(

@@ -38,8 +38,7 @@ const CHUNK: usize = 4096;
 
 #[inline]
 fn bad(x: f32) -> bool {
-    // NaN compares false, so it is bad too.
-    !(x.abs() <= MAX_MAGNITUDE)
+    x.is_nan() || x.abs() > MAX_MAGNITUDE
 }
 
 /// The first value of `vals` that is NaN, infinite or beyond [`MAX_MAGNITUDE`].

@@ -604,7 +604,7 @@ impl Container {
             let Some((i, x)) = v.unwrap_or_default().into_iter().enumerate().fold(
                 None,
                 |m: Option<(usize, f32)>, (i, x)| match m {
-                    Some((_, y)) if !(x.abs() > y.abs()) => m,
+                    Some((_, y)) if x.is_nan() || x.abs() <= y.abs() => m,
                     _ => Some((i, x)),
                 },
             ) else {

@@ -243,6 +243,17 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenised(model: colibri.Model) -
     assert model.generate("hi", max_new_tokens=2, temperature=0).token_ids
 
 
+def test_a_huge_id_list_is_refused_from_its_length(model: colibri.Model) -> None:
+    import time
+
+    ids = [5] * 20_000_000
+    t0 = time.monotonic()
+    for call in (lambda: model.generate(ids, max_new_tokens=2), lambda: model.logits(ids)):
+        with pytest.raises(colibri.InvalidArgumentError, match="max_context"):
+            call()
+    assert time.monotonic() - t0 < 1.0
+
+
 HOSTILE_TEMPLATES = [
     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "{{ 'x' * 10**10 }}",
@@ -402,7 +413,7 @@ def test_processes_sharing_a_routing_history_lose_no_counts(tmp_path: Path) -> N
         time.sleep(3.0)
         go.touch()
         outs = [p.communicate(timeout=300) for p in procs]
-        for p, (out, err) in zip(procs, outs):
+        for p, (_out, err) in zip(procs, outs, strict=True):
             assert p.returncode == 0, err[-2000:]
         return Path(outs[0][0].strip().splitlines()[-1])
 

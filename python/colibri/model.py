@@ -513,6 +513,11 @@ class Model:
             check_text("prompt", prompt)
             ids = self.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
+            if len(prompt) > self.max_context:  # before checking each id
+                raise InvalidArgumentError(
+                    f"invalid value for 'prompt': {len(prompt)} tokens exceed this model's "
+                    f"max_context ({self.max_context} tokens)"
+                )
             ids = [self._check_token("prompt", t) for t in prompt]
         else:
             raise InvalidArgumentError(

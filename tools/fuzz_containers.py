@@ -234,6 +234,7 @@ def main() -> int:
         base = a.model or default_model(tmp)
         workers = [Worker(tmp / "cache") for _ in range(max(1, a.workers))]
         counts: Counter[str] = Counter()
+        kinds: Counter[str] = Counter()
         bad: list[tuple[int, str, str]] = []
         samples: dict[str, str] = {}
         start = time.monotonic()
@@ -261,6 +262,8 @@ def main() -> int:
                 for i, what, out in pool.map(lambda iw: one(*iw), batch):
                     cls = out.split(" ", 1)[0]
                     counts[cls] += 1
+                    if cls == "typed":
+                        kinds[out.split(" ", 2)[1].rstrip(":")] += 1
                     key = out[:60] if cls == "typed" else cls
                     samples.setdefault(key, f"case {i} [{what}]: {out[:300]}")
                     if cls in ("untyped", "crash", "hang"):
@@ -279,6 +282,7 @@ def main() -> int:
             f"fuzz_containers: {sum(counts.values())} cases in {elapsed:.0f} s (seed {a.seed}): "
             + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
         )
+        print("  typed: " + ", ".join(f"{k} {v}" for k, v in kinds.most_common()))
         distinct = sorted(k for k in samples if k not in ("ok",))
         print(f"  {len(distinct)} distinct outcomes; e.g.:")
         for k in distinct[:12]:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite, exactly as CI runs it. Expects the package installed in the active
+# The whole test suite, exactly as CI runs it (fmt, clippy, cargo test, ruff, a bounded fuzz
+# pass, pytest). Expects the package installed in the active
 # Python environment (`pip install ".[test]"`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,8 @@ cargo test
 echo "== ruff"
 ruff check python tests tools
 ruff format --check python tests tools
+echo "== fuzz (bounded pass, scripts/fuzz.sh)"
+bash scripts/fuzz.sh
 echo "== pytest"
 set +e
 python -m pytest "$@"

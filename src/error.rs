@@ -44,6 +44,19 @@ pub enum Error {
         what: &'static str,
         index: usize,
     },
+    /// A stored weight (data, scales, norm, router, bias) holds NaN/Inf or a magnitude no
+    /// trained weight has; found when the tensor is loaded.
+    #[error(
+        "{} (tensor '{tensor}'): holds {what} at flat index {index}; the checkpoint is \
+         damaged or was exported with bad values: download or convert it again",
+        file.display()
+    )]
+    NonFiniteWeight {
+        file: PathBuf,
+        tensor: String,
+        what: String,
+        index: usize,
+    },
     /// The model computed a NaN or infinite logit: its weights hold NaN/Inf, or produce it.
     /// The message says which logit and, where a bounded scan found it, which tensor.
     #[error("{0}")]

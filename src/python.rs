@@ -27,7 +27,9 @@ pub(crate) fn to_py_err(err: Error) -> PyErr {
         Error::Container { .. } => "ContainerError",
         Error::MissingTensor { .. } => "MissingTensorError",
         Error::InvalidArgument { .. } => "InvalidArgumentError",
-        Error::NonFinite { .. } | Error::NonFiniteOutput(_) => "NonFiniteWeightError",
+        Error::NonFinite { .. } | Error::NonFiniteWeight { .. } | Error::NonFiniteOutput(_) => {
+            "NonFiniteWeightError"
+        }
         Error::SavedContext { .. } => "SavedContextError",
         Error::Cancelled => "Cancelled",
         Error::ForkedProcess { .. } => "ForkedProcessError",

@@ -486,8 +486,9 @@ def test_model_of_the_wrong_type(bad: Any) -> None:
 
 
 def test_nan_weights_name_the_tensor(tmp_path: Path) -> None:
-    """An unconverted checkpoint with a NaN weight: generation fails with a
-    NonFiniteWeightError naming the tensor and its file, not an InternalError."""
+    """An unconverted checkpoint with a NaN weight: loading fails with a
+    NonFiniteWeightError naming the tensor and its file, not an InternalError (the dense
+    weights are checked as they are read; more cases in test_hostile.py)."""
     from safetensors.numpy import load_file, save_file
 
     d = make_test_model(tmp_path / "m")
@@ -497,14 +498,12 @@ def test_nan_weights_name_the_tensor(tmp_path: Path) -> None:
     w[3, 5] = np.nan
     weights[name] = w
     save_file(weights, str(d / "model.safetensors"))
-    m = colibri.Model(d, threads=1)
-    for temperature in (0.0, 0.8):
-        with pytest.raises(colibri.NonFiniteWeightError) as e:
-            m.generate("abc", max_new_tokens=2, temperature=temperature)
-        msg = str(e.value)
-        assert name in msg and "model.safetensors" in msg and "NaN" in msg, msg
-        assert "colibri bug" not in msg
-        assert f"flat index {3 * w.shape[1] + 5}" in msg
+    with pytest.raises(colibri.NonFiniteWeightError) as e:
+        colibri.Model(d, threads=1)
+    msg = str(e.value)
+    assert name in msg and "model.safetensors" in msg and "NaN" in msg, msg
+    assert "colibri bug" not in msg
+    assert f"flat index {3 * w.shape[1] + 5}" in msg
 
 
 def test_tokenizer_property(model: colibri.Model) -> None:

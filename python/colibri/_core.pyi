@@ -22,7 +22,7 @@ def _raise_for_test(kind: str) -> None:
 # --- container reader and converter (src/python/container.rs) ---------------------------
 
 class Container:
-    """An opened model directory: shard headers parsed, shards mapped read-only."""
+    """An opened model directory: shard headers parsed; tensors are read when asked for."""
 
     def __init__(self, path: str | PathLike[str]) -> None:
         """Open ``path`` (config.json + *.safetensors); raises ``ContainerError`` /
@@ -56,6 +56,10 @@ class Container:
         """A 1-D F32/BF16/F16 tensor as float32."""
     def raw(self, name: str) -> bytes:
         """The raw stored bytes of a tensor."""
+    def diagnose_non_finite(self, max_bytes: int = 4 << 30) -> str:
+        """Why a forward produced a non-finite value, from a bounded scan of the stored
+        floats: the tensor holding NaN/Inf or an implausible magnitude, else the largest
+        stored value."""
 
 class ConvertJob:
     """A planned conversion; see ``colibri.convert``."""

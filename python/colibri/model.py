@@ -25,6 +25,7 @@ from colibri.errors import (
     InternalError,
     InvalidArgumentError,
     ModelNotFoundError,
+    NonFiniteWeightError,
 )
 from colibri.sampling import SamplingParams
 
@@ -135,12 +136,26 @@ def _check_choice(name: str, value: object, choices: Sequence[str]) -> str:
     return value
 
 
-def _check_int(name: str, value: object, *, minimum: int | None = None) -> int:
+#: Largest integer any parameter takes (the engine's 64-bit sizes and counts).
+_MAX_INT = 2**63 - 1
+#: Most compute threads a model accepts.
+MAX_THREADS = 4096
+#: Text bytes one token may stand for, at least: the bound on a prompt's size before it is
+#: tokenised is ``max_context`` times this or the vocabulary's longest token, whichever is
+#: larger (a normaliser may also drop characters; 32 leaves room for that).
+MIN_BYTES_PER_TOKEN = 32
+
+
+def _check_int(
+    name: str, value: object, *, minimum: int | None = None, maximum: int = _MAX_INT
+) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidArgumentError(f"invalid value for '{name}': {value!r}; expected an integer")
     v = int(value)
     if minimum is not None and v < minimum:
         raise InvalidArgumentError(f"invalid value for '{name}': {v}; must be >= {minimum}")
+    if v > maximum:
+        raise InvalidArgumentError(f"invalid value for '{name}': {v}; must be <= {maximum}")
     return v
 
 
@@ -176,12 +191,14 @@ def parse_size(name: str, text: str) -> int:
                 break
         else:
             value = int(t)
-    except ValueError:
+    except (ValueError, OverflowError):  # "abc", "nanGB", "infGB"
         raise InvalidArgumentError(
             f"invalid value for '{name}': {text!r}; use bytes or a unit, e.g. '8GB', '512MiB'"
         ) from None
     if value < 0:
         raise InvalidArgumentError(f"invalid value for '{name}': {text!r}; must be >= 0")
+    if value > _MAX_INT:
+        raise InvalidArgumentError(f"invalid value for '{name}': {text!r}; must be < 2**63")
     return value
 
 
@@ -407,7 +424,7 @@ class Model:
                 "invalid value for 'draft': 'mtp' drafts with the MTP head, which mtp=False "
                 "does not load; use draft='auto', 'ngram' or 'off', or keep mtp=True"
             )
-        threads = _check_int("threads", threads, minimum=0)
+        threads = _check_int("threads", threads, minimum=0, maximum=MAX_THREADS)
         context = None if max_context is None else _check_int("max_context", max_context, minimum=1)
         if context is not None and context >= 1 << 63:
             raise InvalidArgumentError(
@@ -449,6 +466,12 @@ class Model:
         self._kv_bytes_per_token = int(facts["kv_bytes_per_token"])
         self._usage_path = self._engine.usage_path
         self._lock = threading.Lock()
+        self._max_prompt_chars = self._max_context * max(
+            MIN_BYTES_PER_TOKEN,
+            max((len(t.encode("utf-8")) for t in self.tokenizer.get_vocab()), default=1),
+        )
+        if mtp and not self._has_mtp:
+            _warn_incomplete_mtp(self.path, self.config)
         if self.default_draft == "mtp" and not self._has_mtp:
             raise InvalidArgumentError(
                 "invalid value for 'draft': 'mtp' needs an MTP head and this model has none "
@@ -530,9 +553,21 @@ class Model:
                 )
             from colibri._chat import check_text
 
+            if len(prompt) > self._max_prompt_chars:
+                raise InvalidArgumentError(
+                    f"invalid value for 'prompt': {len(prompt)} characters cannot fit in this "
+                    f"model's max_context ({self.max_context} tokens, at most "
+                    f"{self._max_prompt_chars // self.max_context} bytes each); shorten the "
+                    "prompt (it was not tokenised)"
+                )
             check_text("prompt", prompt)
             ids = self.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
+            if len(prompt) > self.max_context:  # before checking each id
+                raise InvalidArgumentError(
+                    f"invalid value for 'prompt': {len(prompt)} tokens exceed this model's "
+                    f"max_context ({self.max_context} tokens)"
+                )
             ids = [self._check_token("prompt", t) for t in prompt]
         else:
             raise InvalidArgumentError(
@@ -555,7 +590,16 @@ class Model:
                 f"({self.max_context} tokens)"
             )
         with self._lock:
-            return self._engine.logits(toks)
+            out = self._engine.logits(toks)
+        if not np.isfinite(out).all():
+            row, tok = (int(i) for i in np.argwhere(~np.isfinite(out))[0])
+            what = (
+                f"logits() computed a non-finite logit ({out[row, tok]} at row {row}, "
+                f"token id {tok})"
+            )
+            why = _core.Container(str(self.path)).diagnose_non_finite()
+            raise NonFiniteWeightError(f"{what}: {why}")
+        return out
 
     # ----------------------------------------------------------------------------- generate
     @overload
@@ -794,9 +838,7 @@ class Model:
         top_k = _check_int("top_k", top_k, minimum=0)
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
-        seed = _check_int("seed", seed, minimum=0)
-        if seed >= 2**64:
-            raise InvalidArgumentError(f"invalid value for 'seed': {seed}; must be < 2**64")
+        seed = _check_int("seed", seed, minimum=0, maximum=2**64 - 1)
         if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise InvalidArgumentError(
                 f"invalid value for 'stop': {stop!r}; expected a string or a list of strings"
@@ -958,7 +1000,13 @@ class Model:
         transformers renders it)."""
         from colibri._chat import render_chat
 
-        return render_chat(self._tokenizer_config, self.path, messages, add_generation_prompt)
+        return render_chat(
+            self._tokenizer_config,
+            self.path,
+            messages,
+            add_generation_prompt,
+            max_output=self._max_prompt_chars,
+        )
 
     @overload
     def chat(
@@ -1236,6 +1284,36 @@ class _Lane:
             top_logprobs=None
             if scored is None
             else [[(int(t), float(lp)) for t, lp in r["top"]] for r in scored],
+        )
+
+
+#: What an MTP head needs besides its attention and MoE (the engine's `MtpHead::present`).
+_MTP_HEAD_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+
+
+def _warn_incomplete_mtp(path: Path, config: Mapping[str, Any]) -> None:
+    """The config declares an MTP layer whose head the engine did not load: warn naming the
+    tensors that are missing, unless the whole layer is absent (a checkpoint shipped without
+    it on purpose)."""
+    try:
+        n = int(config.get("num_nextn_predict_layers", 0) or 0)
+        first = int(config["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        return
+    if n <= 0:
+        return
+    names = _core.Container(str(path)).names()
+    prefix = f"model.layers.{first}."
+    if not any(x.startswith(prefix) for x in names):
+        return
+    have = set(names)
+    missing = [prefix + t for t in _MTP_HEAD_TENSORS if prefix + t not in have]
+    if missing:
+        warnings.warn(
+            f"{path}: config.json declares an MTP layer ({first}) but the checkpoint lacks "
+            f"{', '.join(missing)}; the MTP head is disabled (draft='auto' drafts with n-grams)",
+            UserWarning,
+            stacklevel=3,
         )
 
 

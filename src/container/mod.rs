@@ -1,15 +1,18 @@
 //! A model directory: `config.json` plus `*.safetensors` shards (docs/container.md). Opening it
-//! parses every shard header (headers only: the data stays on disk, mapped read-only),
-//! indexes the tensors, and resolves each quantised weight's format from its byte counts
-//! against the config's logical shape, cross-checked with the `__metadata__` our writer
-//! records. Views of weights borrow the mapping (zero-copy).
+//! parses every shard header (headers only: the data stays on disk), indexes the tensors,
+//! and resolves each quantised weight's format from its byte counts against the config's
+//! logical shape, cross-checked with the `__metadata__` our writer records. A weight is read
+//! (`pread`) into owned memory when it is loaded and its floats are checked then (NaN, Inf,
+//! implausible magnitudes are an error naming the tensor), so a shard that changes while a
+//! model runs can fail a load but never fault the process.
 //!
 //! Layout of a quantised weight `NAME`: a 1-D `U8` tensor of packed bytes and `NAME.qs`, a
 //! 1-D `F32` tensor of scales. Float weights (F32/BF16/F16, any 2-D shape) are accepted too.
 
-pub mod mmap;
+pub mod finite;
 pub mod names;
 pub mod safetensors;
+pub mod shard;
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -20,12 +23,12 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::quant::format::{QMatrix, QuantFormat};
 
-pub use mmap::MappedFile;
 pub use names::{
     classify, expected_len, expected_names, expected_shape, expert_tensor_name, Proj, Role,
     TensorRole,
 };
 pub use safetensors::Dtype;
+pub use shard::ShardFile;
 
 /// Suffix of the scales tensor of a quantised weight.
 pub const SCALES_SUFFIX: &str = ".qs";
@@ -58,54 +61,16 @@ impl TensorInfo {
     }
 }
 
-/// Packed bytes of a weight: a view into a mapped shard, or owned.
-#[derive(Clone)]
-enum Bytes {
-    Mapped(Arc<MappedFile>, Range<usize>),
-    Owned(Arc<Vec<u8>>),
-}
-
-impl Bytes {
-    fn as_slice(&self) -> &[u8] {
-        match self {
-            // The range was validated against the map when the weight was built.
-            Bytes::Mapped(m, r) => m.bytes().get(r.clone()).unwrap_or(&[]),
-            Bytes::Owned(v) => v,
-        }
-    }
-}
-
-/// f32 scales: zero-copy when the mapped bytes are 4-aligned and the host is little-endian,
-/// else decoded into an owned vector.
-#[derive(Clone)]
-enum Scales {
-    None,
-    Mapped(Arc<MappedFile>, Range<usize>),
-    Owned(Arc<Vec<f32>>),
-}
-
-impl Scales {
-    fn as_slice(&self) -> &[f32] {
-        match self {
-            Scales::None => &[],
-            Scales::Mapped(m, r) => m
-                .bytes()
-                .get(r.clone())
-                .and_then(|b| bytemuck::try_cast_slice(b).ok())
-                .unwrap_or(&[]),
-            Scales::Owned(v) => v,
-        }
-    }
-}
-
-/// A 2-D weight in any format, cheap to clone (its storage is shared), `Send + Sync`.
+/// A 2-D weight in any format, in owned memory; cheap to clone (its storage is shared),
+/// `Send + Sync`.
 #[derive(Clone)]
 pub struct Weight {
     format: QuantFormat,
     rows: usize,
     cols: usize,
-    data: Bytes,
-    scales: Scales,
+    data: Arc<Vec<u8>>,
+    /// f32 scales (empty for float formats).
+    scales: Arc<Vec<f32>>,
 }
 
 impl std::fmt::Debug for Weight {
@@ -132,25 +97,15 @@ impl Weight {
             format,
             rows,
             cols,
-            data: Bytes::Owned(Arc::new(data)),
-            scales: if scales.is_empty() {
-                Scales::None
-            } else {
-                Scales::Owned(Arc::new(scales))
-            },
+            data: Arc::new(data),
+            scales: Arc::new(scales),
         })
     }
 
     /// The borrowed matrix the kernels take.
     pub fn view(&self) -> QMatrix<'_> {
-        QMatrix::new(
-            self.format,
-            self.rows,
-            self.cols,
-            self.data.as_slice(),
-            self.scales.as_slice(),
-        )
-        .expect("Weight lengths are validated when it is built")
+        QMatrix::new(self.format, self.rows, self.cols, &self.data, &self.scales)
+            .expect("Weight lengths are validated when it is built")
     }
 
     pub fn format(&self) -> QuantFormat {
@@ -164,13 +119,9 @@ impl Weight {
     pub fn cols(&self) -> usize {
         self.cols
     }
-    /// Whether the packed bytes are a view of a mapped shard (not a copy).
-    pub fn is_mapped(&self) -> bool {
-        matches!(self.data, Bytes::Mapped(..))
-    }
     /// Bytes of data plus scales.
     pub fn nbytes(&self) -> usize {
-        self.data.as_slice().len() + 4 * self.scales.as_slice().len()
+        self.data.len() + 4 * self.scales.len()
     }
     /// Dequantise to row-major f32 [rows, cols] (reference path).
     pub fn to_f32(&self) -> Vec<f32> {
@@ -183,7 +134,7 @@ impl Weight {
 pub struct Container {
     dir: PathBuf,
     config: ModelConfig,
-    shards: Vec<Arc<MappedFile>>,
+    shards: Vec<Arc<ShardFile>>,
     tensors: HashMap<String, TensorInfo>,
     /// Names in (shard, offset) order.
     order: Vec<String>,
@@ -207,8 +158,8 @@ pub fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 impl Container {
-    /// Open a model directory: read `config.json`, parse and validate every shard header,
-    /// map the shards read-only and resolve every weight's format.
+    /// Open a model directory: read `config.json`, parse and validate every shard header
+    /// and resolve every weight's format. No tensor data is read.
     pub fn open(dir: &Path) -> Result<Container> {
         let config = ModelConfig::from_file(dir.join("config.json"))?;
         Self::open_with_config(dir, config)
@@ -233,9 +184,8 @@ impl Container {
             metadata: Vec::new(),
         };
         for path in paths {
-            let file = MappedFile::open(&path)?;
-            let bytes = file.bytes();
-            let header = safetensors::parse_header(&path, bytes, bytes.len() as u64)?;
+            let file = ShardFile::open(&path)?;
+            let header = file.header()?;
             if let Some(v) = header.metadata.get(FORMAT_VERSION_KEY) {
                 if v != FORMAT_VERSION {
                     return Err(Error::container(
@@ -445,7 +395,7 @@ impl Container {
         self.order.iter().map(String::as_str)
     }
     /// Shard files, in the order `TensorInfo::shard` indexes.
-    pub fn shards(&self) -> &[Arc<MappedFile>] {
+    pub fn shards(&self) -> &[Arc<ShardFile>] {
         &self.shards
     }
     /// The `__metadata__` of shard `i`.
@@ -465,19 +415,21 @@ impl Container {
         self.tensors.get(name).ok_or_else(|| self.missing(name))
     }
 
-    /// Raw mapped bytes of a tensor.
-    pub fn bytes(&self, name: &str) -> Result<&[u8]> {
+    /// Raw bytes of a tensor, read from its shard.
+    pub fn bytes(&self, name: &str) -> Result<Vec<u8>> {
         let t = self.info(name)?;
-        self.shards[t.shard].slice(t.range.start, t.range.end, name)
+        self.shards[t.shard].read(t.range.clone(), name)
     }
 
-    /// The mapped shard holding `name` and the tensor's absolute byte range in it.
-    pub fn location(&self, name: &str) -> Result<(&Arc<MappedFile>, Range<usize>)> {
+    /// The shard holding `name` and the tensor's absolute byte range in it.
+    pub fn location(&self, name: &str) -> Result<(&Arc<ShardFile>, Range<usize>)> {
         let t = self.info(name)?;
         Ok((&self.shards[t.shard], t.range.clone()))
     }
 
-    /// A 2-D weight in any format, as a zero-copy view of the shard where possible.
+    /// A 2-D weight in any format, read into owned memory. Its floats (the scales of a
+    /// quantised weight, every value of a float one) are checked: NaN, Inf or a magnitude
+    /// beyond [`finite::MAX_MAGNITUDE`] is [`Error::NonFiniteWeight`] naming the tensor.
     pub fn weight(&self, name: &str) -> Result<Weight> {
         let t = self.info(name)?;
         let (Some(format), Some((rows, cols))) = (t.format, t.logical) else {
@@ -490,42 +442,46 @@ impl Container {
                 ),
             ));
         };
+        // Check the byte ranges before allocating for them.
         let file = &self.shards[t.shard];
-        file.slice(t.range.start, t.range.end, name)?;
-        let data = Bytes::Mapped(file.clone(), t.range.clone());
-        let scales = if format.is_quantized() {
+        file.check_range(&t.range, name)?;
+        let qs = if format.is_quantized() {
             let qs_name = format!("{name}{SCALES_SUFFIX}");
             let qs = self.info(&qs_name)?;
-            let qfile = &self.shards[qs.shard];
-            let raw = qfile.slice(qs.range.start, qs.range.end, &qs_name)?;
-            if cfg!(target_endian = "little") && bytemuck::try_cast_slice::<u8, f32>(raw).is_ok() {
-                Scales::Mapped(qfile.clone(), qs.range.clone())
-            } else {
-                Scales::Owned(Arc::new(
-                    raw.chunks_exact(4)
-                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                        .collect(),
-                ))
-            }
+            self.shards[qs.shard].check_range(&qs.range, &qs_name)?;
+            Some((qs_name, qs))
         } else {
-            Scales::None
+            None
         };
-        let w = Weight {
+        let data = file.read(t.range.clone(), name)?;
+        check_floats(&t.file, name, finite::scan_raw(&data, t.dtype))?;
+        let scales: Vec<f32> = match qs {
+            Some((qs_name, qs)) => {
+                let raw = self.shards[qs.shard].read(qs.range.clone(), &qs_name)?;
+                let v: Vec<f32> = raw
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                check_floats(&qs.file, &qs_name, finite::scan_f32(&v))?;
+                v
+            }
+            None => Vec::new(),
+        };
+        QMatrix::new(format, rows, cols, &data, &scales)
+            .map_err(|e| Error::container(&t.file, Some(name), e.to_string()))?;
+        Ok(Weight {
             format,
             rows,
             cols,
-            data,
-            scales,
-        };
-        QMatrix::new(format, rows, cols, w.data.as_slice(), w.scales.as_slice())
-            .map_err(|e| Error::container(&t.file, Some(name), e.to_string()))?;
-        Ok(w)
+            data: Arc::new(data),
+            scales: Arc::new(scales),
+        })
     }
 
-    /// A 1-D F32/BF16/F16 tensor as f32 (norm weights, `e_score_correction_bias`).
+    /// A 1-D F32/BF16/F16 tensor as f32 (norm weights, `e_score_correction_bias`), checked
+    /// like [`Container::weight`]'s floats.
     pub fn vector(&self, name: &str) -> Result<Vec<f32>> {
         let t = self.info(name)?;
-        let raw = self.bytes(name)?;
         if t.shape.len() != 1 {
             return Err(Error::container(
                 &t.file,
@@ -533,13 +489,29 @@ impl Container {
                 format!("expected a 1-D tensor, found shape {:?}", t.shape),
             ));
         }
-        decode_floats(raw, t.dtype).ok_or_else(|| {
+        let raw = self.bytes(name)?;
+        let v = decode_floats(&raw, t.dtype).ok_or_else(|| {
             Error::container(
                 &t.file,
                 Some(name),
                 format!("expected F32/BF16/F16, found {}", t.dtype),
             )
-        })
+        })?;
+        check_floats(&t.file, name, finite::scan_f32(&v))?;
+        Ok(v)
+    }
+}
+
+/// `Error::NonFiniteWeight` for a bad value a scan found.
+fn check_floats(file: &Path, tensor: &str, bad: Option<finite::BadValue>) -> Result<()> {
+    match bad {
+        None => Ok(()),
+        Some(b) => Err(Error::NonFiniteWeight {
+            file: file.to_path_buf(),
+            tensor: tensor.to_owned(),
+            what: b.describe(),
+            index: b.index,
+        }),
     }
 }
 
@@ -548,12 +520,13 @@ impl Container {
 pub struct NonFiniteTensor {
     pub tensor: String,
     pub file: PathBuf,
-    pub what: &'static str,
+    /// "NaN", "Inf", or the implausible value ([`finite::BadValue::describe`]).
+    pub what: String,
     pub index: usize,
 }
 
 impl Container {
-    /// Look for a NaN or Inf among the float tensors (F32/BF16/F16, quantised weights'
+    /// Look for a NaN, Inf or implausible magnitude among the float tensors (F32/BF16/F16, quantised weights'
     /// scales included): the resident tensors first, then the routed experts, reading at
     /// most `max_bytes`. `Ok(None)` when none was found within that bound (the second value
     /// says whether every float tensor was read). Only for diagnosing a non-finite output:
@@ -577,26 +550,105 @@ impl Container {
                 return (None, false);
             }
             read += t.nbytes() as u64;
-            let Ok(raw) = self.bytes(name) else { continue };
-            const CHUNK: usize = 1 << 20;
-            for (c, part) in raw.chunks(CHUNK * width).enumerate() {
-                let Some(vals) = decode_floats(part, t.dtype) else {
+            // In bounded pieces: a tensor may be large.
+            const PIECE: usize = 1 << 22;
+            let step = PIECE * width;
+            let mut start = t.range.start;
+            while start < t.range.end {
+                let end = (start + step).min(t.range.end);
+                let Ok(raw) = self.shards[t.shard].read(start..end, name) else {
                     break;
                 };
-                if let Some(i) = vals.iter().position(|v| !v.is_finite()) {
+                if let Some(b) = finite::scan_raw(&raw, t.dtype) {
                     return (
                         Some(NonFiniteTensor {
                             tensor: name.to_owned(),
                             file: t.file.clone(),
-                            what: if vals[i].is_nan() { "NaN" } else { "Inf" },
-                            index: c * CHUNK + i,
+                            what: b.describe(),
+                            index: (start - t.range.start) / width + b.index,
                         }),
                         true,
                     );
                 }
+                start = end;
             }
         }
         (None, true)
+    }
+}
+
+impl Container {
+    /// The stored float with the largest magnitude among the float tensors (resident ones
+    /// first), reading at most `max_bytes`: (tensor, file, value, flat index).
+    pub fn largest_magnitude(&self, max_bytes: u64) -> Option<(String, PathBuf, f32, usize)> {
+        let cfg = self.config();
+        let is_expert = |n: &str| names::classify(cfg, n).role == names::Role::RoutedExpert;
+        let order = self
+            .names()
+            .filter(|n| !is_expert(n))
+            .chain(self.names().filter(|n| is_expert(n)));
+        let mut best: Option<(String, PathBuf, f32, usize)> = None;
+        let mut read = 0u64;
+        for name in order {
+            let Ok(t) = self.info(name) else { continue };
+            if !matches!(t.dtype, Dtype::F32 | Dtype::Bf16 | Dtype::F16) {
+                continue;
+            }
+            read += t.nbytes() as u64;
+            if read > max_bytes {
+                break;
+            }
+            let Ok(v) = self.bytes(name).map(|raw| decode_floats(&raw, t.dtype)) else {
+                continue;
+            };
+            let Some((i, x)) = v.unwrap_or_default().into_iter().enumerate().fold(
+                None,
+                |m: Option<(usize, f32)>, (i, x)| match m {
+                    Some((_, y)) if x.is_nan() || x.abs() <= y.abs() => m,
+                    _ => Some((i, x)),
+                },
+            ) else {
+                continue;
+            };
+            if best.as_ref().is_none_or(|b| x.abs() > b.2.abs()) {
+                best = Some((name.to_owned(), t.file.clone(), x, i));
+            }
+        }
+        best
+    }
+
+    /// Why the model computed a non-finite value, as far as a bounded scan (`max_bytes` of
+    /// float tensors) of the stored weights can tell: the tensor holding NaN/Inf or an
+    /// implausible magnitude, else the largest stored value (an overflow's likely source).
+    pub fn diagnose_non_finite(&self, max_bytes: u64) -> String {
+        let (found, complete) = self.find_non_finite(max_bytes);
+        if let Some(t) = found {
+            return format!(
+                "tensor '{}' in {} contains {} at flat index {}; the checkpoint is damaged or \
+                 was saved with non-finite values: download or export it again",
+                t.tensor,
+                t.file.display(),
+                t.what,
+                t.index
+            );
+        }
+        let scope = if complete {
+            "no stored float is NaN/Inf".to_owned()
+        } else {
+            format!(
+                "the first {} MiB of stored floats are finite",
+                max_bytes >> 20
+            )
+        };
+        match self.largest_magnitude(max_bytes) {
+            Some((tensor, file, v, i)) => format!(
+                "{scope}, so the computation overflows float32; the largest stored value is \
+                 {v:e} in tensor '{tensor}' ({}, flat index {i}): weights far outside any \
+                 trained range; check the checkpoint against its source",
+                file.display()
+            ),
+            None => format!("{scope}, so the computation overflows float32"),
+        }
     }
 }
 

@@ -238,7 +238,7 @@ pub fn parse_header(file: &Path, prefix: &[u8], file_len: u64) -> Result<Header>
                 ),
             ));
         }
-        // Both fit: end ≤ data_len and data_start + data_len = file_len, which the mmap holds.
+        // Both fit: end ≤ data_len and data_start + data_len = file_len.
         let start = data_start
             .checked_add(usize::try_from(begin).map_err(|_| err(t, "offset too large".into()))?)
             .ok_or_else(|| err(t, "offset overflows".into()))?;

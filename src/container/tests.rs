@@ -143,7 +143,6 @@ fn community_layout_reads_back() {
     for (name, f, r, col, w) in originals {
         let wt = c.weight(name).unwrap();
         assert_eq!((wt.format(), wt.rows(), wt.cols()), (f, r, col), "{name}");
-        assert!(wt.is_mapped());
         let back = wt.to_f32();
         let gs = f.group_size(col);
         let scales = wt.view().scales().to_vec();
@@ -326,5 +325,111 @@ fn corrupted_bytes_never_panic() {
         if let Ok(c) = Container::open(dir.0.path()) {
             let _ = c.weight(name).map(|w| w.to_f32());
         }
+    }
+}
+
+/// Issue 24: a weight read after its shard shrank is `Error::Container` naming the file and
+/// tensor (through the old mapping it was a SIGBUS that killed the test binary), and a weight
+/// read before the truncation stays valid (it is owned memory).
+#[test]
+fn a_shard_truncated_after_open_fails_the_read_not_the_process() {
+    let dir = setup(&tiny_config_json());
+    let name = "model.layers.0.self_attn.o_proj.weight";
+    let (mut tensors, _) = quantised(name, QuantFormat::Int4PerRow, 128, 32);
+    let (more, _) = quantised(
+        "model.embed_tokens.weight",
+        QuantFormat::Int8PerRow,
+        64,
+        128,
+    );
+    tensors.extend(more);
+    let path = dir.0.path().join("model-00001.safetensors");
+    write_file(&path, &tensors, &BTreeMap::new());
+    let c = Container::open(dir.0.path()).unwrap();
+    let kept = c.weight(name).unwrap();
+    let before = kept.to_f32();
+    let data_start = c.info(name).unwrap().range.start;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(data_start as u64 + 10)
+        .unwrap();
+    for result in [
+        c.weight(name).map(|_| ()),
+        c.weight("model.embed_tokens.weight").map(|_| ()),
+        c.bytes(name).map(|_| ()),
+    ] {
+        match result {
+            Err(Error::Container { file, tensor, msg }) => {
+                assert_eq!(file, path);
+                assert!(tensor.is_some_and(|t| t.starts_with("model.")));
+                assert!(msg.contains("truncated or replaced"), "{msg}");
+            }
+            other => panic!("expected a container error, got {other:?}"),
+        }
+    }
+    assert_eq!(kept.to_f32(), before);
+}
+
+/// Stored floats are checked as a weight or vector is read: NaN, Inf and ±3e38 in scales,
+/// float weights and vectors are `Error::NonFiniteWeight` naming the tensor and index.
+#[test]
+fn bad_stored_floats_are_refused_when_read() {
+    for bad in [f32::NAN, f32::INFINITY, -3e38] {
+        let dir = setup(&tiny_config_json());
+        let q = "model.layers.0.self_attn.o_proj.weight";
+        let (mut tensors, _) = quantised(q, QuantFormat::Int4PerRow, 128, 32);
+        // Scales of `q`: poke element 5.
+        tensors[1].3[20..24].copy_from_slice(&bad.to_le_bytes());
+        let mut norm = vec![1.0f32; 128];
+        norm[9] = bad;
+        tensors.push((
+            "model.norm.weight".into(),
+            Dtype::F32,
+            vec![128],
+            f32_bytes(&norm),
+        ));
+        let mut router = vec![0.5f32; 4 * 128];
+        router[77] = bad;
+        let bf: Vec<u8> = router
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        tensors.push((
+            "model.layers.1.mlp.gate.weight".into(),
+            Dtype::Bf16,
+            vec![4, 128],
+            bf,
+        ));
+        write_file(
+            &dir.0.path().join("m.safetensors"),
+            &tensors,
+            &BTreeMap::new(),
+        );
+        let c = Container::open(dir.0.path()).unwrap();
+        for (tensor_want, index_want, got) in [
+            (format!("{q}.qs"), 5, c.weight(q).map(|_| ())),
+            (
+                "model.norm.weight".into(),
+                9,
+                c.vector("model.norm.weight").map(|_| ()),
+            ),
+            (
+                "model.layers.1.mlp.gate.weight".into(),
+                77,
+                c.weight("model.layers.1.mlp.gate.weight").map(|_| ()),
+            ),
+        ] {
+            match got {
+                Err(Error::NonFiniteWeight { tensor, index, .. }) => {
+                    assert_eq!((tensor, index), (tensor_want, index_want), "{bad}");
+                }
+                other => panic!("{bad}: expected NonFiniteWeight, got {other:?}"),
+            }
+        }
+        let (found, complete) = c.find_non_finite(u64::MAX);
+        assert!(complete);
+        assert!(found.is_some(), "{bad}");
     }
 }

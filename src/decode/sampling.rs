@@ -248,13 +248,16 @@ impl History {
     }
 }
 
-/// Index of the largest logit; ties go to the lowest id. NaN anywhere is an
-/// [`Error::NonFiniteOutput`] (non-finite weights).
+/// Index of the largest logit; ties go to the lowest id. NaN or +Inf anywhere is an
+/// [`Error::NonFiniteOutput`] (non-finite weights, or an overflow); -Inf is a masked token.
 pub fn argmax(logits: &[f32]) -> Result<u32> {
     let mut best: Option<(usize, f32)> = None;
     for (i, &x) in logits.iter().enumerate() {
         if x.is_nan() {
             return Err(nan_logits(i));
+        }
+        if x == f32::INFINITY {
+            return Err(inf_logit(i));
         }
         match best {
             Some((_, b)) if x <= b => {}
@@ -263,6 +266,12 @@ pub fn argmax(logits: &[f32]) -> Result<u32> {
     }
     best.map(|(i, _)| i as u32)
         .ok_or_else(|| Error::Internal("argmax over an empty logits row".into()))
+}
+
+fn inf_logit(index: usize) -> Error {
+    Error::NonFiniteOutput(format!(
+        "the model produced an infinite logit (token id {index})"
+    ))
 }
 
 fn nan_logits(index: usize) -> Error {
@@ -287,15 +296,13 @@ pub fn processed_distribution(logits: &[f32], params: &SamplingParams) -> Result
             return Err(nan_logits(i));
         }
         if x == f32::INFINITY {
-            return Err(Error::NonFiniteOutput(format!(
-                "the model produced an infinite logit (token id {i})"
-            )));
+            return Err(inf_logit(i));
         }
         max = max.max(x);
     }
     if max == f32::NEG_INFINITY {
-        return Err(Error::Internal(
-            "every logit is -inf: no token can be sampled".into(),
+        return Err(Error::NonFiniteOutput(
+            "the model produced -inf for every logit: no token can be sampled".into(),
         ));
     }
     let t = f64::from(params.temperature);
@@ -670,6 +677,21 @@ mod tests {
         assert!(processed_distribution(&[f32::NEG_INFINITY; 3], &params(1.0, 0, 1.0)).is_err());
         assert!(processed_distribution(&[0.0, f32::NAN], &params(1.0, 0, 1.0)).is_err());
         assert!(processed_distribution(&[0.0, f32::INFINITY], &params(1.0, 0, 1.0)).is_err());
+    }
+
+    /// Issue 24: an overflowing forward is the weights' fault, never a silent pick or an
+    /// internal error: +Inf under greedy, and all -Inf under sampling, are NonFiniteOutput.
+    #[test]
+    fn infinite_logits_are_non_finite_output_errors() {
+        assert!(matches!(
+            argmax(&[0.0, f32::INFINITY, 1.0]),
+            Err(Error::NonFiniteOutput(m)) if m.contains("infinite logit (token id 1)")
+        ));
+        assert_eq!(argmax(&[f32::NEG_INFINITY, 0.5]).ok(), Some(1));
+        assert!(matches!(
+            processed_distribution(&[f32::NEG_INFINITY; 3], &params(1.0, 0, 1.0)),
+            Err(Error::NonFiniteOutput(_))
+        ));
     }
 
     /// The textbook version: sort everything, cut, renormalise.

@@ -86,6 +86,17 @@ fn replay(e: &Error) -> Error {
             msg: msg.clone(),
         },
         Error::InvalidArgument { param, msg } => Error::invalid(param.clone(), msg.clone()),
+        Error::NonFiniteWeight {
+            file,
+            tensor,
+            what,
+            index,
+        } => Error::NonFiniteWeight {
+            file: file.clone(),
+            tensor: tensor.clone(),
+            what: what.clone(),
+            index: *index,
+        },
         other => Error::Internal(other.to_string()),
     }
 }

@@ -215,7 +215,7 @@ impl ContainerSource {
         for (p, s) in files.iter().zip(container.shards()) {
             let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
             h = fnv1a(name.unwrap_or_default().as_bytes(), h);
-            h = fnv1a(&(s.bytes().len() as u64).to_le_bytes(), h);
+            h = fnv1a(&s.len().to_le_bytes(), h);
         }
         Ok(ContainerSource {
             container,

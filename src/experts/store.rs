@@ -28,6 +28,7 @@ use memmap2::{Advice, Mmap, MmapMut, MmapOptions, UncheckedAdvice};
 use super::fault::{FaultInjector, FaultKind};
 use super::source::{ByteRange, ExpertLoc, MatrixLoc};
 use super::{lock, warn_once, ExpertView};
+use crate::container::{finite, Dtype, SCALES_SUFFIX};
 use crate::error::{Error, Result};
 use crate::quant::{QMatrix, QuantFormat};
 
@@ -624,13 +625,34 @@ impl Files {
             .try_into()
             .map_err(|_| Error::Internal("expert without three matrices".into()))?;
         self.pool.gauge.add(copied);
-        Ok(Resident {
+        let res = Resident {
             bufs,
             mats,
             copied,
             mapped,
             pool: self.pool.clone(),
-        })
+        };
+        // Stored floats checked once per load (scales; every value of a float expert), so a
+        // damaged expert is an error naming its tensor rather than a NaN logit.
+        for (i, m) in loc.mats().into_iter().enumerate() {
+            let q = res.mat(i)?;
+            let bad = match m.format {
+                QuantFormat::F32 => finite::scan_raw(q.data(), Dtype::F32).map(|b| (b, "")),
+                QuantFormat::Bf16 => finite::scan_raw(q.data(), Dtype::Bf16).map(|b| (b, "")),
+                QuantFormat::F16 => finite::scan_raw(q.data(), Dtype::F16).map(|b| (b, "")),
+                _ => finite::scan_f32(q.scales()).map(|b| (b, SCALES_SUFFIX)),
+            };
+            if let Some((b, suffix)) = bad {
+                let file = self.shards.get(m.data.file).map(|s| s.path.clone());
+                return Err(Error::NonFiniteWeight {
+                    file: file.unwrap_or_default(),
+                    tensor: format!("{}{suffix}", m.name),
+                    what: b.describe(),
+                    index: b.index,
+                });
+            }
+        }
+        Ok(res)
     }
 
     /// Page-cache hint for an expert (WILLNEED on the mapping or the file).

@@ -7,8 +7,10 @@
 //! (migration); the first save then writes its counts, merged, to the cache. The file carries
 //! the model's fingerprint; a file from another model, or one that cannot be parsed, is
 //! ignored with a warning. Saving is atomic (temporary file + rename in the same directory)
-//! and merges with whatever another run saved meanwhile. Failing to save (read-only cache,
-//! full disk) never fails generation: it warns and reports [`SaveOutcome::Skipped`].
+//! and, under an advisory lock on a `.colibri-usage.json.lock` next to it, merges with
+//! whatever another run saved meanwhile, so concurrent processes lose no counts. Failing to
+//! save (read-only cache, full disk, a lock held past 10 s) never fails generation: it warns
+//! and reports [`SaveOutcome::Skipped`].
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -213,8 +215,56 @@ fn read(
     Ok(Some(c))
 }
 
-/// Merge `delta` into the history on disk (re-read now, so concurrent runs add up) and write
-/// it atomically. Returns the merged counts on success.
+/// How long a save waits for another process's save of the same history.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// An exclusive advisory lock (`flock`) on `<dir>/.colibri-usage.json.lock`, held while a
+/// save reads, merges and replaces the history, so concurrent saves (other processes, other
+/// models of this one) serialise and none overwrites another's counts. Waits at most
+/// [`LOCK_WAIT`]; the lock file is opened non-blocking and must be a regular file.
+fn lock_history(path: &Path) -> Result<std::fs::File, String> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let lock_path = dir.join(format!(".{USAGE_FILE}.lock"));
+    let fail = |e: &dyn std::fmt::Display| {
+        format!(
+            "cannot write the routing history {}: cannot lock {}: {e}",
+            path.display(),
+            lock_path.display()
+        )
+    };
+    std::fs::create_dir_all(dir).map_err(|e| fail(&e))?;
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true).write(true).create(true).truncate(false);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NONBLOCK);
+    }
+    let file = options.open(&lock_path).map_err(|e| fail(&e))?;
+    if !file.metadata().map_err(|e| fail(&e))?.is_file() {
+        return Err(fail(&"it is not a regular file"));
+    }
+    let start = std::time::Instant::now();
+    loop {
+        match file.try_lock() {
+            Ok(()) => return Ok(file),
+            Err(std::fs::TryLockError::WouldBlock) if start.elapsed() < LOCK_WAIT => {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(fail(&format!(
+                    "another process held it for {} s",
+                    LOCK_WAIT.as_secs()
+                )))
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(fail(&e)),
+        }
+    }
+}
+
+/// Merge `delta` into the history on disk and write it atomically, under the history's
+/// lock: the file is re-read under the lock, so concurrent runs (threads or processes) add
+/// up and lose nothing. Returns the merged counts on success.
 pub fn save(
     path: &Path,
     fingerprint: &str,
@@ -222,6 +272,8 @@ pub fn save(
     fallback_base: &UsageCounts,
     delta: &UsageCounts,
 ) -> Result<UsageCounts, String> {
+    // Released when it drops, after the rename.
+    let _lock = lock_history(path)?;
     let mut merged = match read(path, fingerprint, shape) {
         Ok(Some(c)) => c,
         // Absent or foreign: start from what we loaded (zeros for a foreign file).
@@ -342,12 +394,15 @@ mod tests {
         assert_eq!(merged, counts([2, 1, 0, 2], [0, 0, 5, 3]));
         let (back, w) = load(&p, "fp", &SHAPE);
         assert_eq!((back, w), (merged, None));
-        // No temporary files are left behind.
-        let names: Vec<_> = std::fs::read_dir(dir.path())
+        // No temporary files are left behind; the lock file stays (deleting it would race
+        // with a process about to lock it).
+        let mut names: Vec<_> = std::fs::read_dir(dir.path())
             .expect("ls")
             .map(|e| e.expect("entry").file_name())
             .collect();
-        assert_eq!(names, vec![std::ffi::OsString::from(USAGE_FILE)]);
+        names.sort();
+        let lock = format!(".{USAGE_FILE}.lock");
+        assert_eq!(names, vec![lock.as_str(), USAGE_FILE]);
     }
 
     #[test]

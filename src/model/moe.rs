@@ -79,7 +79,7 @@ pub trait ExpertSource: Send + Sync {
     fn begin_layer(&self, _layer: usize) {}
 }
 
-/// Every expert loaded at start-up (views of the container's mapped shards).
+/// Every expert loaded at start-up (owned copies read from the container).
 pub struct ResidentExperts {
     /// [layer][expert] → (gate, up, down); empty for dense layers.
     layers: Vec<Vec<[Weight; 3]>>,

@@ -14,7 +14,7 @@ use crate::convert::{fp8, plan, ConvertOptions, Plan};
 use crate::error::Error;
 use crate::python::run;
 
-/// An opened model directory (headers parsed, shards mapped read-only).
+/// An opened model directory (headers parsed; tensors are read when asked for).
 #[pyclass(name = "Container", module = "colibri._core", frozen)]
 pub struct PyContainer {
     inner: Arc<Container>,
@@ -118,11 +118,19 @@ impl PyContainer {
         Ok(PyArray1::from_vec(py, v))
     }
 
+    /// Why a forward produced a non-finite value, from a bounded scan of the stored floats
+    /// (see `Container::diagnose_non_finite`).
+    #[pyo3(signature = (max_bytes=4 << 30))]
+    fn diagnose_non_finite(&self, py: Python<'_>, max_bytes: u64) -> String {
+        let c = self.inner.clone();
+        py.detach(move || c.diagnose_non_finite(max_bytes))
+    }
+
     /// The raw stored bytes of a tensor.
     fn raw<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyBytes>> {
         let name = name.to_owned();
         let c = self.inner.clone();
-        let v = run(py, move || c.bytes(&name).map(<[u8]>::to_vec))?;
+        let v = run(py, move || c.bytes(&name))?;
         Ok(PyBytes::new(py, &v))
     }
 }

@@ -406,7 +406,7 @@ def test_chat_renders_the_template(model: colibri.Model) -> None:
         {"role": "user", "content": "Hi!"},
     ]
     eos = json.loads((model.path / "tokenizer_config.json").read_text())["eos_token"]
-    prompt = model.apply_chat_template(messages)
+    prompt = model.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert prompt == f"<|system|>Be brief.{eos}<|user|>Hi!{eos}<|assistant|>"
     out = model.chat(messages, max_new_tokens=12, temperature=0)
     ref = model.generate(
@@ -1193,7 +1193,7 @@ def test_chat_turns_prefill_only_their_new_tokens(
     previous_prompt = 0
     for turn, text in enumerate(["hello", "tell me more", "and then?", "thanks"]):
         messages.append({"role": "user", "content": text})
-        rendered = warm.apply_chat_template(messages, add_generation_prompt=True)
+        rendered = warm.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt_tokens = len(warm.encode(rendered, add_special_tokens=False))
         out = warm.chat(messages, max_new_tokens=12, **sampling)
         fresh.logits([3])  # empties the fresh model's cache
@@ -1521,3 +1521,28 @@ def test_a_list_of_prompts_is_decoded_together_with_each_result_as_alone() -> No
         m.generate(prompts, max_tokens=2, stream=True)  # type: ignore[call-overload]
     with pytest.raises(colibri.InvalidArgumentError):
         m.generate(["ok", [10**9]], max_tokens=2)
+
+
+def test_apply_chat_template_has_transformers_defaults_and_templates_can_be_replaced(
+    test_model_dir: Path, tmp_path: Path
+) -> None:
+    m = colibri.Model(test_model_dir, threads=1)
+    msgs = [{"role": "user", "content": "hi"}]
+    ids = m.apply_chat_template(msgs)
+    text = m.apply_chat_template(msgs, tokenize=False)
+    assert isinstance(ids, list) and ids == m.encode(text, add_special_tokens=False)
+    assert not text.endswith("<|assistant|>")
+    assert m.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True).endswith(
+        "<|assistant|>"
+    )
+    plain = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    assert m.apply_chat_template(msgs, tokenize=False, chat_template=plain) == "[user] hi\n"
+    f = tmp_path / "t.jinja"
+    f.write_text(plain)
+    for given in (plain, str(f), f):
+        other = colibri.Model(test_model_dir, threads=1, chat_template=given)
+        assert other.apply_chat_template(msgs, tokenize=False) == "[user] hi\n"
+        kw: dict[str, Any] = {"max_new_tokens": 4, "temperature": 0}
+        assert other.chat(msgs, **kw).token_ids == other.generate("[user] hi\n", **kw).token_ids
+    with pytest.raises(colibri.InvalidArgumentError, match="chat_template"):
+        colibri.Model(test_model_dir, threads=1, chat_template="")

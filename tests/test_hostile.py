@@ -307,7 +307,9 @@ def test_a_hostile_chat_template_is_stopped_with_a_typed_error(
 
 def test_ordinary_templates_still_render_under_the_limits(model: colibri.Model) -> None:
     long = "word " * 1000
-    text = model.apply_chat_template([{"role": "user", "content": long}] * 1)
+    text = model.apply_chat_template(
+        [{"role": "user", "content": long}] * 1, tokenize=False, add_generation_prompt=True
+    )
     assert long in text
 
 

@@ -257,13 +257,16 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool,
     max_output: int = 64 << 20,
+    template: str | None = None,
 ) -> str:
     """Render ``messages`` into the prompt text the model was trained on, at most
-    ``max_output`` characters (longer is an :class:`InvalidArgumentError`)."""
+    ``max_output`` characters (longer is an :class:`InvalidArgumentError`), with
+    ``template`` instead of the model's own when given."""
     check_messages(messages, max_output)
     from jinja2.exceptions import TemplateError
 
-    template = _compile(template_source(tokenizer_config, model_dir))
+    source = template if template is not None else template_source(tokenizer_config, model_dir)
+    template = _compile(source)
     special = {
         k: _token_text(v)
         for k, v in tokenizer_config.items()

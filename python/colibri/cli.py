@@ -138,6 +138,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         help="per-model state (routing history) directory (default: $COLIBRI_CACHE_DIR, "
         "$XDG_CACHE_HOME/colibri or ~/.cache/colibri)",
     )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEXT",
+        help="a jinja chat template (a file, or the template text) instead of the model's",
+    )
     g.add_argument("--no-mtp", action="store_true", help="do not load the MTP head")
     g.add_argument(
         "--pin-mtp",
@@ -230,6 +236,7 @@ def _load(args: argparse.Namespace) -> Any:
         pin_mtp=args.pin_mtp and not args.no_mtp,
         max_context=args.max_context,
         cache_dir=args.cache_dir,
+        chat_template=args.chat_template,
     )
 
 

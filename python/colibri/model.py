@@ -385,6 +385,8 @@ class Model:
             experts) is kept, under a directory named by the model's fingerprint. ``None``:
             ``$COLIBRI_CACHE_DIR``, else ``$XDG_CACHE_HOME/colibri``, else
             ``~/.cache/colibri``. Nothing is ever written into the model directory.
+        chat_template: a chat template (jinja text, or the path of a file holding it) to
+            use instead of the model's (``tokenizer_config.json`` / ``chat_template.jinja``).
         idle_session_budget: bytes (or ``"2GB"``) of RAM that the KV caches of sessions not
             generating right now may hold together; beyond it the least recently used are
             written to ``sessions/`` in the cache directory and read back, unchanged, when
@@ -414,8 +416,10 @@ class Model:
         max_context: int | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         idle_session_budget: int | str | None = None,
+        chat_template: str | os.PathLike[str] | None = None,
     ) -> None:
         _check_choice("io", io, _IO_MODES)
+        self._chat_template = _template_text(chat_template)
         _check_choice("prefetch", prefetch, _PREFETCH_MODES)
         self.default_draft: DraftMode = _check_choice("draft", draft, _DRAFT_MODES)  # type: ignore[assignment]
         self.default_draft_depth = self._check_depth(draft_depth)
@@ -993,20 +997,52 @@ class Model:
         return [lane.result(r) for lane, r in zip(lanes, raw, strict=True)]
 
     # ----------------------------------------------------------------------------- chat
+    @overload
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
-    ) -> str:
-        """Render ``messages`` with the tokenizer's chat template (sandboxed jinja2, as
-        transformers renders it)."""
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tokenize: Literal[True] = True,
+        add_generation_prompt: bool = False,
+        chat_template: str | None = None,
+    ) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tokenize: Literal[False],
+        add_generation_prompt: bool = False,
+        chat_template: str | None = None,
+    ) -> str: ...
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        chat_template: str | None = None,
+    ) -> str | list[int]:
+        """Render ``messages`` with the chat template (sandboxed jinja2, as transformers
+        renders it), with transformers' defaults: token ids (``tokenize=True``) and no
+        generation prompt (``add_generation_prompt=False``; :meth:`chat` adds it).
+        ``chat_template`` (template text) replaces the model's template for this call;
+        ``Model(chat_template=...)`` for every call."""
         from colibri._chat import render_chat
 
-        return render_chat(
+        text = render_chat(
             self._tokenizer_config,
             self.path,
             messages,
             add_generation_prompt,
             max_output=self._max_prompt_chars,
+            template=chat_template if chat_template is not None else self._chat_template,
         )
+        if tokenize:
+            return self.encode(text, add_special_tokens=False)
+        return text
 
     @overload
     def chat(
@@ -1102,8 +1138,7 @@ class Model:
 
     def _chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The prompt ids of a chat: ``messages`` rendered with the generation prompt."""
-        prompt = self.apply_chat_template(messages, add_generation_prompt=True)
-        return self.encode(prompt, add_special_tokens=False)
+        return self.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
 
     def _launch(self, params: dict[str, Any], stream: bool) -> GenerationResult | GenerationStream:
         """Run prepared ``params``: now, or as a :class:`GenerationStream`."""
@@ -1189,6 +1224,27 @@ class Model:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _template_text(value: str | os.PathLike[str] | None) -> str | None:
+    """A chat template given as text, or as the path of a file holding it."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike) or (
+        isinstance(value, str) and "{" not in value and Path(value).is_file()
+    ):
+        path = Path(value)
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidArgumentError(
+                f"invalid value for 'chat_template': cannot read {path}: {e}"
+            ) from e
+    if not isinstance(value, str) or not value:
+        raise InvalidArgumentError(
+            f"invalid value for 'chat_template': {value!r}; expected template text or a file"
+        )
+    return value
 
 
 def _is_batch(prompt: object) -> bool:

@@ -575,7 +575,7 @@ def _chat_prompt(messages: object, model: Model) -> list[int]:
             msg["name"] = m["name"]
         clean.append(msg)
     try:
-        text = model.apply_chat_template(clean, add_generation_prompt=True)
+        text = model.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
         return model.encode(text, add_special_tokens=False)
     except InvalidArgumentError as e:
         raise invalid("messages", str(e)) from e

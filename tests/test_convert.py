@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -209,3 +214,76 @@ def test_progress_exception_stops_a_shard_cleanly(tmp_path: Path) -> None:
     assert job.is_done(0)
     name, size = job.shards()[0]
     assert (tmp_path / "dst" / name).stat().st_size == size
+
+
+def _convert_in_subprocess(
+    src: Path, dst: Path, capture: bool = True, **limits: Any
+) -> subprocess.Popen[bytes]:
+    code = (
+        "import resource, signal, sys\n"
+        "from colibri.convert import convert\n"
+        f"fsize = {limits.get('fsize')!r}\n"
+        "if fsize is not None:\n"
+        "    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))\n"
+        "try:\n"
+        f"    convert({str(src)!r}, {str(dst)!r}, progress=False, max_shard_size=400_000)\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, e, file=sys.stderr)\n"
+        "    sys.exit(3)\n"
+    )
+    out = subprocess.PIPE if capture else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=out)
+
+
+def _bigger_checkpoint(tmp_path: Path) -> Path:
+    cfg = tiny_config(
+        num_hidden_layers=6, n_routed_experts=8, moe_intermediate_size=256, hidden_size=256
+    )
+    write_hf_checkpoint(tmp_path / "src", cfg, random_weights(cfg, seed=11))
+    return tmp_path / "src"
+
+
+def test_a_killed_conversion_resumes_to_byte_identical_shards(tmp_path: Path) -> None:
+    src = _bigger_checkpoint(tmp_path)
+    convert(src, tmp_path / "clean", progress=False, max_shard_size=400_000)
+    clean = {p.name: p.read_bytes() for p in (tmp_path / "clean").iterdir() if p.is_file()}
+    dst = tmp_path / "dst"
+    proc = _convert_in_subprocess(src, dst, capture=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(list(dst.glob("*.safetensors"))) < 2:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the conversion ended before it was killed"
+    written = len(list(dst.glob("*.safetensors")))
+    assert 2 <= written < len([n for n in clean if n.endswith(".safetensors")])
+    again = convert(src, dst, progress=False, max_shard_size=400_000)
+    assert again.shards_skipped >= 1
+    assert {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()} == clean
+
+
+def test_a_full_filesystem_is_a_clean_io_error(tmp_path: Path) -> None:
+    src = _bigger_checkpoint(tmp_path)
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(small)],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
+    try:
+        # A real full filesystem (ENOSPC) where tmpfs can be mounted, else a file-size limit
+        # (EFBIG): either way the converter must report an I/O error, not crash.
+        proc = _convert_in_subprocess(src, small / "dst", fsize=None if mounted else 100_000)
+        _, err = proc.communicate(timeout=120)
+        text = err.decode()
+        assert proc.returncode == 3, text
+        assert text.startswith("ColibriIOError"), text
+        assert ("No space" in text) or ("too large" in text), text
+        assert "Traceback" not in text and "panicked" not in text
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)], check=False)

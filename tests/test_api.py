@@ -1546,3 +1546,28 @@ def test_apply_chat_template_has_transformers_defaults_and_templates_can_be_repl
         assert other.chat(msgs, **kw).token_ids == other.generate("[user] hi\n", **kw).token_ids
     with pytest.raises(colibri.InvalidArgumentError, match="chat_template"):
         colibri.Model(test_model_dir, threads=1, chat_template="")
+
+
+def test_create_completion_and_chat_completion_return_openai_bodies() -> None:
+    m = colibri.Model(threads=1)
+    body = m.create_completion("def add(a, b):", max_tokens=8, temperature=0, logprobs=1)
+    assert isinstance(body, dict) and body["object"] == "text_completion"
+    ref = m.generate("def add(a, b):", max_tokens=8, temperature=0)
+    choice = body["choices"][0]
+    assert choice["text"] == ref.text and choice["finish_reason"] in ("length", "stop")
+    assert len(choice["logprobs"]["token_logprobs"]) == len(ref.token_ids)
+    assert body["usage"]["completion_tokens"] == len(ref.token_ids)
+    chunks = list(m.create_completion("def add(a, b):", max_tokens=8, temperature=0, stream=True))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = m.create_chat_completion(msgs, max_tokens=6, temperature=0)
+    assert isinstance(chat, dict) and chat["object"] == "chat.completion"
+    said = m.chat(msgs, max_tokens=6, temperature=0).text
+    assert chat["choices"][0]["message"]["content"] == said
+    parts = list(m.create_chat_completion(msgs, max_tokens=6, temperature=0, stream=True))
+    assert parts[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    with pytest.raises(colibri.InvalidArgumentError, match="'n'"):
+        m.create_completion("x", n=2)
+    with pytest.raises(colibri.InvalidArgumentError, match="'tools'"):
+        m.create_chat_completion(msgs, tools=[{"type": "function", "function": {"name": "f"}}])

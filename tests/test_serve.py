@@ -27,7 +27,7 @@ import colibri
 import httpx
 import openai
 import pytest
-from colibri.serve import protocol
+from colibri import _openai as protocol
 from colibri.serve.app import default_served_name
 from colibri.serve.scheduler import SessionPool, common_prefix
 from conftest import ROOT

@@ -1152,6 +1152,55 @@ class Model:
         whatever other sessions and the model itself run in between."""
         return Session(self)
 
+    # ----------------------------------------------------------------------------- OpenAI
+    def create_completion(
+        self, prompt: str | Sequence[int], **request: Any
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """``prompt`` completed as OpenAI's ``/v1/completions`` (and llama-cpp-python's
+        ``create_completion``) answers: the keywords are that request's fields
+        (``max_tokens`` default 16, ``temperature``, ``top_p``, ``stop``, ``seed``,
+        ``logprobs``, ``presence_penalty``, ``logit_bias``, ``echo``, ``stream``, ...; vLLM's
+        ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``), and
+        the result is the response body as a dict, or with ``stream=True`` an iterator of
+        its chunks. The same code answers ``colibri serve`` (``colibri._openai``); a field
+        colibri cannot honour is an :class:`InvalidArgumentError` naming it."""
+        return self._openai("completion", {"prompt": prompt, **request})
+
+    def create_chat_completion(
+        self, messages: Sequence[Mapping[str, Any]], **request: Any
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """``messages`` answered as OpenAI's ``/v1/chat/completions`` does (the chat
+        template, then generation): a ``chat.completion`` dict, or with ``stream=True`` an
+        iterator of ``chat.completion.chunk`` dicts. Keywords as
+        :meth:`create_completion` (``max_tokens`` defaults to the rest of the context)."""
+        return self._openai("chat", {"messages": messages, **request})
+
+    def _openai(
+        self, kind: Literal["completion", "chat"], body: dict[str, Any]
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        from colibri import _openai
+
+        served = body.get("model") if isinstance(body.get("model"), str) else self.path.name
+        try:
+            req = _openai.parse(body, kind, self, served)
+        except _openai.ApiError as e:
+            where = f"'{e.param}'" if e.param else "the request"
+            raise InvalidArgumentError(f"invalid value for {where}: {e.message}") from None
+        if not req.stream:
+            result = self.generate(req.prompt_ids, **req.generate)
+            return _openai.response(req, result, self)
+
+        def chunks() -> Iterator[dict[str, Any]]:
+            yield from _openai.opening_chunks(req)
+            with self.generate(req.prompt_ids, stream=True, **req.generate) as stream:
+                for text in stream:
+                    yield _openai.chunk(req, text=text)
+                result = stream.result
+            if result is not None:
+                yield from _openai.closing_chunks(req, result, self)
+
+        return chunks()
+
     def load_session(self, path: str | os.PathLike[str]) -> Session:
         """A new :class:`Session` holding the context :meth:`Session.save` wrote to ``path``.
 

@@ -24,11 +24,11 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from colibri import _openai as protocol
+from colibri._openai import ApiError
 from colibri.errors import ColibriError
 from colibri.model import Model
-from colibri.serve import protocol
 from colibri.serve.metrics import ServerStats
-from colibri.serve.protocol import ApiError
 from colibri.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown
 
 #: The largest request body accepted (a long prompt is a few MB at most).
@@ -298,10 +298,8 @@ class Server:
         """The SSE ``data:`` lines of a streamed answer; the job is cancelled if the
         client disconnects (sse-starlette cancels this generator)."""
         try:
-            if req.kind == "chat":
-                yield _json_line(protocol.chunk(req, text="", role=True))
-            elif req.echo:
-                yield _json_line(protocol.chunk(req, text=req.echo))
+            for opening in protocol.opening_chunks(req):
+                yield _json_line(opening)
             try:
                 async for text in job.chunks():
                     yield _json_line(protocol.chunk(req, text=text))
@@ -316,22 +314,8 @@ class Server:
                     ApiError(503, "the server is shutting down", code="shutting_down").body()
                 )
                 return
-            result = outcome.result
-            lp = (
-                None
-                if req.logprobs is None
-                else protocol.logprobs_body(self.model, result, req.kind, req.logprobs)
-            )
-            yield _json_line(
-                protocol.chunk(
-                    req,
-                    text=None if req.kind == "chat" else "",
-                    finish=protocol.FINISH_REASONS[result.finish_reason],
-                    logprobs=lp,
-                )
-            )
-            if req.include_usage:
-                yield _json_line(protocol.usage_chunk(req, result))
+            for closing in protocol.closing_chunks(req, outcome.result, self.model):
+                yield _json_line(closing)
             yield "[DONE]"
         finally:
             if job.outcome is None:

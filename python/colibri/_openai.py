@@ -3,7 +3,8 @@ generation arguments, and the response, chunk, usage and error bodies.
 
 Every field of OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` requests is either
 honoured or refused with a 400 that names it (``param``): nothing is silently ignored. This
-module needs no web framework, so it is tested on its own.
+module needs no web framework: `colibri serve` answers with it, and
+``Model.create_completion`` / ``Model.create_chat_completion`` return the same bodies.
 """
 
 from __future__ import annotations
@@ -708,6 +709,30 @@ def chunk(
     if req.include_usage:
         body["usage"] = None
     return body
+
+
+def opening_chunks(req: Request) -> list[dict[str, Any]]:
+    """The chunks a stream starts with: the assistant role (chat), or the echoed prompt."""
+    if req.kind == "chat":
+        return [chunk(req, text="", role=True)]
+    return [chunk(req, text=req.echo)] if req.echo else []
+
+
+def closing_chunks(req: Request, result: GenerationResult, model: Model) -> list[dict[str, Any]]:
+    """The chunks a finished stream ends with: the finish reason (with the logprobs, which
+    come at the end: the stream carries text, not tokens) and, when asked, the usage."""
+    lp = None if req.logprobs is None else logprobs_body(model, result, req.kind, req.logprobs)
+    out = [
+        chunk(
+            req,
+            text=None if req.kind == "chat" else "",
+            finish=FINISH_REASONS[result.finish_reason],
+            logprobs=lp,
+        )
+    ]
+    if req.include_usage:
+        out.append(usage_chunk(req, result))
+    return out
 
 
 def usage_chunk(req: Request, result: GenerationResult) -> dict[str, Any]:

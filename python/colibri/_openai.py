@@ -662,11 +662,7 @@ def response(req: Request, result: GenerationResult, model: Model) -> dict[str, 
         }
         obj = "text_completion"
     return {
-        "id": req.id,
-        "object": obj,
-        "created": req.created,
-        "model": req.model,
-        "system_fingerprint": system_fingerprint(),
+        **_envelope(req, obj),
         "choices": [choice],
         "usage": usage(result.stats),
         "colibri": colibri_stats(result.stats),
@@ -698,14 +694,7 @@ def chunk(
     else:
         choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
-    body: dict[str, Any] = {
-        "id": req.id,
-        "object": obj,
-        "created": req.created,
-        "model": req.model,
-        "system_fingerprint": system_fingerprint(),
-        "choices": [choice],
-    }
+    body: dict[str, Any] = {**_envelope(req, obj), "choices": [choice]}
     if req.include_usage:
         body["usage"] = None
     return body
@@ -738,15 +727,23 @@ def closing_chunks(req: Request, result: GenerationResult, model: Model) -> list
 def usage_chunk(req: Request, result: GenerationResult) -> dict[str, Any]:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices, the
     usage (and the ``colibri`` extension object)."""
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {
-        "id": req.id,
-        "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
-        "created": req.created,
-        "model": req.model,
-        "system_fingerprint": system_fingerprint(),
+        **_envelope(req, obj),
         "choices": [],
         "usage": usage(result.stats),
         "colibri": colibri_stats(result.stats),
+    }
+
+
+def _envelope(req: Request, obj: str) -> dict[str, Any]:
+    """The fields every response and chunk body starts with."""
+    return {
+        "id": req.id,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "system_fingerprint": system_fingerprint(),
     }
 
 

@@ -222,7 +222,7 @@ impl Engine {
         }
     }
 
-    fn expect(&self) -> saved::Expect<'_> {
+    fn context_checks(&self) -> saved::Expect<'_> {
         saved::Expect {
             fingerprint: &self.info.fingerprint,
             hidden_size: self.info.hidden_size,
@@ -309,7 +309,7 @@ impl Engine {
     /// A new session holding the context saved at `path` by [`save_session`](Self::save_session).
     pub fn load_session(&self, path: &Path) -> Result<Arc<Session>> {
         let mut caches = self.lock_model()?.new_caches();
-        let cache = saved::load(path, &self.expect(), &mut caches)?;
+        let cache = saved::load(path, &self.context_checks(), &mut caches)?;
         let session = self.register(caches);
         {
             let mut st = session.lock()?;
@@ -330,7 +330,7 @@ impl Engine {
         }
         st.evicted = false;
         let mut caches = model.new_caches();
-        match saved::load(&session.spill_path, &self.expect(), &mut caches) {
+        match saved::load(&session.spill_path, &self.context_checks(), &mut caches) {
             Ok(cache) => {
                 st.caches = caches;
                 st.cache = cache;

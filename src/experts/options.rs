@@ -46,7 +46,8 @@ pub struct StoreOptions {
     /// Read and save the routing history (see [`usage`](super::usage)). Default true.
     pub usage_file: bool,
     /// The cache directory the routing history is kept in (under
-    /// `models/<fingerprint>/`). Default `None`: [`usage::default_cache_dir`](super::usage::default_cache_dir)
+    /// `models/<fingerprint>/`). Default `None`:
+    /// [`usage::default_cache_dir`](super::usage::default_cache_dir)
     /// (`$COLIBRI_CACHE_DIR`, `$XDG_CACHE_HOME/colibri`, `~/.cache/colibri`).
     pub cache_dir: Option<PathBuf>,
     /// Layers whose routed experts are all loaded at open and never evicted, in RAM *beyond*

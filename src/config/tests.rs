@@ -207,7 +207,7 @@ fn nested_and_listed_fields_are_named_with_their_path() {
             serde_json::json!({"type": "yarn", "factor": 4.0}),
             "rope_scaling.original_max_position_embeddings",
         ),
-        ("rope_scaling", serde_json::json!([1, 2]), "rope_scaling"),
+        ("rope_scaling", "yarn".into(), "rope_scaling"),
         (
             "mlp_layer_types",
             serde_json::json!(["dense", "moe", "sparse"]),

@@ -15,7 +15,6 @@ use crate::error::{Error, Result};
 
 /// `config.json`, as far as colibri reads it.
 #[derive(Debug, Clone, Default, Deserialize)]
-#[serde(expecting = "a JSON object at the top level")]
 pub struct HfConfig {
     /// Where the text was read from (error messages only; set by [`HfConfig::parse`]).
     #[serde(skip)]
@@ -121,22 +120,24 @@ impl HfConfig {
     /// Parse a `config.json` text; `path` is only used in error messages. A syntax error is
     /// "not valid JSON"; a field of the wrong type is named with its path.
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
-        let de = &mut serde_json::Deserializer::from_str(text);
-        let mut cfg: HfConfig = serde_path_to_error::deserialize(de).map_err(|e| {
-            let field = e.path().to_string();
-            let inner = e.into_inner();
-            let msg = match inner.classify() {
-                serde_json::error::Category::Data if field != "." => {
-                    format!("field '{field}': {inner}")
-                }
-                serde_json::error::Category::Data => inner.to_string(),
-                _ => format!("not valid JSON: {inner}"),
-            };
-            Error::Config {
-                path: path.to_path_buf(),
-                msg,
+        let err = |msg: String| Error::Config {
+            path: path.to_path_buf(),
+            msg,
+        };
+        let value: Value =
+            serde_json::from_str(text).map_err(|e| err(format!("not valid JSON: {e}")))?;
+        let Some(obj) = value.as_object() else {
+            return Err(err("expected a JSON object at the top level".into()));
+        };
+        // serde reads a struct from a list too (field by field, in order); transformers never
+        // writes one, so a list where an object belongs is refused by name.
+        for field in ["rope_parameters", "rope_scaling"] {
+            if let Some(v) = obj.get(field).filter(|v| !v.is_null() && !v.is_object()) {
+                return Err(err(format!("field '{field}': expected an object, got {v}")));
             }
-        })?;
+        }
+        let mut cfg: HfConfig = serde_path_to_error::deserialize(&value)
+            .map_err(|e| err(format!("field '{}': {}", e.path(), e.into_inner())))?;
         cfg.path = path.to_path_buf();
         Ok(cfg)
     }

@@ -209,6 +209,11 @@ fn nested_and_listed_fields_are_named_with_their_path() {
         ),
         ("rope_scaling", "yarn".into(), "rope_scaling"),
         (
+            "rope_scaling",
+            serde_json::json!(["yarn", 4.0]),
+            "rope_scaling",
+        ),
+        (
             "mlp_layer_types",
             serde_json::json!(["dense", "moe", "sparse"]),
             "mlp_layer_types[1]",

@@ -136,8 +136,10 @@ impl HfConfig {
                 return Err(err(format!("field '{field}': expected an object, got {v}")));
             }
         }
-        let mut cfg: HfConfig = serde_path_to_error::deserialize(&value)
-            .map_err(|e| err(format!("field '{}': {}", e.path(), e.into_inner())))?;
+        let mut cfg: HfConfig = serde_path_to_error::deserialize(&value).map_err(|e| {
+            let field = e.path().to_string();
+            err(format!("field '{field}': {}", e.into_inner()))
+        })?;
         cfg.path = path.to_path_buf();
         Ok(cfg)
     }

@@ -8,7 +8,7 @@
 //! (`iter_custom`, flat sampling, one iteration per sample in practice).
 //!
 //! Container: `$COLIBRI_SYNTH_DIR` when set (a GLM-5.2-shaped container, e.g.
-//! `cargo run --release --example make_synthetic -- --out /work/synth/glm52 --experts-only`),
+//! `cargo run --release --features testing --example make_synthetic -- --out /work/synth/glm52 --experts-only`),
 //! else a temporary one of 1 MoE layer × 24 GLM-5.2 experts (≈ 510 MB).
 
 use std::hint::black_box;
@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use colibri::container::Container;
 use colibri::experts::synth::{self, SynthSpec};
 use colibri::experts::{
-    ContainerSource, ExpertSource, ExpertStore, IoMode, PinPolicy, PrefetchMode, StoreOptions,
+    ContainerSource, ExpertLocator, ExpertStore, IoMode, PinPolicy, PrefetchMode, StoreOptions,
 };
 use criterion::{criterion_group, Criterion, SamplingMode, Throughput};
 

@@ -10,6 +10,7 @@ pub mod container;
 pub mod convert;
 pub mod cpu;
 pub mod decode;
+pub mod diagnostics;
 pub mod engine;
 pub mod error;
 pub mod experts;

@@ -1,55 +1,20 @@
 //! PyO3 bindings, and the only module that knows about Python. Each binding extracts plain
 //! Rust values, runs the engine with the GIL released through [`run`], and converts the
-//! result. Errors map to the `colibri.errors` hierarchy; a panic becomes `InternalError`.
+//! result. Errors map to the `colibri.errors` hierarchy with their fields as attributes
+//! (`errors.rs`); a panic becomes `InternalError`.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 mod container;
 mod engine;
+mod errors;
 mod kernels;
 
-use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::error::Error;
-
-/// Build the Python exception for an engine error, as a `colibri.errors` class.
-pub(crate) fn to_py_err(err: Error) -> PyErr {
-    let class = match &err {
-        Error::Io { source, .. } => match source.kind() {
-            std::io::ErrorKind::NotFound => "ColibriFileNotFoundError",
-            std::io::ErrorKind::PermissionDenied => "ColibriPermissionError",
-            _ => "ColibriIOError",
-        },
-        Error::Config { .. } => "ConfigError",
-        Error::Unsupported(_) => "UnsupportedModelError",
-        Error::Container { .. } => "ContainerError",
-        Error::MissingTensor { .. } => "MissingTensorError",
-        Error::InvalidArgument { .. } => "InvalidArgumentError",
-        Error::NonFinite { .. } | Error::NonFiniteWeight { .. } | Error::NonFiniteOutput(_) => {
-            "NonFiniteWeightError"
-        }
-        Error::SavedContext { .. } => "SavedContextError",
-        Error::Cancelled => "Cancelled",
-        Error::ForkedProcess { .. } => "ForkedProcessError",
-        Error::Internal(_) => "InternalError",
-    };
-    let message = err.to_string();
-    Python::attach(|py| {
-        if class == "Cancelled" {
-            return pyo3::exceptions::PyKeyboardInterrupt::new_err(message);
-        }
-        match py
-            .import("colibri.errors")
-            .and_then(|m| m.getattr(class))
-            .and_then(|cls| cls.call1((message.clone(),)))
-        {
-            Ok(exc) => PyErr::from_value(exc),
-            Err(_) => PyRuntimeError::new_err(message),
-        }
-    })
-}
+pub(crate) use errors::to_py_err;
 
 /// Run engine work with the GIL released; a panic is caught here and reported as an
 /// `InternalError` rather than crossing into Python.
@@ -58,6 +23,7 @@ pub(crate) fn run<T: Send>(
     work: impl FnOnce() -> crate::Result<T> + Send,
 ) -> PyResult<T> {
     let outcome = py.detach(|| catch_unwind(AssertUnwindSafe(work)));
+    errors::flush_warnings(py);
     match outcome {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(to_py_err(e)),
@@ -99,7 +65,7 @@ fn _raise_for_test(py: Python<'_>, kind: &str) -> PyResult<()> {
         Err(match kind.as_str() {
             "io" => Error::io(
                 "/nonexistent",
-                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+                std::io::Error::from_raw_os_error(libc::ENOENT),
             ),
             "config" => Error::Config {
                 path: "config.json".into(),
@@ -116,6 +82,7 @@ fn _raise_for_test(py: Python<'_>, kind: &str) -> PyResult<()> {
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::init(m.py())?;
     m.add("__version__", crate::VERSION)?;
     m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;

@@ -114,7 +114,7 @@ fn prefill_logits_match_transformers() {
         let err = rel_err(&f.logits, &want);
         eprintln!(
             "{name}: prefill logits rel err {err:.2e}, hidden rel err {:.2e}",
-            rel_err(&f.hidden, &want_hidden)
+            rel_err(&f.pre_norm_hidden, &want_hidden)
         );
         assert!(err <= 1e-3, "{name}: prefill logits rel err {err}");
     }
@@ -235,7 +235,7 @@ fn mtp_head_matches_transformers() {
         let f = m.step(&prompt, 0, true).unwrap();
         let h = m.config().hidden_size;
         let t = prompt.len();
-        let carried = m.final_norm(&f.hidden[..(t - 1) * h]);
+        let carried = m.final_norm(&f.pre_norm_hidden[..(t - 1) * h]);
         let d = m.mtp_step(&prompt[1..], &carried, 0, true).unwrap();
         let err = rel_err(&d.logits, &want);
         eprintln!("{name}: mtp logits rel err {err:.2e}");
@@ -256,13 +256,13 @@ fn chained_mtp_drafts_match_transformers_convention() {
         let h = m.config().hidden_size;
         let t = prompt.len();
         let f = m.step(&prompt, 0, true).unwrap();
-        let carried = m.final_norm(&f.hidden);
+        let carried = m.final_norm(&f.pre_norm_hidden);
         // Absorb the prompt and draft from the last position in one batch.
         let mut tokens = prompt[1..].to_vec();
         tokens.push(greedy[0]);
         let d = m.mtp_step(&tokens, &carried, 0, true).unwrap();
         let mut logits = d.logits[(t - 1) * v..].to_vec();
-        let mut state = d.hidden[(t - 1) * h..].to_vec();
+        let mut state = d.post_norm_hidden[(t - 1) * h..].to_vec();
         for k in 0..want_ids.len() {
             let err = rel_err(&logits, &want_logits[k * v..(k + 1) * v]);
             assert!(err <= 1e-3, "{name}: chain depth {} rel err {err}", k + 1);
@@ -271,7 +271,7 @@ fn chained_mtp_drafts_match_transformers_convention() {
             if k + 1 < want_ids.len() {
                 let d = m.mtp_step(&[id], &state, t + k, true).unwrap();
                 logits = d.logits;
-                state = d.hidden;
+                state = d.post_norm_hidden;
             }
         }
     }
@@ -525,7 +525,7 @@ fn dsa_mtp_layer_selects_transformers_keys() {
     m.set_trace_selections(true);
     let f = m.step(&prompt, 0, true).unwrap();
     let (h, t) = (m.config().hidden_size, prompt.len());
-    let carried = m.final_norm(&f.hidden[..(t - 1) * h]);
+    let carried = m.final_norm(&f.pre_norm_hidden[..(t - 1) * h]);
     let d = m.mtp_step(&prompt[1..], &carried, 0, true).unwrap();
     let (_, want) = g.f32("mtp_logits");
     let err = worst_row_rel_err(&d.logits, &want, m.config().vocab_size);

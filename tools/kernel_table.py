@@ -1,7 +1,8 @@
 """Turn the output of the kernel benches into the ratio tables of docs/benchmarks.md.
 
-    cargo bench --bench main -- '^(bandwidth|compute|kernels|expert_ffn|kernel_l2)/' \\
-        | tee bench.txt | python tools/kernel_table.py
+    cargo bench --features testing --bench main -- \\
+        '^(bandwidth|compute|kernels|expert_ffn|kernel_l2)/' | tee bench.txt \\
+        | python tools/kernel_table.py
 
 Reads criterion's console output (stdin or a file argument), takes the middle estimate of
 each throughput, and prints per format and shape: the paired read of the same matrices

@@ -8,7 +8,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use colibri::container::Container;
-use colibri::experts::{ContainerSource, ExpertSource};
+use colibri::experts::{ContainerSource, ExpertLocator};
 use libfuzzer_sys::fuzz_target;
 
 const CONFIG: &str = r#"{"model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 128,

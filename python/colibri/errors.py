@@ -34,7 +34,19 @@ __all__ = [
 
 
 class ColibriError(Exception):
-    """Base class of every error colibri raises."""
+    """Base class of every error colibri raises.
+
+    The engine sets four attributes from the error's fields, each ``None`` where the error
+    has none: ``filename`` (the file a config, container, saved-context or I/O error is
+    about), ``errno`` (an OS error's code), ``param`` (the argument an
+    :class:`InvalidArgumentError` names) and ``tensor`` (the tensor a container or
+    non-finite-weight error names).
+    """
+
+    filename: str | None = None
+    errno: int | None = None
+    param: str | None = None
+    tensor: str | None = None
 
 
 class InvalidArgumentError(ColibriError, ValueError):
@@ -73,6 +85,15 @@ class SavedContextError(ColibriError, ValueError):
 class ColibriIOError(ColibriError, OSError):
     """An operating-system I/O failure while reading model files."""
 
+    # OSError's own slots, not ColibriError's class defaults (which come first in the MRO).
+    filename = OSError.filename  # type: ignore[assignment]
+    errno = OSError.errno  # type: ignore[assignment]
+
+    def __str__(self) -> str:
+        # The engine's message already names the file and the OS error; OSError would
+        # rewrite it as "[Errno N] ..." once errno is set.
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
 
 class ColibriFileNotFoundError(ColibriIOError, FileNotFoundError):
     """A file or directory does not exist."""
@@ -84,6 +105,10 @@ class ColibriPermissionError(ColibriIOError, PermissionError):
 
 class ModelNotFoundError(ColibriError, FileNotFoundError):
     """A model name is neither a local directory nor a reachable Hugging Face repo."""
+
+    # OSError's own slots, not ColibriError's class defaults (which come first in the MRO).
+    filename = OSError.filename  # type: ignore[assignment]
+    errno = OSError.errno  # type: ignore[assignment]
 
 
 class ForkedProcessError(ColibriError, RuntimeError):

@@ -419,6 +419,24 @@ fn is_float(dtype: Dtype) -> bool {
 /// Plan converting `src` into `dst`. Reads only config.json and the shard headers.
 pub fn plan(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Plan> {
     options.validate()?;
+    check_dst_outside_src(src, dst)?;
+    let (config, config_json) = read_config(src)?;
+    let source = Source::open(src, &config_json)?;
+    let units = plan_units(&source, &config, options)?;
+    let shards = pack_shards(units, options.max_shard_bytes);
+    check_dst_holds_no_other_weights(dst, &shards)?;
+    Ok(Plan {
+        src: source,
+        dst: dst.to_path_buf(),
+        options: options.clone(),
+        config_json,
+        config,
+        shards,
+    })
+}
+
+/// The converter never writes into SRC: DST (resolved) must not be SRC or below it.
+fn check_dst_outside_src(src: &Path, dst: &Path) -> Result<()> {
     let src_abs = resolve(src)?;
     let dst_abs = resolve(dst)?;
     if dst_abs == src_abs || dst_abs.starts_with(&src_abs) {
@@ -431,6 +449,11 @@ pub fn plan(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Plan> {
             ),
         ));
     }
+    Ok(())
+}
+
+/// SRC's `config.json`, validated and as JSON (copied into DST with the format added).
+fn read_config(src: &Path) -> Result<(ModelConfig, Value)> {
     let config_path = src.join("config.json");
     let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
     let config = ModelConfig::from_json_str(&text, &config_path)?;
@@ -438,124 +461,31 @@ pub fn plan(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Plan> {
         path: config_path.clone(),
         msg: e.to_string(),
     })?;
-    let source = Source::open(src, &config_json)?;
+    Ok((config, config_json))
+}
 
-    // 1. Decide each tensor's output, grouping each routed expert's projections.
-    enum Unit {
-        One(PlannedTensor),
-        Expert(BTreeMap<Proj, PlannedTensor>),
-    }
+/// What goes into a shard together: one tensor, or all projections of one routed expert (so
+/// an expert's bytes are adjacent, one read per expert).
+enum Unit {
+    One(PlannedTensor),
+    Expert(BTreeMap<Proj, PlannedTensor>),
+}
+
+/// Phase 1: decide each source tensor's output, in source order, grouping each routed
+/// expert's projections into one unit.
+fn plan_units(
+    source: &Source,
+    config: &ModelConfig,
+    options: &ConvertOptions,
+) -> Result<Vec<Unit>> {
     let mut units: Vec<Unit> = Vec::new();
     let mut expert_unit: HashMap<(usize, usize), usize> = HashMap::new();
     for name in &source.order {
-        let t = &source.tensors[name];
-        let path = source.path(t);
-        let err = |msg: String| Error::container(path, Some(name), msg);
-        if let Some(weight) = name.strip_suffix(SCALE_INV_SUFFIX) {
-            match source.tensors.get(weight) {
-                Some(w) if is_fp8(w.dtype) => continue, // consumed by its weight
-                _ => {
-                    return Err(err(format!(
-                        "block scales without an FP8 weight '{weight}'"
-                    )))
-                }
-            }
+        if is_block_scales(source, name)? {
+            continue; // consumed by its FP8 weight
         }
-        if name.contains(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj") {
-            return Err(Error::Unsupported(format!(
-                "{}: tensor '{name}' stores all experts fused; convert a checkpoint with \
-                 per-expert tensors (transformers' save_pretrained writes those)",
-                path.display()
-            )));
-        }
-        if t.dtype == Dtype::F8E5M2 {
-            return Err(Error::Unsupported(format!(
-                "{}: tensor '{name}' is F8_E5M2; only F8_E4M3 with block scales is supported",
-                path.display()
-            )));
-        }
-        let scale_inv = if t.dtype == Dtype::F8E4M3 {
-            let s = format!("{name}{SCALE_INV_SUFFIX}");
-            let st = source
-                .tensors
-                .get(&s)
-                .ok_or_else(|| err(format!("FP8 weight without its block scales '{s}'")))?;
-            let (bo, bi) = source.block;
-            let want = match t.shape.as_slice() {
-                [o, i] => vec![o.div_ceil(bo), i.div_ceil(bi)],
-                _ => return Err(err(format!("FP8 weight must be 2-D, found {:?}", t.shape))),
-            };
-            if st.shape != want || !is_float(st.dtype) {
-                return Err(Error::container(
-                    source.path(st),
-                    Some(&s),
-                    format!(
-                        "block scales must be a float tensor of shape {want:?} for a {:?} weight \
-                         with {bo}×{bi} blocks, found {} {:?}",
-                        t.shape, st.dtype, st.shape
-                    ),
-                ));
-            }
-            Some(s)
-        } else {
-            None
-        };
-        let role = classify(&config, name);
-        let mtp = role.layer.is_some_and(|l| config.is_mtp_layer(l));
-        let kind = if let Some((rows, cols)) = expected_shape(&config, name) {
-            if t.shape != [rows, cols] || !(is_float(t.dtype) || t.dtype == Dtype::F8E4M3) {
-                return Err(err(format!(
-                    "expected a float or FP8 weight of shape [{rows}, {cols}] from config.json, \
-                     found {} {:?}",
-                    t.dtype, t.shape
-                )));
-            }
-            let format = match role.role {
-                Role::Router => QuantFormat::F32,
-                _ if mtp => options.format("mtp_bits", options.mtp_bits)?,
-                Role::Embed => options.format("embed_bits", options.embed_bits)?,
-                Role::LmHead => options.format("lm_head_bits", options.lm_head_bits)?,
-                Role::RoutedExpert => options.format("expert_bits", options.expert_bits)?,
-                Role::Indexer => options.format("indexer_bits", options.indexer_bits)?,
-                _ => options.format("dense_bits", options.dense_bits)?,
-            };
-            if format.is_quantized() {
-                OutKind::Quant { format, rows, cols }
-            } else {
-                OutKind::Float {
-                    format,
-                    shape: t.shape.clone(),
-                }
-            }
-        } else if let Some(n) = expected_len(&config, name) {
-            if t.shape != [n] || !is_float(t.dtype) {
-                return Err(err(format!(
-                    "expected a float vector of length {n} from config.json, found {} {:?}",
-                    t.dtype, t.shape
-                )));
-            }
-            OutKind::Float {
-                format: QuantFormat::F32,
-                shape: t.shape.clone(),
-            }
-        } else if t.dtype == Dtype::F8E4M3 {
-            // Unrecognised FP8 weight: keep it exact, dequantised to BF16.
-            OutKind::Float {
-                format: QuantFormat::Bf16,
-                shape: t.shape.clone(),
-            }
-        } else {
-            // Unrecognised tensor: copied unchanged.
-            OutKind::Copy {
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-            }
-        };
-        let pt = PlannedTensor {
-            name: name.clone(),
-            kind,
-            scale_inv,
-        };
+        let pt = plan_tensor(source, config, options, name)?;
+        let role = classify(config, name);
         match (role.role, role.layer, role.expert, role.proj) {
             (Role::RoutedExpert, Some(l), Some(e), Some(p)) => {
                 let idx = *expert_unit.entry((l, e)).or_insert_with(|| {
@@ -569,8 +499,159 @@ pub fn plan(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Plan> {
             _ => units.push(Unit::One(pt)),
         }
     }
+    Ok(units)
+}
 
-    // 2. Pack units into shards of at most max_shard_bytes (at least one unit each).
+/// Whether `name` is the block scales of an FP8 weight (an error when it names no FP8
+/// weight).
+fn is_block_scales(source: &Source, name: &str) -> Result<bool> {
+    let Some(weight) = name.strip_suffix(SCALE_INV_SUFFIX) else {
+        return Ok(false);
+    };
+    match source.tensors.get(weight) {
+        Some(w) if is_fp8(w.dtype) => Ok(true),
+        _ => Err(Error::container(
+            source.path(&source.tensors[name]),
+            Some(name),
+            format!("block scales without an FP8 weight '{weight}'"),
+        )),
+    }
+}
+
+/// One source tensor's output: refused layouts, its FP8 block scales, its kind and format.
+fn plan_tensor(
+    source: &Source,
+    config: &ModelConfig,
+    options: &ConvertOptions,
+    name: &str,
+) -> Result<PlannedTensor> {
+    let t = &source.tensors[name];
+    let path = source.path(t);
+    let err = |msg: String| Error::container(path, Some(name), msg);
+    if name.contains(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj") {
+        return Err(Error::Unsupported(format!(
+            "{}: tensor '{name}' stores all experts fused; convert a checkpoint with \
+             per-expert tensors (transformers' save_pretrained writes those)",
+            path.display()
+        )));
+    }
+    if t.dtype == Dtype::F8E5M2 {
+        return Err(Error::Unsupported(format!(
+            "{}: tensor '{name}' is F8_E5M2; only F8_E4M3 with block scales is supported",
+            path.display()
+        )));
+    }
+    let scale_inv = if t.dtype == Dtype::F8E4M3 {
+        Some(fp8_block_scales(source, name, t)?)
+    } else {
+        None
+    };
+    let role = classify(config, name);
+    let mtp = role.layer.is_some_and(|l| config.is_mtp_layer(l));
+    let kind = if let Some((rows, cols)) = expected_shape(config, name) {
+        if t.shape != [rows, cols] || !(is_float(t.dtype) || t.dtype == Dtype::F8E4M3) {
+            return Err(err(format!(
+                "expected a float or FP8 weight of shape [{rows}, {cols}] from config.json, \
+                 found {} {:?}",
+                t.dtype, t.shape
+            )));
+        }
+        let format = weight_format(options, role.role, mtp)?;
+        if format.is_quantized() {
+            OutKind::Quant { format, rows, cols }
+        } else {
+            OutKind::Float {
+                format,
+                shape: t.shape.clone(),
+            }
+        }
+    } else if let Some(n) = expected_len(config, name) {
+        if t.shape != [n] || !is_float(t.dtype) {
+            return Err(err(format!(
+                "expected a float vector of length {n} from config.json, found {} {:?}",
+                t.dtype, t.shape
+            )));
+        }
+        OutKind::Float {
+            format: QuantFormat::F32,
+            shape: t.shape.clone(),
+        }
+    } else if t.dtype == Dtype::F8E4M3 {
+        // Unrecognised FP8 weight: keep it exact, dequantised to BF16.
+        OutKind::Float {
+            format: QuantFormat::Bf16,
+            shape: t.shape.clone(),
+        }
+    } else {
+        // Unrecognised tensor: copied unchanged.
+        OutKind::Copy {
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+        }
+    };
+    Ok(PlannedTensor {
+        name: name.to_owned(),
+        kind,
+        scale_inv,
+    })
+}
+
+/// The recipe, role → output format of a 2-D weight, in one place: which option sets each
+/// role's bits. Routers stay F32 everywhere; every other weight of the MTP layer(s) takes
+/// `mtp_bits`. The match is exhaustive so that a new role has to be given a line here.
+fn weight_format(options: &ConvertOptions, role: Role, mtp: bool) -> Result<QuantFormat> {
+    let (param, bits) = match (role, mtp) {
+        (Role::Router, _) => return Ok(QuantFormat::F32),
+        (_, true) => ("mtp_bits", options.mtp_bits),
+        (Role::Embed, false) => ("embed_bits", options.embed_bits),
+        (Role::LmHead, false) => ("lm_head_bits", options.lm_head_bits),
+        (Role::RoutedExpert, false) => ("expert_bits", options.expert_bits),
+        (Role::Indexer, false) => ("indexer_bits", options.indexer_bits),
+        (
+            Role::Attention
+            | Role::DenseMlp
+            | Role::SharedExpert
+            | Role::MtpProj
+            | Role::RouterBias
+            | Role::Norm
+            | Role::Unknown,
+            false,
+        ) => ("dense_bits", options.dense_bits),
+    };
+    options.format(param, bits)
+}
+
+/// The name of an FP8 weight's block scales, checked: present, float, and of the shape the
+/// checkpoint's block size gives.
+fn fp8_block_scales(source: &Source, name: &str, t: &SrcTensor) -> Result<String> {
+    let err = |msg: String| Error::container(source.path(t), Some(name), msg);
+    let s = format!("{name}{SCALE_INV_SUFFIX}");
+    let st = source
+        .tensors
+        .get(&s)
+        .ok_or_else(|| err(format!("FP8 weight without its block scales '{s}'")))?;
+    let (bo, bi) = source.block;
+    let want = match t.shape.as_slice() {
+        [o, i] => vec![o.div_ceil(bo), i.div_ceil(bi)],
+        _ => return Err(err(format!("FP8 weight must be 2-D, found {:?}", t.shape))),
+    };
+    if st.shape != want || !is_float(st.dtype) {
+        return Err(Error::container(
+            source.path(st),
+            Some(&s),
+            format!(
+                "block scales must be a float tensor of shape {want:?} for a {:?} weight \
+                 with {bo}×{bi} blocks, found {} {:?}",
+                t.shape, st.dtype, st.shape
+            ),
+        ));
+    }
+    Ok(s)
+}
+
+/// Phase 2: pack units into shards of at most `max_shard_bytes` (at least one unit each),
+/// each with its exact header.
+fn pack_shards(units: Vec<Unit>, max_shard_bytes: u64) -> Vec<PlannedShard> {
     let mut groups: Vec<Vec<PlannedTensor>> = Vec::new();
     let mut current: Vec<PlannedTensor> = Vec::new();
     let mut current_bytes = 0u64;
@@ -580,7 +661,7 @@ pub fn plan(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Plan> {
             Unit::Expert(m) => m.into_values().collect(),
         };
         let bytes: u64 = tensors.iter().map(PlannedTensor::out_bytes).sum();
-        if !current.is_empty() && current_bytes + bytes > options.max_shard_bytes {
+        if !current.is_empty() && current_bytes + bytes > max_shard_bytes {
             groups.push(std::mem::take(&mut current));
             current_bytes = 0;
         }
@@ -591,7 +672,7 @@ pub fn plan(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Plan> {
         groups.push(current);
     }
     let n = groups.len();
-    let shards = groups
+    groups
         .into_iter()
         .enumerate()
         .map(|(i, tensors)| {
@@ -612,33 +693,29 @@ pub fn plan(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Plan> {
                 header,
             }
         })
-        .collect::<Vec<_>>();
+        .collect()
+}
 
-    // 3. DST must not hold other weight files (they would be read as part of the model).
-    if dst.exists() {
-        let planned: Vec<&str> = shards.iter().map(|s| s.file_name.as_str()).collect();
-        for p in shard_paths(dst)? {
-            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            if !planned.contains(&name) {
-                return Err(Error::invalid(
-                    "dst",
-                    format!(
-                        "{} already holds {name}, which this conversion would not write; \
-                         use an empty directory",
-                        dst.display()
-                    ),
-                ));
-            }
+/// Phase 3: DST must not hold other weight files (they would be read as part of the model).
+fn check_dst_holds_no_other_weights(dst: &Path, shards: &[PlannedShard]) -> Result<()> {
+    if !dst.exists() {
+        return Ok(());
+    }
+    let planned: Vec<&str> = shards.iter().map(|s| s.file_name.as_str()).collect();
+    for p in shard_paths(dst)? {
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if !planned.contains(&name) {
+            return Err(Error::invalid(
+                "dst",
+                format!(
+                    "{} already holds {name}, which this conversion would not write; \
+                     use an empty directory",
+                    dst.display()
+                ),
+            ));
         }
     }
-    Ok(Plan {
-        src: source,
-        dst: dst.to_path_buf(),
-        options: options.clone(),
-        config_json,
-        config,
-        shards,
-    })
+    Ok(())
 }
 
 impl Plan {

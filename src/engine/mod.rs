@@ -350,7 +350,7 @@ impl Engine {
                 st.cache = cache;
             }
             Err(e) => {
-                experts::warn_once(
+                crate::diagnostics::warn_once(
                     "session-restore",
                     &format!("an evicted session could not be read back ({e}); it prefills again"),
                 );
@@ -394,7 +394,7 @@ impl Engine {
             };
             match self.evict(s, &mut st) {
                 Ok(()) => total -= bytes as u64,
-                Err(e) => experts::warn_once(
+                Err(e) => crate::diagnostics::warn_once(
                     "session-evict",
                     &format!(
                         "idle sessions hold more than their RAM budget and one could not be \

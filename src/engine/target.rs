@@ -3,12 +3,13 @@
 
 use crate::decode::{StepOutput, Target};
 use crate::error::Result;
-use crate::model::forward::{Forward, Model};
+use crate::model::forward::{Model, MtpForward};
 
-fn out(f: Forward) -> StepOutput {
+/// An MTP step: its hidden is already post-norm (the head's `shared_head.norm`).
+fn out(f: MtpForward) -> StepOutput {
     StepOutput {
         logits: f.logits,
-        hidden: f.hidden,
+        hidden: f.post_norm_hidden,
     }
 }
 
@@ -21,7 +22,7 @@ fn normed_step(
     all_logits: bool,
 ) -> Result<StepOutput> {
     let f = m.step(tokens, start, all_logits)?;
-    let hidden = m.final_norm(&f.hidden);
+    let hidden = m.final_norm(&f.pre_norm_hidden);
     Ok(StepOutput {
         logits: f.logits,
         hidden,

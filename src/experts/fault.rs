@@ -1,7 +1,9 @@
 //! Fault injection: make reads of chosen files fail the way real disks and filesystems fail
 //! (EIO, a vanished file, a short read, a filesystem that refuses O_DIRECT), so the store's
 //! error and fallback paths can be exercised
-//! deterministically. Disarmed it costs one relaxed atomic load per read.
+//! deterministically. Test-only: compiled with the Cargo feature `testing` (or `cfg(test)`);
+//! the shipped build has neither this module nor the hooks in `file_io.rs`. Disarmed it
+//! costs one relaxed atomic load per read.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,182 +1,141 @@
-//! The prefetch queue: a bounded FIFO of (layer, expert) requests drained by dedicated
-//! prefetch threads. `push` never blocks on I/O (it takes one short lock); when the queue is
-//! full the *oldest* request is dropped, since predictions for earlier layers go stale first.
-//! A request already queued is not queued again. What a worker does with a request (a real
-//! load into the layer's cache under the eviction guard, or a page-cache hint) lives in the
-//! store.
+//! Prefetch execution: predictions that pass the predictor gate go into the bounded
+//! [`PrefetchQueue`]; the prefetch threads (`colibri-prefetch-N`, started at open) drain it,
+//! each request becoming a real load into the layer's cache under the eviction guard, or a
+//! page-cache hint (docs/expert-store.md).
 
-use std::collections::{HashSet, VecDeque};
-use std::sync::{Condvar, Mutex};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::thread::JoinHandle;
 
-use super::lock;
+use super::cache::Origin;
+use super::demand::count_evicted;
+use super::file_io::IoMode;
+use super::predictor_gate::Predictor;
+use super::prefetch_queue::{PrefetchMode, PrefetchQueue, Pushed};
+use super::{lock, ExpertStore, Inner};
+use crate::error::{Error, Result};
 
-/// The prefetch policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PrefetchMode {
-    /// Predictions are only counted (recall stats); nothing is loaded.
-    Off,
-    /// Predicted experts get a page-cache hint (`madvise`/`posix_fadvise` WILLNEED).
-    Hint,
-    /// Predicted experts are loaded into their layer's cache by the prefetch threads.
-    #[default]
-    Real,
-}
-
-impl PrefetchMode {
-    pub fn parse(s: &str) -> crate::Result<Self> {
-        match s {
-            "off" => Ok(PrefetchMode::Off),
-            "hint" => Ok(PrefetchMode::Hint),
-            "real" => Ok(PrefetchMode::Real),
-            _ => Err(crate::Error::invalid(
-                "prefetch",
-                format!("unknown prefetch mode '{s}'; expected one of off, hint, real"),
-            )),
-        }
+impl ExpertStore {
+    /// Predicted experts of `layer` (router lookahead): counted for recall, and loaded or
+    /// hinted in the background by the prefetch threads. Never blocks on I/O; invalid ids
+    /// are ignored.
+    pub fn prefetch(&self, layer: usize, ids: &[usize]) {
+        self.inner.predict(layer, ids, Predictor::Router);
     }
-    pub fn name(self) -> &'static str {
-        match self {
-            PrefetchMode::Off => "off",
-            PrefetchMode::Hint => "hint",
-            PrefetchMode::Real => "real",
-        }
+
+    /// Start-of-layer prediction "the experts the previous token used in this layer":
+    /// counted for recall and, unless prefetch is off, given a page-cache hint (never a real
+    /// load: the demand for this layer follows at once).
+    pub fn hint_previous(&self, layer: usize) {
+        let Ok(ls) = self.inner.layer(layer) else {
+            return;
+        };
+        let ids = lock(&ls.pred).last.clone();
+        self.inner.predict(layer, &ids, Predictor::Previous);
     }
 }
 
-/// What `push` did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Pushed {
-    Queued,
-    /// Already waiting in the queue.
-    Duplicate,
-    /// Queued, and the oldest request (this layer) was dropped to make room.
-    DroppedOldest(usize),
+/// Start `threads` prefetch threads draining `queue` for the store `inner`.
+pub(super) fn start_prefetch_threads(
+    inner: &Arc<Inner>,
+    queue: &Arc<PrefetchQueue>,
+    threads: usize,
+) -> Result<Vec<JoinHandle<()>>> {
+    (0..threads)
+        .map(|i| {
+            let (inner, q) = (inner.clone(), queue.clone());
+            std::thread::Builder::new()
+                .name(format!("colibri-prefetch-{i}"))
+                .spawn(move || {
+                    while let Some((layer, id, hint)) = q.pop() {
+                        let _ = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                            Inner::run_prefetch(&inner, layer, id, hint)
+                        }));
+                    }
+                })
+                .map_err(|e| Error::Internal(format!("cannot start a prefetch thread: {e}")))
+        })
+        .collect()
 }
 
-/// (layer, expert, hint only).
-pub(crate) type Job = (usize, usize, bool);
-
-struct State {
-    jobs: VecDeque<Job>,
-    queued: HashSet<Job>,
-    shutdown: bool,
-}
-
-pub(crate) struct PrefetchQueue {
-    state: Mutex<State>,
-    ready: Condvar,
-    capacity: usize,
-}
-
-impl PrefetchQueue {
-    pub fn new(capacity: usize) -> Self {
-        PrefetchQueue {
-            state: Mutex::new(State {
-                jobs: VecDeque::new(),
-                queued: HashSet::new(),
-                shutdown: false,
-            }),
-            ready: Condvar::new(),
-            capacity: capacity.max(1),
+impl Inner {
+    /// Record a prediction and queue the reads it would start, unless prefetch is off, the
+    /// predictor is gated in this layer, or a hint could not help.
+    fn predict(&self, layer: usize, ids: &[usize], who: Predictor) {
+        let Ok(ls) = self.layer(layer) else { return };
+        let n = ls.locs.len();
+        let (cold, precision) = ls.note_prediction(ids, who);
+        let Some(q) = &self.queue else { return };
+        let hint_only = who == Predictor::Previous || self.prefetch == PrefetchMode::Hint;
+        if hint_only && self.files.mode() == IoMode::Direct {
+            // A page-cache hint cannot help O_DIRECT reads, which bypass the page cache, yet
+            // the kernel still reads the bytes: on a disk-bound run every hint is a wasted
+            // expert read (measured: 0.65x plain at a 0% budget before this check).
+            return;
         }
-    }
-
-    pub fn push(&self, job: Job) -> Pushed {
-        let mut s = lock(&self.state);
-        if s.shutdown {
-            return Pushed::Duplicate;
+        let c = &ls.counters;
+        if precision < self.min_precision {
+            c.prefetch_gated
+                .fetch_add(ids.iter().filter(|&&i| i < n).count() as u64, Relaxed);
+            return;
         }
-        if !s.queued.insert(job) {
-            return Pushed::Duplicate;
-        }
-        let mut out = Pushed::Queued;
-        if s.jobs.len() >= self.capacity {
-            if let Some(old) = s.jobs.pop_front() {
-                s.queued.remove(&old);
-                out = Pushed::DroppedOldest(old.0);
+        // Resident or in flight when predicted: nothing to read (the cold set says which).
+        let valid = ids.iter().filter(|&&i| i < n).count();
+        c.prefetch_redundant
+            .fetch_add((valid - cold.len()) as u64, Relaxed);
+        for &id in &cold {
+            match q.push((layer, id, who == Predictor::Previous)) {
+                Pushed::Queued => {}
+                Pushed::Duplicate => {
+                    c.prefetch_redundant.fetch_add(1, Relaxed);
+                }
+                Pushed::DroppedOldest(l) => {
+                    if let Ok(old) = self.layer(l) {
+                        old.counters.prefetch_dropped.fetch_add(1, Relaxed);
+                    }
+                }
             }
         }
-        s.jobs.push_back(job);
-        drop(s);
-        self.ready.notify_one();
-        out
     }
 
-    /// The next request; blocks until one arrives. `None` after `shutdown`.
-    pub fn pop(&self) -> Option<Job> {
-        let mut s = lock(&self.state);
-        loop {
-            if s.shutdown {
-                return None;
+    /// One prefetch request, on a prefetch thread.
+    fn run_prefetch(this: &Arc<Inner>, layer: usize, id: usize, hint_only: bool) {
+        let Ok(ls) = this.layer(layer) else { return };
+        let c = &ls.counters;
+        let mode = match this.prefetch {
+            PrefetchMode::Real if hint_only => PrefetchMode::Hint,
+            m => m,
+        };
+        match mode {
+            PrefetchMode::Off => {}
+            PrefetchMode::Hint => {
+                if !lock(&ls.cache).is_empty(id) {
+                    c.prefetch_redundant.fetch_add(1, Relaxed);
+                    return;
+                }
+                this.files.hint(&ls.locs[id]);
+                lock(&ls.pred).hinted[id] = true;
+                c.prefetch_issued.fetch_add(1, Relaxed);
             }
-            if let Some(j) = s.jobs.pop_front() {
-                s.queued.remove(&j);
-                return Some(j);
+            PrefetchMode::Real => {
+                let mut ev = Vec::new();
+                let fl = {
+                    let mut cache = lock(&ls.cache);
+                    if !cache.is_empty(id) {
+                        c.prefetch_redundant.fetch_add(1, Relaxed);
+                        return;
+                    }
+                    cache.start(id, ls.est[id], Origin::Prefetch, &mut ev)
+                };
+                count_evicted(c, ev);
+                let Some(fl) = fl else {
+                    c.prefetch_guarded.fetch_add(1, Relaxed);
+                    return;
+                };
+                c.prefetch_issued.fetch_add(1, Relaxed);
+                this.run_load(layer, id, &fl);
             }
-            s = self.ready.wait(s).unwrap_or_else(|e| e.into_inner());
         }
-    }
-
-    pub fn shutdown(&self) {
-        let mut s = lock(&self.state);
-        s.shutdown = true;
-        s.jobs.clear();
-        s.queued.clear();
-        drop(s);
-        self.ready.notify_all();
-    }
-
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        lock(&self.state).jobs.len()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::Arc;
-
-    #[test]
-    fn bounded_fifo_drops_oldest_and_dedupes() {
-        let q = PrefetchQueue::new(2);
-        assert_eq!(q.push((1, 0, false)), Pushed::Queued);
-        assert_eq!(q.push((1, 0, false)), Pushed::Duplicate);
-        assert_eq!(q.push((1, 1, false)), Pushed::Queued);
-        assert_eq!(q.push((2, 5, true)), Pushed::DroppedOldest(1));
-        assert_eq!(q.len(), 2);
-        assert_eq!(q.pop(), Some((1, 1, false)));
-        assert_eq!(q.pop(), Some((2, 5, true)));
-        // Dropped jobs may be queued again.
-        assert_eq!(q.push((1, 0, false)), Pushed::Queued);
-    }
-
-    #[test]
-    fn shutdown_wakes_blocked_workers() {
-        let q = Arc::new(PrefetchQueue::new(4));
-        let q2 = q.clone();
-        let h = std::thread::spawn(move || {
-            let mut got = Vec::new();
-            while let Some(j) = q2.pop() {
-                got.push(j);
-            }
-            got
-        });
-        q.push((0, 1, false));
-        // Wait until the worker took it, then shut down while it blocks on an empty queue.
-        while q.len() > 0 {
-            std::thread::yield_now();
-        }
-        q.shutdown();
-        assert_eq!(h.join().expect("worker"), vec![(0, 1, false)]);
-        assert_eq!(q.pop(), None);
-    }
-
-    #[test]
-    fn modes_parse() {
-        for m in [PrefetchMode::Off, PrefetchMode::Hint, PrefetchMode::Real] {
-            assert_eq!(PrefetchMode::parse(m.name()).expect("parse"), m);
-        }
-        assert!(PrefetchMode::parse("on").is_err());
     }
 }

@@ -1,4 +1,4 @@
-//! Where an expert's bytes are: the [`ExpertSource`] trait (file, byte ranges, formats and
+//! Where an expert's bytes are: the [`ExpertLocator`] trait (file, byte ranges, formats and
 //! shapes of gate/up/down and their scales), so the store does not depend on how a container
 //! indexes its shards. The container implements it; tests and benches use [`StaticSource`].
 
@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::quant::QuantFormat;
 
-/// `len` bytes at `offset` of file number `file` (an index into [`ExpertSource::files`]).
+/// `len` bytes at `offset` of file number `file` (an index into [`ExpertLocator::files`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ByteRange {
     pub file: usize,
@@ -103,7 +103,7 @@ impl ExpertLoc {
 }
 
 /// Where the routed experts of a model are.
-pub trait ExpertSource: Send + Sync {
+pub trait ExpertLocator: Send + Sync {
     /// The model directory (read-only to colibri: a legacy routing history there is read).
     fn model_dir(&self) -> &Path;
     /// The shard files that [`ByteRange::file`] indexes.
@@ -119,7 +119,7 @@ pub trait ExpertSource: Send + Sync {
     fn locate(&self, layer: usize, expert: usize) -> Result<ExpertLoc>;
 }
 
-/// An [`ExpertSource`] given as a table (tests, benches, synthetic containers).
+/// An [`ExpertLocator`] given as a table (tests, benches, synthetic containers).
 #[derive(Debug, Clone)]
 pub struct StaticSource {
     pub dir: PathBuf,
@@ -130,7 +130,7 @@ pub struct StaticSource {
     pub layers: BTreeMap<usize, Vec<ExpertLoc>>,
 }
 
-impl ExpertSource for StaticSource {
+impl ExpertLocator for StaticSource {
     fn model_dir(&self) -> &Path {
         &self.dir
     }
@@ -260,7 +260,7 @@ impl ContainerSource {
     }
 }
 
-impl ExpertSource for ContainerSource {
+impl ExpertLocator for ContainerSource {
     fn model_dir(&self) -> &Path {
         self.container.dir()
     }

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use super::IoMode;
+use super::{lock, ExpertStore, IoMode};
 
 macro_rules! counters {
     ($($(#[$m:meta])* $name:ident),* $(,)?) => {
@@ -167,7 +167,7 @@ pub(crate) struct BusyClock {
 impl BusyClock {
     /// A read starts.
     pub(crate) fn begin(&self) {
-        let mut s = super::lock(&self.state);
+        let mut s = lock(&self.state);
         if s.0 == 0 {
             s.1 = Some(std::time::Instant::now());
         }
@@ -176,7 +176,7 @@ impl BusyClock {
 
     /// A read ends (every `begin` is paired with one `end`).
     pub(crate) fn end(&self) {
-        let mut s = super::lock(&self.state);
+        let mut s = lock(&self.state);
         s.0 = s.0.saturating_sub(1);
         if s.0 == 0 {
             if let Some(t) = s.1.take() {
@@ -193,5 +193,42 @@ impl BusyClock {
 
     pub(crate) fn reset(&self) {
         self.busy_ns.store(0, Relaxed);
+    }
+}
+
+impl ExpertStore {
+    /// Counters, totals and per layer, plus memory gauges.
+    pub fn stats(&self) -> StoreStats {
+        let inner = &self.inner;
+        let mut s = StoreStats {
+            io_mode: inner.files.mode(),
+            budget_bytes: inner.budget,
+            pin_set_bytes: inner.pin_set_bytes,
+            pin_set_len: inner.pin_set_len,
+            live_owned_bytes: inner.files.pool.gauge.live(),
+            peak_owned_bytes: inner.files.pool.gauge.peak(),
+            io_busy_ns: inner.busy.busy_ns(),
+            ..Default::default()
+        };
+        for (l, ls) in inner.layers.iter().enumerate() {
+            let Some(ls) = ls else { continue };
+            let snap = ls.counters.snapshot();
+            s.total.add(&snap);
+            s.layers.push((l, snap));
+            let c = lock(&ls.cache);
+            s.lru_bytes += c.used();
+            s.lru_capacity_bytes += c.capacity();
+            s.pinned_bytes += c.pinned_used();
+        }
+        s
+    }
+
+    /// Zero the counters (per generation); resident experts stay.
+    pub fn reset_stats(&self) {
+        for ls in self.inner.layers.iter().flatten() {
+            ls.counters.reset();
+        }
+        self.inner.files.pool.gauge.reset_peak();
+        self.inner.busy.reset();
     }
 }

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::source::{fnv1a, FNV_OFFSET};
 use super::synth::{self, SynthSpec};

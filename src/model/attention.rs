@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::model::indexer::{Indexer, Selection};
 use crate::model::linear;
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
-use crate::model::rope::Rope;
+use crate::model::rope::{self, Rope};
 use crate::quant::kernels;
 use crate::quant::kernels::vecops::{VecOps, BATCH};
 
@@ -198,7 +198,7 @@ impl Attention {
             rope_dim: cfg.qk_rope_head_dim,
             v_dim: cfg.v_head_dim,
             kv_lora,
-            scale: cfg.softmax_scale(),
+            scale: rope::softmax_scale(cfg),
             keys: match (dsa, cfg.indexer_is_full(layer)) {
                 (false, _) => KeyChoice::Dense,
                 (true, true) => KeyChoice::Indexed(Box::new(Indexer::load(c, cfg, prefix)?)),

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::model::attention::{Attention, LayerKv};
 use crate::model::indexer::{Indexer, Selection};
 use crate::model::linear;
-use crate::model::moe::{ExpertSource, Mlp, Moe, ResidentExperts};
+use crate::model::moe::{ExpertProvider, Mlp, Moe, ResidentExperts};
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
 use crate::model::rope::Rope;
 use crate::quant::pack::reference_dequantize_row;
@@ -99,7 +99,7 @@ impl Layer {
         x: &mut [f32],
         s: usize,
         eps: f32,
-        experts: &dyn ExpertSource,
+        experts: &dyn ExpertProvider,
         pool: Option<&rayon::ThreadPool>,
         resident: Option<Vec<f32>>,
     ) -> Result<()> {
@@ -238,15 +238,28 @@ impl Default for ModelOptions {
     }
 }
 
-/// Logits and final pre-norm hidden states of the rows of one forward.
+/// Logits and final pre-norm hidden states of the rows of one main-model forward.
 #[derive(Debug, Clone, Default)]
 pub struct Forward {
     /// [rows, vocab]: every row, or only the last when asked.
     pub logits: Vec<f32>,
-    /// [s, hidden]: the residual stream after the last layer, before `model.norm`.
-    pub hidden: Vec<f32>,
+    /// [s, hidden]: the residual stream after the last layer, *before* `model.norm`
+    /// ([`Model::final_norm`] gives what the MTP head carries).
+    pub pre_norm_hidden: Vec<f32>,
     /// (layer, selection) of every DSA full layer, when [`Model::set_trace_selections`] is on
     /// (tests and debugging; empty otherwise).
+    pub selections: Vec<(usize, Selection)>,
+}
+
+/// Logits and normed output states of the rows of one MTP-head forward.
+#[derive(Debug, Clone, Default)]
+pub struct MtpForward {
+    /// [rows, vocab]: every row, or only the last when asked.
+    pub logits: Vec<f32>,
+    /// [s, hidden]: the MTP head's output *after* its `shared_head.norm`: what the next
+    /// draft step carries (and what the head computed its logits from).
+    pub post_norm_hidden: Vec<f32>,
+    /// (layer, selection) of the MTP layer's indexer, when tracing (see [`Forward`]).
     pub selections: Vec<(usize, Selection)>,
 }
 
@@ -316,7 +329,7 @@ pub struct Model {
     kv: Vec<LayerKv>,
     mtp: Option<MtpHead>,
     mtp_kv: LayerKv,
-    experts: Arc<dyn ExpertSource>,
+    experts: Arc<dyn ExpertProvider>,
     /// Shared so that [`Model::step`] can run a whole forward on it (see there).
     pool: Arc<rayon::ThreadPool>,
     prefetch_top_k: usize,
@@ -344,7 +357,7 @@ impl Model {
     pub fn load_with_experts(
         container: Arc<Container>,
         opts: &ModelOptions,
-        experts: Arc<dyn ExpertSource>,
+        experts: Arc<dyn ExpertProvider>,
     ) -> Result<Self> {
         let cfg = container.config().clone();
         if cfg.qk_rope_head_dim > 512 || !cfg.qk_rope_head_dim.is_multiple_of(2) {
@@ -671,7 +684,7 @@ impl Model {
         let logits = self.head_logits(head, &xn, rows)?;
         Ok(Forward {
             logits,
-            hidden: x,
+            pre_norm_hidden: x,
             selections: traced,
         })
     }
@@ -800,7 +813,7 @@ impl Model {
         carried: &[f32],
         start: usize,
         all_logits: bool,
-    ) -> Result<Forward> {
+    ) -> Result<MtpForward> {
         self.on_pool(|m| m.mtp_step_here(tokens, carried, start, all_logits))
     }
 
@@ -810,7 +823,7 @@ impl Model {
         carried: &[f32],
         start: usize,
         all_logits: bool,
-    ) -> Result<Forward> {
+    ) -> Result<MtpForward> {
         let h = self.cfg.hidden_size;
         let eps = self.cfg.rms_norm_eps;
         let s = tokens.len();
@@ -873,9 +886,9 @@ impl Model {
             (true, Some(sel)) => vec![(self.cfg.num_hidden_layers, sel)],
             _ => Vec::new(),
         };
-        Ok(Forward {
+        Ok(MtpForward {
             logits,
-            hidden: out,
+            post_norm_hidden: out,
             selections,
         })
     }

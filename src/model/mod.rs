@@ -11,4 +11,4 @@ pub mod norm;
 pub mod rope;
 pub mod store_source;
 
-pub use forward::{Forward, KvCaches, Model, ModelOptions};
+pub use forward::{Forward, KvCaches, Model, ModelOptions, MtpForward};

@@ -63,7 +63,7 @@ pub struct ExpertWeights<'a> {
 }
 
 /// Where routed experts come from: all resident (tiny models, tests) or the streaming store.
-pub trait ExpertSource: Send + Sync {
+pub trait ExpertProvider: Send + Sync {
     /// Make experts `ids` of `layer` available and call `f` for each (in any order).
     fn with_experts(
         &self,
@@ -109,7 +109,7 @@ impl ResidentExperts {
     }
 }
 
-impl ExpertSource for ResidentExperts {
+impl ExpertProvider for ResidentExperts {
     fn with_experts(
         &self,
         layer: usize,
@@ -244,7 +244,7 @@ pub fn top_indices(v: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// A MoE block: router, routed experts (from an [`ExpertSource`]) and shared experts.
+/// A MoE block: router, routed experts (from an [`ExpertProvider`]) and shared experts.
 pub struct Moe {
     pub router: Router,
     shared: Option<Mlp>,
@@ -281,7 +281,7 @@ impl Moe {
         &self,
         h: &[f32],
         s: usize,
-        experts: &dyn ExpertSource,
+        experts: &dyn ExpertProvider,
         pool: Option<&rayon::ThreadPool>,
         shared_out: Option<Vec<f32>>,
     ) -> Result<Vec<f32>> {

@@ -6,7 +6,48 @@
 //! `apply_rotary_pos_emb_interleave`; queries and keys get the same permutation, so dot
 //! products are those of the interleaved rotation.
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, RopeScaling};
+
+/// YaRN's `get_mscale`: 1 for scale ≤ 1, else 0.1·mscale·ln(scale) + 1.
+pub fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+impl RopeScaling {
+    /// The factor transformers multiplies cos/sin by (`attention_factor` in
+    /// `_compute_yarn_parameters`): explicit if given, else
+    /// get_mscale(factor, mscale)/get_mscale(factor, mscale_all_dim) when both are non-zero,
+    /// else get_mscale(factor, 1).
+    pub fn attention_factor(&self) -> f64 {
+        if let Some(a) = self.attention_factor {
+            return a;
+        }
+        if self.mscale != 0.0 && self.mscale_all_dim != 0.0 {
+            yarn_get_mscale(self.factor, self.mscale)
+                / yarn_get_mscale(self.factor, self.mscale_all_dim)
+        } else {
+            yarn_get_mscale(self.factor, 1.0)
+        }
+    }
+}
+
+/// Attention softmax scale: q_head_dim^-1/2, times mscale² with
+/// mscale = get_mscale(factor, mscale_all_dim) when YaRN has a non-zero `mscale_all_dim`
+/// (transformers' `yarn_apply_mscale`).
+pub fn softmax_scale(cfg: &ModelConfig) -> f32 {
+    let mut scale = (cfg.q_head_dim() as f64).powf(-0.5);
+    if let Some(r) = &cfg.rope_scaling {
+        if r.mscale_all_dim != 0.0 {
+            let m = yarn_get_mscale(r.factor, r.mscale_all_dim);
+            scale *= m * m;
+        }
+    }
+    scale as f32
+}
 
 #[derive(Debug, Clone)]
 pub struct Rope {

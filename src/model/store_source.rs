@@ -2,9 +2,9 @@
 
 use crate::error::Result;
 use crate::experts::ExpertStore;
-use crate::model::moe::{ExpertSource, ExpertWeights};
+use crate::model::moe::{ExpertProvider, ExpertWeights};
 
-impl ExpertSource for ExpertStore {
+impl ExpertProvider for ExpertStore {
     fn with_experts(
         &self,
         layer: usize,

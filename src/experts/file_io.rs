@@ -25,6 +25,7 @@ use std::sync::Arc;
 
 use memmap2::{Advice, Mmap, MmapMut, MmapOptions, UncheckedAdvice};
 
+#[cfg(any(test, feature = "testing"))]
 use super::fault::{FaultInjector, FaultKind};
 use super::source::{ByteRange, ExpertLoc, MatrixLoc};
 use super::{lock, warn_once, ExpertView};
@@ -253,6 +254,8 @@ pub(crate) struct Files {
     direct_ok: AtomicBool,
     populate_ok: AtomicBool,
     pub pool: Arc<SlabPool>,
+    /// Test fault injection (feature `testing`).
+    #[cfg(any(test, feature = "testing"))]
     pub faults: FaultInjector,
 }
 
@@ -323,6 +326,7 @@ impl Files {
                 direct_ok: AtomicBool::new(direct_ok),
                 populate_ok: AtomicBool::new(true),
                 pool: Arc::new(SlabPool::new(pool_slabs)),
+                #[cfg(any(test, feature = "testing"))]
                 faults: FaultInjector::default(),
             },
             lens,
@@ -357,15 +361,7 @@ impl Files {
             let Some(map) = &sh.map else {
                 return Err(Error::Internal("mapped load without a map".into()));
             };
-            if let Some(k) = self.faults.check(&sh.path) {
-                return Err(match (k.io_error(), k) {
-                    (Some(e), _) => Error::io(&sh.path, e),
-                    (None, FaultKind::ShortRead(n)) => {
-                        truncated(&sh.path, m, r, r.offset + n as u64)
-                    }
-                    (None, _) => Error::Internal("fault without error".into()),
-                });
-            }
+            self.mapped_fault(sh, m, r)?;
             let now = sh
                 .file
                 .metadata()
@@ -523,16 +519,7 @@ impl Files {
         m: &MatrixLoc,
         r: ByteRange,
     ) -> Result<u64> {
-        let mut limit = buf.len();
-        let mut refuse_direct = false;
-        if let Some(k) = self.faults.check(&sh.path) {
-            match (k.io_error(), k) {
-                (Some(e), _) => return Err(Error::io(&sh.path, e)),
-                (None, FaultKind::ShortRead(n)) => limit = n.min(limit),
-                (None, FaultKind::DirectRefused) => refuse_direct = direct,
-                (None, _) => {}
-            }
-        }
+        let (limit, mut refuse_direct) = self.read_fault(sh, buf.len(), direct)?;
         let mut file = match (&sh.direct, direct) {
             (Some(f), true) => f,
             _ => &sh.file,
@@ -674,6 +661,47 @@ impl Files {
         for sh in &self.shards {
             fadvise(&sh.file, 0, 0, libc::POSIX_FADV_DONTNEED);
         }
+    }
+}
+
+/// Test fault injection (feature `testing`; [`FaultInjector`]): what one read of a shard is
+/// made to do. Without the feature these are no-ops and the shipped build has no hooks.
+#[cfg(any(test, feature = "testing"))]
+impl Files {
+    /// A mapped read of `m`'s range `r` in `sh`: the injected failure, if any.
+    fn mapped_fault(&self, sh: &Shard, m: &MatrixLoc, r: ByteRange) -> Result<()> {
+        let Some(k) = self.faults.check(&sh.path) else {
+            return Ok(());
+        };
+        Err(match (k.io_error(), k) {
+            (Some(e), _) => Error::io(&sh.path, e),
+            (None, FaultKind::ShortRead(n)) => truncated(&sh.path, m, r, r.offset + n as u64),
+            (None, _) => Error::Internal("fault without error".into()),
+        })
+    }
+
+    /// A read of `sh` into `len` bytes: the injected OS error, or how many bytes the read may
+    /// deliver and whether an O_DIRECT read is refused (when `direct`).
+    fn read_fault(&self, sh: &Shard, len: usize, direct: bool) -> Result<(usize, bool)> {
+        match self.faults.check(&sh.path).map(|k| (k.io_error(), k)) {
+            Some((Some(e), _)) => Err(Error::io(&sh.path, e)),
+            Some((None, FaultKind::ShortRead(n))) => Ok((n.min(len), false)),
+            Some((None, FaultKind::DirectRefused)) => Ok((len, direct)),
+            _ => Ok((len, false)),
+        }
+    }
+}
+
+#[cfg(not(any(test, feature = "testing")))]
+impl Files {
+    #[inline(always)]
+    fn mapped_fault(&self, _: &Shard, _: &MatrixLoc, _: ByteRange) -> Result<()> {
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn read_fault(&self, _: &Shard, len: usize, _: bool) -> Result<(usize, bool)> {
+        Ok((len, false))
     }
 }
 

@@ -22,6 +22,7 @@ fn streaming_read(c: &mut Criterion) {
         .build()
         .expect("thread pool");
     let expected: u64 = buf.iter().fold(0u64, |a, &v| a ^ v);
+    crate::probes::check_xor_prefetching();
     let mut g = c.benchmark_group("bandwidth");
     g.throughput(Throughput::Bytes(BYTES as u64));
     g.sample_size(10);
@@ -31,7 +32,7 @@ fn streaming_read(c: &mut Criterion) {
     // Report against the higher of the two.
     let reads: [(&str, Read); 2] = [
         ("read", |c| c.iter().fold(0u64, |a, &v| a ^ v)),
-        ("read_prefetch", colibri::quant::kernels::xor_prefetching),
+        ("read_prefetch", crate::probes::xor_prefetching),
     ];
     for (name, read) in reads {
         g.bench_function(format!("{name}_1GiB_{threads}threads"), |b| {
@@ -49,7 +50,7 @@ fn streaming_read(c: &mut Criterion) {
 fn fma_peak(c: &mut Criterion) {
     let path = colibri::quant::kernels::selected_path();
     const ITERS: usize = 1 << 20;
-    let Some((flops, _)) = colibri::quant::kernels::fma_peak_probe(path, 1, 1.0) else {
+    let Some((flops, _)) = crate::probes::fma_peak(path, 1, 1.0) else {
         eprintln!("compute: no FMA probe for path {path}");
         return;
     };
@@ -65,8 +66,8 @@ fn fma_peak(c: &mut Criterion) {
         b.iter(|| {
             let (x, y) = pool.install(|| {
                 rayon::join(
-                    || colibri::quant::kernels::fma_peak_probe(path, ITERS, black_box(1.0)),
-                    || colibri::quant::kernels::fma_peak_probe(path, ITERS, black_box(2.0)),
+                    || crate::probes::fma_peak(path, ITERS, black_box(1.0)),
+                    || crate::probes::fma_peak(path, ITERS, black_box(2.0)),
                 )
             });
             black_box((x, y))

@@ -166,13 +166,14 @@ fn read_matrix(m: &Owned) -> u64 {
         let (head, mid, tail) = bytemuck::pod_align_to::<u8, u64>(b);
         let edge = head.iter().chain(tail).fold(0u64, |a, &v| a ^ v as u64);
         mid.par_chunks(1 << 15)
-            .map(kernels::xor_prefetching)
+            .map(crate::probes::xor_prefetching)
             .reduce(|| edge, |a, b| a ^ b)
     };
     words(&m.data) ^ words(bytemuck::cast_slice(&m.scales))
 }
 
 fn matmul_shapes(c: &mut Criterion) {
+    crate::probes::check_xor_prefetching();
     let pool = pool();
     let path = kernels::selected_path();
     eprintln!("kernels: path {path}, {THREADS} threads");

@@ -7,6 +7,7 @@ mod bandwidth;
 mod context;
 mod experts;
 mod kernels;
+mod probes;
 
 criterion_main!(
     bandwidth::benches,

@@ -3,8 +3,12 @@
 //! position or the thread count: row s of an S-row call equals the S=1 call bit for bit (draft
 //! and verify must compute the same function).
 //!
-//! `scalar` is the reference every SIMD path is tested against. The SIMD paths (`avx512`,
-//! `avx2`, `neon`) share one shape of computation:
+//! `scalar` is the reference every SIMD path is tested against. The x86 paths are one tile
+//! driver (`driver.rs`) over the vector operations of an ISA (`driver::Isa`, implemented by
+//! `avx2.rs` and `avx512.rs`) and the row decoders of each format (`sources.rs`, plus
+//! AVX-512's table-decoded int4 in `avx512.rs`), instantiated per ISA in its
+//! `#[target_feature]` entry points; `neon.rs` is its own (it decodes a row into a buffer
+//! first). The SIMD paths (`avx512`, `avx2`, `neon`) share one shape of computation:
 //! - a weight row is consumed as vectors of L lanes (16 for AVX-512, 8 for AVX2, 4 for NEON);
 //!   vector v is dequantised exactly (`(nibble − 8) as f32 · scale`, `q as f32 · scale`, the
 //!   bf16/f16 bits widened) and fused-multiply-added into accumulator `v % A` of each
@@ -32,8 +36,9 @@ pub mod scalar;
 pub mod vecops;
 
 #[cfg(target_arch = "x86_64")]
-#[macro_use]
-mod tiling;
+mod driver;
+#[cfg(target_arch = "x86_64")]
+mod sources;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -462,59 +467,6 @@ impl XLayout {
             }
         }
         XBuf::Lines(lines)
-    }
-}
-
-/// XOR of `words`, read with software prefetch 8 KiB ahead (one per cache line) where the
-/// CPU has it: the read the memory-bandwidth benches time, prefetching as the kernels do, so
-/// that the machine's limit is not understated by a read that waits on the hardware
-/// prefetcher alone.
-pub fn xor_prefetching(words: &[u64]) -> u64 {
-    const AHEAD: usize = 8192 / 8;
-    let mut acc = [0u64; 8];
-    let lines = words.chunks_exact(8);
-    let rest = lines.remainder().iter().fold(0, |a, &b| a ^ b);
-    for (i, line) in lines.enumerate() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a prefetch never faults, whatever the address (hence `wrapping_add`); SSE is
-        // part of x86-64.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                words.as_ptr().wrapping_add(i * 8 + AHEAD) as *const i8,
-            )
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (i, AHEAD);
-        for (a, &v) in acc.iter_mut().zip(line) {
-            *a ^= v;
-        }
-    }
-    acc.iter().fold(rest, |a, &b| a ^ b)
-}
-
-/// The f32 FMA ceiling of `path` on this thread: runs `iters` rounds of independent vector
-/// FMAs and returns (flops done, a value to keep the work alive). Benches divide the flops by
-/// the time to put the kernels' S > 1 cost against the machine's compute limit. `None` for
-/// paths without a probe (scalar, NEON) or that this CPU cannot run.
-pub fn fma_peak_probe(path: KernelPath, iters: usize, seed: f32) -> Option<(usize, f32)> {
-    if !path.is_available() {
-        return None;
-    }
-    match path {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX-512 F is present (checked above).
-        KernelPath::Avx512 => Some((iters * avx512::PEAK_FLOPS_PER_ITER, unsafe {
-            avx512::fma_peak(iters, seed)
-        })),
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2 and FMA are present (checked above).
-        KernelPath::Avx2 => Some((iters * avx2::PEAK_FLOPS_PER_ITER, unsafe {
-            avx2::fma_peak(iters, seed)
-        })),
-        _ => {
-            let _ = (iters, seed);
-            None
-        }
     }
 }
 

@@ -398,17 +398,6 @@ fn best_path_uses_the_widest_vectors_available() {
 }
 
 #[test]
-fn xor_prefetching_is_the_xor_of_every_word() {
-    for n in [0usize, 1, 7, 8, 9, 1000, 5000] {
-        let words: Vec<u64> = (0..n as u64)
-            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-            .collect();
-        let want = words.iter().fold(0, |a, &b| a ^ b);
-        assert_eq!(super::xor_prefetching(&words), want, "n {n}");
-    }
-}
-
-#[test]
 fn dequantized_rows_equal_the_reference_bit_for_bit() {
     for path in KernelPath::available() {
         for (fi, &format) in formats().iter().enumerate() {

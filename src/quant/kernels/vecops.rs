@@ -1,4 +1,4 @@
-//! Vector operations of attention, with the same values on every path: [`dot_reference`], a
+//! Vector operations of attention, with the same values on every path: [`dot_16_lanes`], a
 //! dot product in one fixed order (16 partial sums), and [`axpy_reference`], `y += a·x`
 //! (a multiply, then an add: no fused multiply-add). The SIMD versions run the same
 //! operations lane by lane, so their results equal the references bit for bit; NEON uses the
@@ -10,7 +10,7 @@
 use super::KernelPath;
 use crate::Result;
 
-/// Partial sums of [`dot_reference`].
+/// Partial sums of [`dot_16_lanes`].
 const DOT_LANES: usize = 16;
 
 /// Rows per call of [`VecOps::dots`] and [`VecOps::axpys`].
@@ -20,8 +20,11 @@ pub const BATCH: usize = 4;
 /// i % 16 (`acc += a·b`, a multiply then an add), the partial sums are added as a tree (lane i
 /// with lane i + 8, then + 4, + 2, + 1), then the leftover products summed in order are added.
 /// An in-order sum is one dependent add per element (latency-bound); sixteen independent sums
-/// vectorise.
-pub fn dot_reference(a: &[f32], b: &[f32]) -> f32 {
+/// vectorise. This is attention's dot product, the same function on every path (its SIMD
+/// versions equal it bit for bit); the matmul kernels' specification is the other order,
+/// `scalar::dot_in_order`, which the SIMD matmuls match to rounding only (each has its own
+/// order) and which the scalar path runs (so its values stay those of the plain sum).
+pub fn dot_16_lanes(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0.0f32; DOT_LANES];
     let (ca, cb) = (a.chunks_exact(DOT_LANES), b.chunks_exact(DOT_LANES));
@@ -55,7 +58,7 @@ pub fn axpy_reference(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
-/// [`dot_reference`] and [`axpy_reference`] on one kernel path, resolved once.
+/// [`dot_16_lanes`] and [`axpy_reference`] on one kernel path, resolved once.
 #[derive(Debug, Clone, Copy)]
 pub struct VecOps {
     path: KernelPath,
@@ -74,7 +77,7 @@ impl VecOps {
         })
     }
 
-    /// [`dot_reference`]`(a, b)`; `a` and `b` have the same length.
+    /// [`dot_16_lanes`]`(a, b)`; `a` and `b` have the same length.
     #[inline]
     pub fn dot(&self, a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
@@ -86,11 +89,11 @@ impl VecOps {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, with AVX2.
             KernelPath::Avx2 => unsafe { x86::dot_avx2(a, b) },
-            _ => dot_reference(a, b),
+            _ => dot_16_lanes(a, b),
         }
     }
 
-    /// `[dot(a, b) for b in bs]`, each exactly [`dot_reference`]: the four sums run side by
+    /// `[dot(a, b) for b in bs]`, each exactly [`dot_16_lanes`]: the four sums run side by
     /// side (one sum is bound by the latency of its adds). All slices have `a`'s length.
     #[inline]
     pub fn dots(&self, a: &[f32], bs: [&[f32]; BATCH]) -> [f32; BATCH] {
@@ -103,7 +106,7 @@ impl VecOps {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, with AVX2.
             KernelPath::Avx2 => unsafe { x86::dots_avx2(a, bs) },
-            _ => bs.map(|b| dot_reference(a, b)),
+            _ => bs.map(|b| dot_16_lanes(a, b)),
         }
     }
 
@@ -151,17 +154,12 @@ mod x86 {
 
     use super::{leftover, BATCH, DOT_LANES};
 
-    /// The tree of [`super::dot_reference`] from the partial sums of lanes 0..8 (`lo`) and
-    /// 8..16 (`hi`): lane i + lane i+8, then + 4, + 2, + 1.
+    /// The tree of [`super::dot_16_lanes`] from the partial sums of lanes 0..8 (`lo`) and
+    /// 8..16 (`hi`): lane i + lane i+8, then + 4, + 2, + 1 (`avx2::sum_lanes`).
     #[inline(always)]
     unsafe fn tree(lo: __m256, hi: __m256) -> f32 {
         // SAFETY: AVX guaranteed by the callers (AVX2 or AVX-512 F).
-        unsafe {
-            let s8 = _mm256_add_ps(lo, hi);
-            let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
-            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
-        }
+        unsafe { super::super::avx2::sum_lanes(_mm256_add_ps(lo, hi)) }
     }
 
     /// # Safety
@@ -356,7 +354,7 @@ mod tests {
                 .zip(&b)
                 .map(|(x, y)| (*x as f64 * *y as f64).abs())
                 .sum();
-            let got = dot_reference(&a, &b) as f64;
+            let got = dot_16_lanes(&a, &b) as f64;
             assert!(
                 (got - want).abs() <= 1e-6 * scale.max(1.0),
                 "n {n}: {got} vs {want}"
@@ -365,7 +363,7 @@ mod tests {
             if n > 0 {
                 let mut c = b.clone();
                 c[n - 1] += 1.0;
-                assert_ne!(dot_reference(&a, &c), dot_reference(&a, &b), "n {n}");
+                assert_ne!(dot_16_lanes(&a, &c), dot_16_lanes(&a, &b), "n {n}");
             }
         }
     }
@@ -392,7 +390,7 @@ mod tests {
                 let b = values(n, 53, 89, 44.0, 3.1);
                 assert_eq!(
                     ops.dot(&a, &b).to_bits(),
-                    dot_reference(&a, &b).to_bits(),
+                    dot_16_lanes(&a, &b).to_bits(),
                     "{path} dot, n {n}"
                 );
                 let mut want = values(n, 29, 97, 40.0, 0.7);
@@ -410,7 +408,7 @@ mod tests {
                 for r in 0..BATCH {
                     assert_eq!(
                         dots[r].to_bits(),
-                        dot_reference(&a, bs[r]).to_bits(),
+                        dot_16_lanes(&a, bs[r]).to_bits(),
                         "{path} dots row {r}, n {n}"
                     );
                 }

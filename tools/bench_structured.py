@@ -2,7 +2,7 @@
 
 Decodes greedily with drafting off, with and without a constraint, and reports decode
 seconds per generated token for each; the difference is the mask's cost (llguidance's mask
-computation, the matcher's advance, and writing −inf into the row).
+computation, the matcher's advance, and writing -inf into the row).
 
     python tools/bench_structured.py [--model DIR] [--runs 5]
 """
@@ -42,9 +42,7 @@ def main() -> None:
     for name, kw in CASES:
         per_token = []
         for r in range(args.runs + 1):
-            out = model.generate(
-                "Write it down:", max_new_tokens=args.tokens, temperature=0, **kw
-            )
+            out = model.generate("Write it down:", max_new_tokens=args.tokens, temperature=0, **kw)
             if r > 0:  # the first run warms up (and loads the vocabulary)
                 s = out.stats
                 per_token.append(s.decode_seconds / max(1, s.generated_tokens - 1))

@@ -27,8 +27,9 @@ class SamplingParams:
     """How a generation picks its tokens (vLLM's ``SamplingParams`` names and meanings).
 
     Every logit processing step (``logit_bias``, the penalties, ``min_tokens``, the
-    ``guided_*`` structured-output mask) is applied inside the Rust sampler to every row it picks from, the verify rows of speculative
-    decoding included, so drafting never changes the output distribution with them.
+    ``guided_*`` structured-output mask) is applied inside the Rust sampler to every row it
+    picks from, the verify rows of speculative decoding included, so drafting never changes
+    the output distribution with them.
     """
 
     #: At most this many new tokens (``max_new_tokens`` is the same).

@@ -104,7 +104,7 @@ def stop_server(live: Live) -> None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Live]:
-    live = start_server("--max-queue", "3", "--sessions", "4")
+    live = start_server("--max-queue", "3", "--sessions", "4", "--max-batch", "2")
     yield live
     stop_server(live)
 
@@ -580,6 +580,10 @@ def test_session_pool_choice() -> None:
     assert again is a and n == 5
     third, n = pool.choose([5, 8])  # full: the slot sharing the longest prefix
     assert third is b and n == 1
+    # A slot generating now (in the batch) is not a candidate; none free: wait (None).
+    other = pool.choose([5, 8], busy=frozenset({id(b)}))
+    assert other is not None and other[0] is a
+    assert pool.choose([5, 8], busy=frozenset({id(a), id(b)})) is None
     assert common_prefix([1, 2], [1, 2, 3]) == 2 and common_prefix([], [1]) == 0
 
 
@@ -640,9 +644,9 @@ def test_disconnect_cancels_the_generation(server: Live) -> None:
 
 
 def test_queue_bound_refuses_with_retry_after(server: Live) -> None:
-    """One generation runs and --max-queue 3 wait; the next request is a 429 with
-    Retry-After, and once the queue drains requests are served again."""
-    outs: list[queue.Queue[Any]] = [queue.Queue() for _ in range(4)]
+    """--max-batch 2 generate together and --max-queue 3 wait; the next request is a 429
+    with Retry-After, and once the queue drains requests are served again."""
+    outs: list[queue.Queue[Any]] = [queue.Queue() for _ in range(5)]
     release = threading.Event()
     threads = []
     try:
@@ -650,7 +654,7 @@ def test_queue_bound_refuses_with_retry_after(server: Live) -> None:
             t = threading.Thread(target=_stream, args=(server.url, LONG, out, release), daemon=True)
             t.start()
             threads.append(t)
-            if i == 0:  # the first one is generating before the others queue behind it
+            if i < 2:  # the batch's two are generating before the others queue behind them
                 assert out.get(timeout=30) == ("status", 200)
                 assert out.get(timeout=30)[0] == "data"
         wait_for(lambda: server.stats()["queue_depth"] == 3, what="three queued requests")
@@ -660,7 +664,10 @@ def test_queue_bound_refuses_with_retry_after(server: Live) -> None:
         assert r.json()["error"]["code"] == "queue_full"
         with pytest.raises(openai.RateLimitError):
             server.client().completions.create(model=MODEL, prompt="a", max_tokens=2)
-        assert server.stats()["running"] == 1  # the first one is still generating
+        stats = server.stats()
+        # Both generate at once: one batch, its forwards shared.
+        assert stats["running"] == 2 and stats["max_batch"] == 2
+        assert stats["peak_running"] == 2
     finally:
         release.set()  # each hangs up after its first chunk: the queue drains
         for t in threads:
@@ -668,6 +675,71 @@ def test_queue_bound_refuses_with_retry_after(server: Live) -> None:
     wait_for(lambda: (s := server.stats())["queue_depth"] == 0 and s["running"] == 0)
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_concurrent_requests_share_forwards_and_answer_as_alone(
+    server: Live, local: colibri.Model
+) -> None:
+    """Two streamed requests sent together decode in one batch — their streams interleave,
+    where requests taking turns would stream one after the other — and each answers what
+    the library gives it alone (greedy with MTP drafting; sampled with n-gram drafting)."""
+    bodies = [
+        {
+            "model": MODEL,
+            "prompt": PROMPT,
+            "max_tokens": 300,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        },
+        {
+            "model": MODEL,
+            "prompt": "import numpy as np\n",
+            "max_tokens": 300,
+            "temperature": 0.8,
+            "seed": 11,
+            "stream": True,
+            "ignore_eos": True,
+            "draft": "ngram",
+        },
+    ]
+    arrivals: dict[int, list[float]] = {0: [], 1: []}
+    texts: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        parts = []
+        with (
+            httpx.Client(timeout=60) as h,
+            h.stream("POST", server.url + "/v1/completions", json=bodies[i]) as r,
+        ):
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"] and chunk["choices"][0]["text"]:
+                        parts.append(chunk["choices"][0]["text"])
+                        arrivals[i].append(time.monotonic())
+        texts[i] = "".join(parts)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    a, b = arrivals[0], arrivals[1]
+    assert len(a) > 10 and len(b) > 10
+    # Each stream's first chunk came before the other's last: they ran together.
+    assert a[0] < b[-1] and b[0] < a[-1], (a[0], a[-1], b[0], b[-1])
+    for i, body in enumerate(bodies):
+        alone = local.generate(
+            body["prompt"],
+            max_tokens=body["max_tokens"],
+            temperature=body["temperature"],
+            seed=body.get("seed"),
+            draft=body.get("draft", "auto"),
+            ignore_eos=True,
+        )
+        assert texts[i] == alone.text, i
 
 
 def test_load_32_requests_from_8_clients(server: Live) -> None:

@@ -233,6 +233,18 @@ class Engine:
         decode). ``requests[i]``: ``"ids"`` and every keyword of :meth:`generate` but
         ``on_tokens``/``session``/``prefill_progress``; ``sessions[i]`` its (distinct)
         session. Returns per request the result dict, or its error as an exception object."""
+    def run_batch(
+        self,
+        admit: Callable[[int], list[tuple[int, dict[str, Any], Session]]],
+        on_tokens: Callable[[int, list[int]], bool],
+        on_done: Callable[[int, dict[str, Any] | BaseException], None],
+    ) -> None:
+        """A continuous batch: ``admit(running)`` is called before every forward and returns
+        ``(id, request, session)`` triples to start (``request`` as in
+        :meth:`generate_batch`); ``on_tokens(id, tokens)`` gets each one's emitted tokens
+        (False stops it); ``on_done(id, result)`` its result dict or its error. Returns once
+        nothing runs and ``admit`` gives nothing; an exception raised by a callback cancels
+        every running request and is raised here."""
     def drop_page_cache(self) -> None:
         """Evict the model's expert bytes from the OS page cache (cold-start benchmarks)."""
     def expert_stats(self) -> dict[str, Any]:

@@ -549,6 +549,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"invalid value for '--max-queue': {args.max_queue}; >= 0")
     if args.sessions < 1:
         raise InvalidArgumentError(f"invalid value for '--sessions': {args.sessions}; >= 1")
+    if args.max_batch is not None and not 1 <= args.max_batch <= args.sessions:
+        raise InvalidArgumentError(
+            f"invalid value for '--max-batch': {args.max_batch}; each running request needs "
+            f"its own session, so 1..{args.sessions} (--sessions)"
+        )
     try:
         from colibri.serve import serve
     except ImportError as e:
@@ -576,6 +581,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         served_name=args.served_model_name,
         sessions=args.sessions,
         max_queue=args.max_queue,
+        max_batch=args.max_batch,
         allow_origins=args.allow_origin or (),
         log_level=args.log_level,
         on_listen=listening,
@@ -607,7 +613,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--max-queue",
         type=int,
         default=32,
-        help="requests that may wait while one generates; more get 429 (default 32)",
+        help="requests that may wait beyond the running batch; more get 429 (default 32)",
+    )
+    g.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="requests decoded together, their forwards shared (each needs its own "
+        "session; default: --sessions)",
     )
     g.add_argument(
         "--sessions",

@@ -751,8 +751,8 @@ class Model:
 
         A list of prompts returns a list of results: each prompt gets a fresh session and
         their decode forwards are shared (batched decode: an expert any of them routes to is
-        read once for all), each result the one the prompt gets alone with ``draft="off"``
-        (batched rows are not drafted yet).
+        read once for all; each drafts on its own and its drafts are verified in the shared
+        forward), each result the one the prompt gets alone.
 
         Args:
             sampling_params: a :class:`SamplingParams` holding any of the keywords below
@@ -1077,6 +1077,44 @@ class Model:
             if isinstance(r, BaseException):
                 raise r
         return [lane.result(r) for lane, r in zip(lanes, raw, strict=True)]
+
+    def _run_continuous(
+        self,
+        admit: Callable[[int], Sequence[BatchEntry]],
+        on_done: Callable[[int, GenerationResult | BaseException], None],
+    ) -> None:
+        """A continuous batch (``colibri serve``): before every forward ``admit(running)``
+        returns the generations to start (prepared by :meth:`_params`, each on its own
+        session); each streams its text through its ``on_text`` and ends through
+        ``on_done(id, result or error)``. Returns once nothing runs and nothing is
+        admitted."""
+        lanes: dict[int, _Lane] = {}
+
+        def admit_core(live: int) -> list[tuple[int, dict[str, Any], Any]]:
+            out = []
+            for entry in admit(live):
+                lanes[entry.id] = _Lane(self.tokenizer, entry.params, entry.on_text, entry.cancel)
+                request = {"ids": entry.params["ids"], **_engine_keywords(entry.params)}
+                out.append((entry.id, request, entry.session._core))
+            return out
+
+        def on_tokens(i: int, ids: list[int]) -> bool:
+            return lanes[i].on_tokens(ids)
+
+        def finished(i: int, raw: Any) -> None:
+            lane = lanes.pop(i)
+            if isinstance(raw, BaseException):
+                on_done(i, raw)
+                return
+            try:
+                result = lane.result(raw)
+            except BaseException as e:  # handed to the request
+                on_done(i, e)
+                return
+            on_done(i, result)
+
+        with self._lock:
+            self._engine.run_batch(admit_core, on_tokens, finished)
 
     # ----------------------------------------------------------------------------- chat
     @overload
@@ -1442,6 +1480,19 @@ def _engine_keywords(p: Mapping[str, Any]) -> dict[str, Any]:
         "prompt_logprobs",
     )
     return {"stop_ids": p["stop_ids"], **{k: p[k] for k in keys}}
+
+
+@dataclass
+class BatchEntry:
+    """A generation for :meth:`Model._run_continuous`: its id, its checked parameters
+    (:meth:`Model._params`), the session it runs on, where its text goes (``on_text``
+    returns False to stop it) and an event that cancels it."""
+
+    id: int
+    params: Mapping[str, Any]
+    session: Session
+    on_text: Callable[[str], bool] | None
+    cancel: threading.Event | None
 
 
 class _Lane:

@@ -121,6 +121,42 @@ pub trait Drafter {
     fn mtp_forwards(&self) -> u64 {
         0
     }
+
+    /// What the drafter holds for the next generation on the same caches (the MTP drafter:
+    /// the main hidden states its layer has not absorbed), taken out of it.
+    fn take_pending(&mut self) -> Vec<f32> {
+        Vec::new()
+    }
+}
+
+/// A borrowed drafter drafts as the drafter (tests hand the loop their forced drafters).
+impl<D: Drafter + ?Sized> Drafter for &mut D {
+    fn observe(&mut self, hidden: &[f32]) {
+        (**self).observe(hidden)
+    }
+    fn propose(
+        &mut self,
+        target: &mut dyn Target,
+        context: &[u32],
+        max: usize,
+        cancel: &AtomicBool,
+    ) -> Result<Vec<u32>> {
+        (**self).propose(target, context, max, cancel)
+    }
+    fn idle(
+        &mut self,
+        target: &mut dyn Target,
+        context: &[u32],
+        cancel: &AtomicBool,
+    ) -> Result<()> {
+        (**self).idle(target, context, cancel)
+    }
+    fn mtp_forwards(&self) -> u64 {
+        (**self).mtp_forwards()
+    }
+    fn take_pending(&mut self) -> Vec<f32> {
+        (**self).take_pending()
+    }
 }
 
 /// `Err(Error::Cancelled)` once the caller raised `cancel`.

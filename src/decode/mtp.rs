@@ -49,12 +49,6 @@ impl MtpDrafter {
         }
     }
 
-    /// The hidden states not yet absorbed (positions `mtp_kv_len()..kv_len()`), for the
-    /// next generation on the same caches.
-    pub fn into_pending(self) -> Vec<f32> {
-        self.pending
-    }
-
     fn pending_rows(&self) -> usize {
         self.pending.len() / self.hidden.max(1)
     }
@@ -167,5 +161,11 @@ impl Drafter for MtpDrafter {
 
     fn mtp_forwards(&self) -> u64 {
         self.forwards
+    }
+
+    /// The hidden states not yet absorbed (positions `mtp_kv_len()..kv_len()`), for the
+    /// next generation on the same caches.
+    fn take_pending(&mut self) -> Vec<f32> {
+        std::mem::take(&mut self.pending)
     }
 }

@@ -20,7 +20,7 @@ use super::sampling::{
     pick, token_logprob, History, SamplingParams, TokenLogprob, MAX_TOP_LOGPROBS,
 };
 use super::stats::{DecodeStats, MAX_DEPTH};
-use super::{check_cancel, check_step, last_logits, Drafter, Target};
+use super::{check_cancel, check_step, last_logits, Drafter, StepOutput, Target};
 use crate::{Error, Result};
 
 /// Where drafts come from.
@@ -310,45 +310,12 @@ pub fn generate_after(
     cancel: &AtomicBool,
 ) -> Result<Generation> {
     let previous = std::mem::take(state);
-    opts.validate()?;
-    let source = match opts.draft {
-        DraftSource::Auto if target.has_mtp() => DraftSource::Mtp,
-        DraftSource::Auto => DraftSource::Ngram,
-        DraftSource::Mtp if !target.has_mtp() => {
-            return Err(Error::invalid(
-                "draft",
-                "'mtp' needs a model with an MTP head and this one has none (or it was disabled); use 'auto', 'ngram' or 'off'",
-            ))
-        }
-        s => s,
-    };
-    let (keep, mtp_keep, pending) = reusable_prefix(target, previous, prompt, source);
-    let mut mtp = None;
-    let mut ngram = NgramDrafter;
-    let drafter: Option<&mut dyn Drafter> = match source {
-        DraftSource::Mtp => Some(
-            mtp.insert(MtpDrafter::resume(target, opts.prefill_chunk, pending)) as &mut dyn Drafter,
-        ),
-        DraftSource::Ngram => Some(&mut ngram),
-        _ => None,
-    };
     let epoch = Instant::now();
     let clock = move || epoch.elapsed().as_secs_f64();
-    let hooks = Hooks {
-        drafter,
-        acceptance: Acceptance::Exact,
-        clock: &clock,
-    };
-    let generation = run_after(
-        target, keep, mtp_keep, prompt, opts, hooks, on_tokens, cancel,
-    )?;
-    let mut tokens = generation.kv_tokens(prompt);
-    tokens.truncate(target.kv_len());
-    let mtp_pending = mtp.map(MtpDrafter::into_pending).unwrap_or_default();
-    *state = CacheState {
-        tokens,
-        mtp_pending,
-    };
+    let mut decoding = Decoding::start(target, previous, prompt, opts, &clock)?;
+    let finish = decoding.run(target, on_tokens, cancel);
+    let (generation, next) = decoding.end(target, finish)?;
+    *state = next;
     Ok(generation)
 }
 
@@ -387,6 +354,7 @@ fn reusable_prefix(
 }
 
 /// The parts of the loop that tests replace: the drafter, the acceptance rule, the clock.
+#[cfg(test)]
 pub(crate) struct Hooks<'d, 'c> {
     pub drafter: Option<&'d mut dyn Drafter>,
     pub acceptance: Acceptance,
@@ -398,7 +366,7 @@ pub(crate) struct Hooks<'d, 'c> {
 pub(crate) type Clock<'a> = &'a dyn Fn() -> f64;
 
 /// The loop behind [`generate`] with explicit [`Hooks`] (tests plug in forced drafters, the
-/// negative control and a virtual clock here).
+/// negative control and a virtual clock here). Starts from empty caches.
 #[cfg(test)]
 pub(crate) fn run(
     target: &mut dyn Target,
@@ -408,69 +376,16 @@ pub(crate) fn run(
     on_tokens: &mut dyn FnMut(&[u32]) -> bool,
     cancel: &AtomicBool,
 ) -> Result<Generation> {
-    run_after(target, 0, 0, prompt, opts, hooks, on_tokens, cancel)
-}
-
-/// [`run`] keeping the first `keep` main KV rows (they hold `prompt[..keep]`) and `mtp_keep`
-/// MTP rows (see [`generate_after`]; the drafter holds the hidden states between them).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn run_after(
-    target: &mut dyn Target,
-    keep: usize,
-    mtp_keep: usize,
-    prompt: &[u32],
-    opts: &GenerateOptions,
-    hooks: Hooks<'_, '_>,
-    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
-    cancel: &AtomicBool,
-) -> Result<Generation> {
-    opts.validate()?;
     let Hooks {
         drafter,
         acceptance,
         clock,
     } = hooks;
-    let vocab = target.vocab_size();
-    check_prompt(prompt, vocab, opts.max_context)?;
-    opts.sampling.validate_tokens(vocab)?;
-    let keep = keep.min(prompt.len() - 1).min(target.kv_len());
-    target.truncate(keep);
-    target.mtp_truncate(mtp_keep.min(keep).min(target.mtp_kv_len()));
-    let seed = opts.sampling.seed.unwrap_or_else(Rng::entropy_seed);
-    let mut lp = Loop {
-        vocab,
-        hidden: target.hidden_size(),
-        target,
-        opts,
-        drafter,
-        acceptance,
-        prompt_len: prompt.len(),
-        ctx: prompt.to_vec(),
-        history: History::new(prompt, &opts.sampling, &opts.stop_tokens),
-        logprobs: Vec::new(),
-        burst_logprobs: Vec::new(),
-        rng: Rng::from_seed(seed),
-        stats: DecodeStats::new(prompt.len(), keep),
-        prefilled_from: keep,
-        guard: PauseGuard::new(opts.guard.clone()),
-        depth: DepthController::new(MAX_DEPTH),
-        drafted_last_cycle: false,
-        clock,
-    };
-    let started = clock();
-    let result = lp.decode(on_tokens, cancel);
-    lp.settle();
-    let generated = lp.ctx.len() - lp.prompt_len;
-    lp.stats.guard_pauses = lp.guard.pauses();
-    lp.stats.mtp_forwards = lp.drafter.as_ref().map_or(0, |d| d.mtp_forwards());
-    lp.stats.finish(generated, clock() - started);
-    let finish = result?;
-    Ok(Generation {
-        tokens: lp.ctx[lp.prompt_len..].to_vec(),
-        finish,
-        stats: lp.stats,
-        logprobs: lp.logprobs,
-    })
+    let drafter = drafter.map(|d| Box::new(d) as Box<dyn Drafter + '_>);
+    let mut decoding = Decoding::new(target, 0, 0, prompt, opts, drafter, clock)?;
+    decoding.acceptance = acceptance;
+    let finish = decoding.run(target, on_tokens, cancel);
+    decoding.end(target, finish).map(|(g, _)| g)
 }
 
 fn check_prompt(prompt: &[u32], vocab: usize, max_context: Option<usize>) -> Result<()> {
@@ -504,15 +419,21 @@ fn check_prompt(prompt: &[u32], vocab: usize, max_context: Option<usize>) -> Res
     Ok(())
 }
 
-struct Loop<'t, 'o, 'd, 'c> {
-    target: &'t mut dyn Target,
-    opts: &'o GenerateOptions,
-    drafter: Option<&'d mut dyn Drafter>,
-    acceptance: Acceptance,
+/// One generation in progress, as a state machine over a [`Target`] it does not own:
+/// [`start`](Self::start) (prefix reuse, the drafter) → [`prefill`](Self::prefill) →
+/// cycles of [`plan`](Self::plan) (draft; the rows to verify are [`feed`](Self::feed)) → one
+/// forward over them → [`verified`](Self::verified) (accept, roll back, emit) →
+/// [`end`](Self::end). [`generate_after`] runs the cycle with `step_all`; the engine's
+/// batched decode runs the same steps for several sequences with the forward shared
+/// (`Model::step_batch`), so both paths pick, accept and emit through this code.
+pub(crate) struct Decoding<'d, 'c> {
+    opts: GenerateOptions,
+    drafter: Option<Box<dyn Drafter + 'd>>,
+    pub(crate) acceptance: Acceptance,
     vocab: usize,
     hidden: usize,
     prompt_len: usize,
-    /// Prompt + emitted tokens. Invariant between cycles: target.kv_len() == ctx.len() − 1.
+    /// Prompt + emitted tokens. Invariant between cycles: kv_len() == ctx.len() − 1.
     ctx: Vec<u32>,
     /// What the logit processing of the next row depends on (`ctx` as the sampler sees it).
     history: History,
@@ -530,36 +451,185 @@ struct Loop<'t, 'o, 'd, 'c> {
     clock: Clock<'c>,
     /// First prompt position the prefill computes (the ones before were kept in the cache).
     prefilled_from: usize,
+    /// When the generation started (its `clock`).
+    started: f64,
+    /// The cycle between `plan` and `verified`: the KV length before it, its drafts, and the
+    /// rows to verify (the last context token, then the drafts).
+    planned: Option<Planned>,
 }
 
-impl Loop<'_, '_, '_, '_> {
+struct Planned {
+    kv: usize,
+    drafts: Vec<u32>,
+    feed: Vec<u32>,
+    started: f64,
+}
+
+impl<'c> Decoding<'static, 'c> {
+    /// A generation of `prompt` on a target whose caches hold what `previous` says (see
+    /// [`generate_after`]): validates the options, keeps the reusable prefix, makes the
+    /// drafter. Nothing is computed yet.
+    pub(crate) fn start(
+        target: &mut dyn Target,
+        previous: CacheState,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        clock: Clock<'c>,
+    ) -> Result<Self> {
+        opts.validate()?;
+        let source = match opts.draft {
+            DraftSource::Auto if target.has_mtp() => DraftSource::Mtp,
+            DraftSource::Auto => DraftSource::Ngram,
+            DraftSource::Mtp if !target.has_mtp() => {
+                return Err(Error::invalid(
+                    "draft",
+                    "'mtp' needs a model with an MTP head and this one has none (or it was disabled); use 'auto', 'ngram' or 'off'",
+                ))
+            }
+            s => s,
+        };
+        let (keep, mtp_keep, pending) = reusable_prefix(target, previous, prompt, source);
+        let drafter: Option<Box<dyn Drafter>> = match source {
+            DraftSource::Mtp => Some(Box::new(MtpDrafter::resume(
+                target,
+                opts.prefill_chunk,
+                pending,
+            ))),
+            DraftSource::Ngram => Some(Box::new(NgramDrafter)),
+            _ => None,
+        };
+        Decoding::new(target, keep, mtp_keep, prompt, opts, drafter, clock)
+    }
+}
+
+impl<'d, 'c> Decoding<'d, 'c> {
+    /// A generation keeping the first `keep` main KV rows (they hold `prompt[..keep]`) and
+    /// `mtp_keep` MTP rows (the drafter holds the hidden states between them).
+    pub(crate) fn new(
+        target: &mut dyn Target,
+        keep: usize,
+        mtp_keep: usize,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        drafter: Option<Box<dyn Drafter + 'd>>,
+        clock: Clock<'c>,
+    ) -> Result<Self> {
+        opts.validate()?;
+        let vocab = target.vocab_size();
+        check_prompt(prompt, vocab, opts.max_context)?;
+        opts.sampling.validate_tokens(vocab)?;
+        let keep = keep.min(prompt.len() - 1).min(target.kv_len());
+        target.truncate(keep);
+        target.mtp_truncate(mtp_keep.min(keep).min(target.mtp_kv_len()));
+        let seed = opts.sampling.seed.unwrap_or_else(Rng::entropy_seed);
+        Ok(Decoding {
+            vocab,
+            hidden: target.hidden_size(),
+            opts: opts.clone(),
+            drafter,
+            acceptance: Acceptance::Exact,
+            prompt_len: prompt.len(),
+            ctx: prompt.to_vec(),
+            history: History::new(prompt, &opts.sampling, &opts.stop_tokens),
+            logprobs: Vec::new(),
+            burst_logprobs: Vec::new(),
+            rng: Rng::from_seed(seed),
+            stats: DecodeStats::new(prompt.len(), keep),
+            prefilled_from: keep,
+            guard: PauseGuard::new(opts.guard.clone()),
+            depth: DepthController::new(MAX_DEPTH),
+            drafted_last_cycle: false,
+            started: clock(),
+            clock,
+            planned: None,
+        })
+    }
+
     fn now(&self) -> f64 {
         (self.clock)()
     }
 
-    fn decode(
+    /// The whole generation on `target` alone: prefill, then cycles verified by `step_all`.
+    pub(crate) fn run(
         &mut self,
+        target: &mut dyn Target,
         on_tokens: &mut dyn FnMut(&[u32]) -> bool,
         cancel: &AtomicBool,
     ) -> Result<FinishReason> {
-        let first = self.prefill(cancel)?;
-        if let Some(f) = self.emit(&[first], on_tokens) {
+        if let Some(f) = self.prefill(target, on_tokens, cancel)? {
             return Ok(f);
         }
         loop {
-            if let Some(f) = self.cycle(on_tokens, cancel)? {
+            if let Some(f) = self.plan(target, cancel)? {
+                return Ok(f);
+            }
+            check_cancel(cancel)?;
+            let (feed, kv) = (self.feed().to_vec(), target.kv_len());
+            let out = target.step_all(&feed, kv)?;
+            if let Some(f) = self.verified(target, &out, on_tokens)? {
                 return Ok(f);
             }
         }
     }
 
-    /// Run the prompt (from the first position not kept in the cache) through the model;
-    /// returns the first generated token.
-    fn prefill(&mut self, cancel: &AtomicBool) -> Result<u32> {
+    /// Settle the target (main KV holds every context token but the last; the MTP KV never
+    /// more) and return the generation with what the caches now hold; `finish` is how the
+    /// steps ended (an error is returned as is, after settling).
+    pub(crate) fn end(
+        mut self,
+        target: &mut dyn Target,
+        finish: Result<FinishReason>,
+    ) -> Result<(Generation, CacheState)> {
+        self.settle(target);
+        let generated = self.ctx.len() - self.prompt_len;
+        self.stats.guard_pauses = self.guard.pauses();
+        self.stats.mtp_forwards = self.drafter.as_ref().map_or(0, |d| d.mtp_forwards());
+        let secs = self.now() - self.started;
+        self.stats.finish(generated, secs);
+        let finish = finish?;
+        let generation = Generation {
+            tokens: self.ctx[self.prompt_len..].to_vec(),
+            finish,
+            stats: self.stats,
+            logprobs: self.logprobs,
+        };
+        let mut tokens = generation.kv_tokens(&self.ctx[..self.prompt_len]);
+        tokens.truncate(target.kv_len());
+        let mtp_pending = self
+            .drafter
+            .as_mut()
+            .map(|d| d.take_pending())
+            .unwrap_or_default();
+        Ok((
+            generation,
+            CacheState {
+                tokens,
+                mtp_pending,
+            },
+        ))
+    }
+
+    /// Time the planned cycle's verify from now (a batch plans every lane before its one
+    /// forward: a lane's verify time is that forward's, not the other lanes' drafting).
+    pub(crate) fn restart_verify_clock(&mut self) {
+        let now = self.now();
+        if let Some(p) = self.planned.as_mut() {
+            p.started = now;
+        }
+    }
+
+    /// Run the prompt (from the first position not kept in the cache) through the model and
+    /// emit the first generated token; returns the finish reason if that ends generation.
+    pub(crate) fn prefill(
+        &mut self,
+        target: &mut dyn Target,
+        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+        cancel: &AtomicBool,
+    ) -> Result<Option<FinishReason>> {
         let t = self.now();
         let n = self.prompt_len;
-        let progress = self.opts.prefill_progress.as_ref();
-        let chunk = match (self.opts.prefill_chunk, progress) {
+        let progress = self.opts.prefill_progress.clone();
+        let chunk = match (self.opts.prefill_chunk, &progress) {
             (0, Some(_)) => PROGRESS_CHUNK,
             (0, None) => n,
             (c, _) => c,
@@ -569,13 +639,7 @@ impl Loop<'_, '_, '_, '_> {
         while start < n {
             let end = (start + chunk).min(n);
             check_cancel(cancel)?;
-            let out = prefill_forward(
-                &mut *self.target,
-                &self.ctx,
-                start,
-                end,
-                &self.opts.sampling,
-            )?;
+            let out = prefill_forward(target, &self.ctx, start, end, &self.opts.sampling)?;
             self.stats.forwards += 1;
             let last = last_logits(&out, end - start, self.vocab, self.hidden, "step_last")?;
             if end == n {
@@ -584,14 +648,14 @@ impl Loop<'_, '_, '_, '_> {
             if let Some(d) = self.drafter.as_mut() {
                 d.observe(&out.hidden);
             }
-            if let Some(p) = progress {
+            if let Some(p) = &progress {
                 (p.0)(end - self.prefilled_from, n - self.prefilled_from);
             }
             start = end;
         }
         let first = self.choose(&last_row, &[], None)?;
         self.stats.prefill_secs = self.now() - t;
-        Ok(first)
+        Ok(self.emit(&[first], on_tokens))
     }
 
     /// Depth for the next cycle, capped so that the burst fits max_new_tokens and the context.
@@ -611,10 +675,12 @@ impl Loop<'_, '_, '_, '_> {
         }
     }
 
-    /// One draft → verify → accept cycle. Returns the finish reason once generation is over.
-    fn cycle(
+    /// The first half of a cycle: draft (the target's caches must be this generation's).
+    /// Returns the finish reason when the context is full; else the rows to verify are
+    /// [`feed`](Self::feed), at positions from the target's `kv_len()`.
+    pub(crate) fn plan(
         &mut self,
-        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+        target: &mut dyn Target,
         cancel: &AtomicBool,
     ) -> Result<Option<FinishReason>> {
         if let Some(mc) = self.opts.max_context {
@@ -623,21 +689,48 @@ impl Loop<'_, '_, '_, '_> {
             }
         }
         let g = self.next_depth();
-        let drafts = self.draft(g, cancel)?;
-
-        check_cancel(cancel)?;
-        let t = self.now();
-        let kv = self.target.kv_len();
+        let drafts = self.draft(target, g, cancel)?;
         let mut feed = Vec::with_capacity(1 + drafts.len());
         feed.push(self.ctx[self.ctx.len() - 1]);
         feed.extend_from_slice(&drafts);
-        let out = self.target.step_all(&feed, kv)?;
+        self.planned = Some(Planned {
+            kv: target.kv_len(),
+            drafts,
+            feed,
+            started: self.now(),
+        });
+        Ok(None)
+    }
+
+    /// The rows the planned cycle verifies (empty when none is planned).
+    pub(crate) fn feed(&self) -> &[u32] {
+        self.planned.as_ref().map_or(&[], |p| &p.feed)
+    }
+
+    /// The second half of a cycle: `out` is the target's forward over [`feed`](Self::feed)
+    /// (its rows already appended to the target's caches). Accepts, rolls back the rejected
+    /// rows and emits the burst; returns the finish reason once generation is over.
+    pub(crate) fn verified(
+        &mut self,
+        target: &mut dyn Target,
+        out: &StepOutput,
+        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    ) -> Result<Option<FinishReason>> {
+        let Some(Planned {
+            kv,
+            drafts,
+            feed,
+            started,
+        }) = self.planned.take()
+        else {
+            return Err(Error::Internal("a verify without a planned cycle".into()));
+        };
         self.stats.forwards += 1;
         self.stats.decode_forwards += 1;
-        check_step(&out, feed.len(), self.vocab, self.hidden, "step_all")?;
+        check_step(out, feed.len(), self.vocab, self.hidden, "step_all")?;
         let burst = self.accept(&out.logits, &drafts)?;
         let accepted = burst.len() - 1;
-        let secs = self.now() - t;
+        let secs = self.now() - started;
         self.stats.verify_secs += secs;
         self.depth.record_verify(feed.len(), secs);
 
@@ -648,7 +741,7 @@ impl Loop<'_, '_, '_, '_> {
         self.stats
             .record_cycle(drafts.len(), drafts.len(), accepted);
         // Keep the rows of the fed token and the accepted drafts; drop rejected ones.
-        self.target.truncate(kv + accepted + 1);
+        target.truncate(kv + accepted + 1);
         if let Some(d) = self.drafter.as_mut() {
             d.observe(&out.hidden[..(accepted + 1) * self.hidden]);
         }
@@ -656,7 +749,12 @@ impl Loop<'_, '_, '_, '_> {
     }
 
     /// Ask the drafter for `g` drafts (upkeep only when `g == 0`).
-    fn draft(&mut self, g: usize, cancel: &AtomicBool) -> Result<Vec<u32>> {
+    fn draft(
+        &mut self,
+        target: &mut dyn Target,
+        g: usize,
+        cancel: &AtomicBool,
+    ) -> Result<Vec<u32>> {
         let clock = self.clock;
         let Some(drafter) = self.drafter.as_mut() else {
             return Ok(Vec::new());
@@ -664,11 +762,11 @@ impl Loop<'_, '_, '_, '_> {
         let t = clock();
         let typical = std::mem::replace(&mut self.drafted_last_cycle, g > 0);
         if g == 0 {
-            drafter.idle(&mut *self.target, &self.ctx, cancel)?;
+            drafter.idle(target, &self.ctx, cancel)?;
             self.stats.draft_secs += clock() - t;
             return Ok(Vec::new());
         }
-        let mut drafts = drafter.propose(&mut *self.target, &self.ctx, g, cancel)?;
+        let mut drafts = drafter.propose(target, &self.ctx, g, cancel)?;
         drafts.truncate(g);
         let secs = clock() - t;
         self.stats.draft_secs += secs;
@@ -757,19 +855,20 @@ impl Loop<'_, '_, '_, '_> {
 
     /// Restore the invariant after the last cycle (or an error): main KV holds every context
     /// token but the last; MTP KV never holds more rows than that.
-    fn settle(&mut self) {
-        let keep = self.ctx.len().saturating_sub(1).min(self.target.kv_len());
+    fn settle(&mut self, target: &mut dyn Target) {
+        self.planned = None;
+        let keep = self.ctx.len().saturating_sub(1).min(target.kv_len());
         let keep = if self.ctx.len() == self.prompt_len {
             // Nothing emitted: the prompt may be partly prefilled; drop it all.
             0
         } else {
             keep
         };
-        if self.target.kv_len() > keep {
-            self.target.truncate(keep);
+        if target.kv_len() > keep {
+            target.truncate(keep);
         }
-        if self.target.mtp_kv_len() > keep {
-            self.target.mtp_truncate(keep);
+        if target.mtp_kv_len() > keep {
+            target.mtp_truncate(keep);
         }
     }
 }

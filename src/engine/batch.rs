@@ -1,43 +1,55 @@
-//! Batched decode across sessions: several sessions' next tokens go through one forward
-//! ([`Model::step_batch`]), so an expert that any of them routes to is read from disk once
-//! for all of them. docs/architecture.md, "Batched decode", has the design and its limits.
+//! Batched decode across sessions: several sessions' next rows — each its last token and
+//! its own drafts — go through one forward ([`Model::step_batch`]), so an expert that any
+//! of them routes to is read from disk once for all of them. docs/architecture.md, "Batched
+//! decode", has the design and its limits.
 //!
-//! Each session is prefilled alone (prefix reuse included) through the decode loop, which
-//! also picks its first token; the batch then decodes every session one token per forward
-//! with the same sampler, history and uniform stream as the decode loop, so each session's
-//! output is the one it gets alone with drafting off (greedy and seeded sampling). Batched
-//! rows carry no drafts yet: speculation and batching do not combine in this version.
+//! Every session runs the decode loop's own state machine ([`Decoding`]): prefix reuse and
+//! the prefill alone, then cycles whose drafting (the MTP head on the session's own MTP
+//! cache, or prompt lookup) is per session and whose verify forward is shared. Picking,
+//! acceptance, rollback and emission are the loop's, so each session's output is the one
+//! it gets alone (greedy and seeded sampling, drafting or not).
+//!
+//! [`Engine::run_batch`] is continuous: between forwards it admits new requests (each
+//! prefilled before it joins) and hands back every finished one, so a server's requests
+//! join and leave a running batch.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::{explain_non_finite, Completion, Engine, GenerationStats, Session};
-use crate::decode::rng::Rng;
-use crate::decode::sampling::{pick, token_logprob};
-use crate::decode::{
-    self, CacheState, DecodeStats, DraftSource, FinishReason, GenerateOptions, History,
-    TokenLogprob,
-};
+use crate::decode::spec::Decoding;
+use crate::decode::{FinishReason, GenerateOptions, StepOutput};
+use crate::model::{KvCaches, Model};
 use crate::{Error, Result};
 
 /// One generation of a batch.
-pub struct BatchRequest<'a> {
-    pub session: &'a Session,
-    pub prompt: &'a [u32],
-    /// `draft` is ignored (batched rows are not drafted).
+pub struct BatchRequest {
+    pub session: Arc<Session>,
+    pub prompt: Vec<u32>,
     pub options: GenerateOptions,
 }
 
-/// A request's state while the batch decodes.
-struct Lane {
-    ctx: Vec<u32>,
-    prompt_len: usize,
-    rng: Rng,
-    history: History,
-    logprobs: Vec<TokenLogprob>,
-    stats: DecodeStats,
-    finish: Option<FinishReason>,
-    failed: Option<Error>,
+/// A request while the batch decodes it: its session's caches are taken out of the
+/// session for the duration (and put back when it ends).
+struct Lane<'c> {
+    id: u64,
+    session: Arc<Session>,
+    caches: KvCaches,
+    decoding: Decoding<'static, 'c>,
+}
+
+/// The callbacks of a running batch.
+pub struct BatchIo<'a> {
+    /// Called before each forward with the number of requests running; returns the new
+    /// requests to admit, each with the caller's id for it. A batch with nothing running
+    /// and nothing admitted returns.
+    pub admit: &'a mut dyn FnMut(usize) -> Vec<(u64, BatchRequest)>,
+    /// Request `id`'s emitted tokens; returning false ends it with
+    /// `FinishReason::Cancelled`.
+    pub on_tokens: &'a mut dyn FnMut(u64, &[u32]) -> bool,
+    /// Request `id` ended: its completion, or its error.
+    pub on_done: &'a mut dyn FnMut(u64, Result<Completion>),
 }
 
 impl Engine {
@@ -47,12 +59,12 @@ impl Engine {
     /// be distinct and this engine's.
     pub fn generate_batch(
         &self,
-        requests: &[BatchRequest<'_>],
+        requests: Vec<BatchRequest>,
         on_tokens: &mut dyn FnMut(usize, &[u32]) -> bool,
         cancel: &AtomicBool,
     ) -> Result<Vec<Result<Completion>>> {
         for (i, r) in requests.iter().enumerate() {
-            self.check_session(r.session)?;
+            self.check_session(&r.session)?;
             if requests[..i].iter().any(|o| o.session.id == r.session.id) {
                 return Err(Error::invalid(
                     "sessions",
@@ -60,198 +72,260 @@ impl Engine {
                 ));
             }
         }
+        let n = requests.len();
+        let mut queue = Some(requests);
+        let mut results: Vec<Option<Result<Completion>>> = (0..n).map(|_| None).collect();
+        self.run_batch(
+            BatchIo {
+                admit: &mut |_| {
+                    queue
+                        .take()
+                        .map(|q| (0u64..).zip(q).collect())
+                        .unwrap_or_default()
+                },
+                on_tokens: &mut |id, t| on_tokens(id as usize, t),
+                on_done: &mut |id, r| results[id as usize] = Some(r),
+            },
+            cancel,
+        )?;
+        Ok(results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(Error::Internal("a batch lane never ended".into()))))
+            .collect())
+    }
+
+    /// Run a continuous batch: admit requests through `io.admit`, decode every running one
+    /// a cycle per shared forward, report tokens and completions as they come, and return
+    /// once nothing runs and nothing is admitted. `cancel` ends every running request with
+    /// `Error::Cancelled`. A request whose session is not this engine's, or is already
+    /// running in the batch, ends at once with an error. The model is held for the whole
+    /// run (other generations wait), each session only while it is admitted or put back.
+    pub fn run_batch(&self, io: BatchIo<'_>, cancel: &AtomicBool) -> Result<()> {
+        let BatchIo {
+            admit,
+            on_tokens,
+            on_done,
+        } = io;
         let mut model = self.lock_model()?;
-        let mut states = Vec::with_capacity(requests.len());
-        for r in requests {
-            let mut st = r.session.lock()?;
-            self.restore(r.session, &mut st, &model);
-            states.push(st);
-        }
         self.store.reset_stats();
-        let container = model.container().clone();
-        let mut lanes = Vec::with_capacity(requests.len());
-        // Prefill each alone: prefix reuse, the first token, its logprob.
-        for (i, (r, st)) in requests.iter().zip(states.iter_mut()).enumerate() {
-            let mut opts = r.options.clone();
-            opts.max_context = Some(
-                opts.max_context
-                    .map_or(self.info.max_context, |m| m.min(self.info.max_context)),
-            );
-            let seed = opts.sampling.seed.unwrap_or_else(Rng::entropy_seed);
-            opts.sampling.seed = Some(seed);
-            let mut first = opts.clone();
-            first.max_new_tokens = 1;
-            first.draft = DraftSource::Off;
-            model.swap_caches(&mut st.caches);
-            let out = decode::generate_after(
-                &mut *model,
-                &mut st.cache,
-                r.prompt,
-                &first,
-                &mut |t| on_tokens(i, t),
-                cancel,
-            );
-            model.swap_caches(&mut st.caches);
-            let mut rng = Rng::from_seed(seed);
-            rng.next_f64(); // the first token's uniform
-            let mut history = History::new(r.prompt, &opts.sampling, &opts.stop_tokens);
-            let mut lane = Lane {
-                ctx: r.prompt.to_vec(),
-                prompt_len: r.prompt.len(),
-                rng,
-                history: History::default(),
-                logprobs: Vec::new(),
-                stats: DecodeStats::default(),
-                finish: None,
-                failed: None,
-            };
-            match out {
-                Ok(g) => {
-                    for &t in &g.tokens {
-                        history.push(t, &opts.sampling);
-                    }
-                    lane.ctx.extend(&g.tokens);
-                    lane.logprobs = g.logprobs;
-                    lane.stats = g.stats;
-                    lane.finish = match g.finish {
-                        FinishReason::Length if opts.max_new_tokens > 1 => None,
-                        other => Some(other),
-                    };
-                }
-                Err(e) => lane.failed = Some(explain_non_finite(e, &container)),
-            }
-            lane.history = history;
-            lanes.push((lane, opts));
-        }
-        // Decode every live lane one token per batched forward.
-        let mut failure: Option<Error> = None;
+        let epoch = Instant::now();
+        let clock = move || epoch.elapsed().as_secs_f64();
+        let mut lanes: Vec<Lane<'_>> = Vec::new();
         loop {
-            for (lane, opts) in lanes.iter_mut() {
-                if lane.finish.is_none() && lane.failed.is_none() {
-                    if let Some(mc) = opts.max_context {
-                        if lane.ctx.len() >= mc {
-                            lane.finish = Some(FinishReason::ContextFull);
-                        }
+            if !cancel.load(Ordering::Relaxed) {
+                for (id, request) in admit(lanes.len()) {
+                    if let Some(lane) = self.admit_lane(
+                        &mut model, id, request, &clock, &lanes, on_tokens, on_done, cancel,
+                    ) {
+                        lanes.push(lane);
                     }
                 }
             }
-            let live: Vec<usize> = (0..lanes.len())
-                .filter(|&i| lanes[i].0.finish.is_none() && lanes[i].0.failed.is_none())
-                .collect();
-            if live.is_empty() {
+            if lanes.is_empty() {
                 break;
             }
             if cancel.load(Ordering::Relaxed) {
-                failure = Some(Error::Cancelled);
+                for lane in lanes.drain(..) {
+                    self.end_lane(&mut model, lane, Err(Error::Cancelled), on_done);
+                }
                 break;
             }
-            let feeds: Vec<[u32; 1]> = live
-                .iter()
-                .map(|&i| [lanes[i].0.ctx[lanes[i].0.ctx.len() - 1]])
-                .collect();
-            let mut seqs: Vec<(&mut crate::model::KvCaches, &[u32])> =
-                Vec::with_capacity(live.len());
-            for (st, feed) in states
-                .iter_mut()
-                .enumerate()
-                .filter(|(j, _)| live.contains(j))
-                .map(|(_, st)| st)
-                .zip(&feeds)
-            {
-                seqs.push((&mut st.caches, &feed[..]));
+            // Each lane drafts on its own caches.
+            let mut i = 0;
+            while i < lanes.len() {
+                let lane = &mut lanes[i];
+                model.swap_caches(&mut lane.caches);
+                let planned = lane.decoding.plan(&mut *model, cancel);
+                model.swap_caches(&mut lane.caches);
+                match planned {
+                    Ok(None) => i += 1,
+                    Ok(Some(finish)) => {
+                        let lane = lanes.remove(i);
+                        self.end_lane(&mut model, lane, Ok(finish), on_done);
+                    }
+                    Err(e) => {
+                        let lane = lanes.remove(i);
+                        self.end_lane(&mut model, lane, Err(e), on_done);
+                    }
+                }
             }
-            let t = Instant::now();
-            let outputs = match model.step_batch(&mut seqs) {
+            if lanes.is_empty() {
+                continue;
+            }
+            // One forward verifies every lane's rows.
+            for lane in lanes.iter_mut() {
+                lane.decoding.restart_verify_clock();
+            }
+            let outputs = {
+                let mut seqs: Vec<(&mut KvCaches, &[u32])> = lanes
+                    .iter_mut()
+                    .map(|l| (&mut l.caches, l.decoding.feed()))
+                    .collect();
+                model.step_batch(&mut seqs)
+            };
+            let outputs = match outputs {
                 Ok(o) => o,
                 Err(e) => {
-                    failure = Some(explain_non_finite(e, &container));
-                    break;
+                    let container = model.container().clone();
+                    let e = explain_non_finite(e, &container);
+                    for lane in lanes.drain(..) {
+                        let err = Error::Internal(format!("a batched forward failed: {e}"));
+                        self.end_lane(&mut model, lane, Err(err), on_done);
+                    }
+                    continue;
                 }
             };
-            drop(seqs);
-            let secs = t.elapsed().as_secs_f64();
-            for (k, &i) in live.iter().enumerate() {
-                let (lane, opts) = &mut lanes[i];
-                lane.stats.forwards += 1;
-                lane.stats.decode_forwards += 1;
-                lane.stats.verify_secs += secs;
-                if let Some(plain) = lane.stats.depth_histogram.first_mut() {
-                    *plain += 1;
-                }
-                let row = &outputs[k].0;
-                let processed = lane.history.process(row, &opts.sampling, &[]);
-                let tok = match pick(&processed, &opts.sampling, lane.rng.next_f64()) {
-                    Ok(t) => t,
-                    Err(e) => {
-                        lane.failed = Some(explain_non_finite(e, &container));
-                        continue;
-                    }
-                };
-                if let Some(top) = opts.logprobs {
-                    match token_logprob(&processed, &opts.sampling, tok, top) {
-                        Ok(lp) => lane.logprobs.push(lp),
-                        Err(e) => lane.failed = Some(e),
-                    }
-                }
-                lane.ctx.push(tok);
-                lane.history.push(tok, &opts.sampling);
-                if opts.stop_tokens.contains(&tok) {
-                    lane.finish = Some(FinishReason::Stop);
-                } else if lane.ctx.len() - lane.prompt_len >= opts.max_new_tokens {
-                    lane.finish = Some(FinishReason::Length);
-                }
-                if !on_tokens(i, &[tok]) && lane.finish.is_none() {
-                    lane.finish = Some(FinishReason::Cancelled);
+            let mut ended = Vec::new();
+            for (k, (lane, (logits, hidden))) in lanes.iter_mut().zip(outputs).enumerate() {
+                let out = StepOutput { logits, hidden };
+                model.swap_caches(&mut lane.caches);
+                let id = lane.id;
+                let verified = lane
+                    .decoding
+                    .verified(&mut *model, &out, &mut |t| on_tokens(id, t));
+                model.swap_caches(&mut lane.caches);
+                match verified {
+                    Ok(None) => {}
+                    Ok(Some(finish)) => ended.push((k, Ok(finish))),
+                    Err(e) => ended.push((k, Err(e))),
                 }
             }
-        }
-        // Settle every session: its caches hold every context token but the last.
-        let store = self.store.stats();
-        let mut results = Vec::with_capacity(lanes.len());
-        for ((lane, _), st) in lanes.into_iter().zip(states.iter_mut()) {
-            let keep = if lane.ctx.len() > lane.prompt_len {
-                lane.ctx.len() - 1
-            } else {
-                0
-            };
-            st.caches.truncate(keep);
-            st.cache = CacheState::from_parts(lane.ctx[..keep].to_vec(), Vec::new());
-            st.last_used = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
-            let Lane {
-                ctx,
-                prompt_len,
-                logprobs,
-                mut stats,
-                finish,
-                failed,
-                ..
-            } = lane;
-            results.push(match (failed, finish, &failure) {
-                (Some(e), _, _) => Err(e),
-                (None, Some(finish), _) => {
-                    // Its time: its prefill, then the batched forwards it took part in.
-                    let secs = stats.prefill_secs + stats.verify_secs;
-                    stats.finish(ctx.len() - prompt_len, secs);
-                    Ok(Completion {
-                        tokens: ctx[prompt_len..].to_vec(),
-                        finish,
-                        stats: GenerationStats::new(&stats, &store),
-                        logprobs,
-                    })
-                }
-                (None, None, Some(Error::Cancelled)) => Err(Error::Cancelled),
-                (None, None, Some(e)) => {
-                    Err(Error::Internal(format!("batched forward failed: {e}")))
-                }
-                (None, None, None) => Err(Error::Internal("a batch lane never finished".into())),
-            });
-        }
-        drop(states);
-        let _ = self.store.save_usage();
-        if let Some(first) = requests.first() {
-            self.enforce_idle_budget(first.session);
+            for (k, finish) in ended.into_iter().rev() {
+                let lane = lanes.remove(k);
+                self.end_lane(&mut model, lane, finish, on_done);
+            }
         }
         drop(model);
-        Ok(results)
+        Ok(())
+    }
+
+    /// Take a request into the batch: its session's caches out of the session, prefix
+    /// reuse and its prefill (alone), the first token emitted. Returns the lane, or `None`
+    /// when the request already ended (reported through `on_done`).
+    #[allow(clippy::too_many_arguments)]
+    fn admit_lane<'c>(
+        &self,
+        model: &mut Model,
+        id: u64,
+        request: BatchRequest,
+        clock: &'c dyn Fn() -> f64,
+        lanes: &[Lane<'_>],
+        on_tokens: &mut dyn FnMut(u64, &[u32]) -> bool,
+        on_done: &mut dyn FnMut(u64, Result<Completion>),
+        cancel: &AtomicBool,
+    ) -> Option<Lane<'c>> {
+        let BatchRequest {
+            session,
+            prompt,
+            options,
+        } = request;
+        if let Err(e) = self.check_session(&session) {
+            on_done(id, Err(e));
+            return None;
+        }
+        if lanes.iter().any(|l| l.session.id == session.id) {
+            on_done(
+                id,
+                Err(Error::invalid(
+                    "session",
+                    "is already generating in this batch; give each request its own session",
+                )),
+            );
+            return None;
+        }
+        let opts = self.capped(&options);
+        let (mut caches, previous) = {
+            let mut st = match session.lock() {
+                Ok(st) => st,
+                Err(e) => {
+                    on_done(id, Err(e));
+                    return None;
+                }
+            };
+            self.restore(&session, &mut st);
+            let caches = std::mem::replace(&mut st.caches, self.empty_caches.clone());
+            (caches, std::mem::take(&mut st.cache))
+        };
+        model.swap_caches(&mut caches);
+        let started = Decoding::start(&mut *model, previous, &prompt, &opts, clock);
+        let mut decoding = match started {
+            Ok(d) => d,
+            Err(e) => {
+                model.swap_caches(&mut caches);
+                // The caches are as they were, but nothing is known of them any more.
+                if let Ok(mut st) = session.lock() {
+                    st.caches = caches;
+                    st.cache.clear();
+                }
+                on_done(id, Err(e));
+                return None;
+            }
+        };
+        let prefilled = decoding.prefill(&mut *model, &mut |t| on_tokens(id, t), cancel);
+        model.swap_caches(&mut caches);
+        let lane = Lane {
+            id,
+            session,
+            caches,
+            decoding,
+        };
+        match prefilled {
+            Ok(None) => Some(lane),
+            Ok(Some(finish)) => {
+                self.end_lane(model, lane, Ok(finish), on_done);
+                None
+            }
+            Err(e) => {
+                self.end_lane(model, lane, Err(e), on_done);
+                None
+            }
+        }
+    }
+
+    /// Settle a lane, put its caches (and what they hold) back into its session, and report
+    /// its completion.
+    fn end_lane(
+        &self,
+        model: &mut Model,
+        lane: Lane<'_>,
+        finish: Result<FinishReason>,
+        on_done: &mut dyn FnMut(u64, Result<Completion>),
+    ) {
+        let Lane {
+            id,
+            session,
+            mut caches,
+            decoding,
+        } = lane;
+        model.swap_caches(&mut caches);
+        let ended = decoding.end(&mut *model, finish);
+        model.swap_caches(&mut caches);
+        let container = model.container().clone();
+        let result = match session.lock() {
+            Ok(mut st) => {
+                st.caches = caches;
+                st.last_used = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
+                match ended {
+                    Ok((generation, state)) => {
+                        st.cache = state;
+                        Ok(Completion {
+                            stats: GenerationStats::new(&generation.stats, &self.store.stats()),
+                            tokens: generation.tokens,
+                            finish: generation.finish,
+                            logprobs: generation.logprobs,
+                        })
+                    }
+                    Err(e) => {
+                        st.cache.clear();
+                        Err(explain_non_finite(e, &container))
+                    }
+                }
+            }
+            Err(e) => Err(e),
+        };
+        // The routing history teaches the pinned set (see `generate`).
+        let _ = self.store.save_usage();
+        self.enforce_idle_budget(&session);
+        on_done(id, result);
     }
 }

@@ -27,7 +27,7 @@ use crate::experts::{self, ExpertStore};
 use crate::model::{context, Model};
 use crate::{Error, Result};
 
-pub use batch::BatchRequest;
+pub use batch::{BatchIo, BatchRequest};
 pub use options::{check_choice, choices, EngineOptions, PinChoice, CHOICES};
 pub use session::Session;
 pub use stats::GenerationStats;
@@ -80,6 +80,9 @@ pub struct Engine {
     /// Ticks of use, for least-recently-used eviction.
     tick: AtomicU64,
     spill_dir: PathBuf,
+    /// Empty caches shaped for the model: a new session's, made without waiting for the
+    /// model (a running batch holds it, and its admission makes sessions).
+    empty_caches: crate::model::KvCaches,
 }
 
 impl Engine {
@@ -137,6 +140,7 @@ impl Engine {
             model.new_caches(),
             spill_file(&spill_dir, id, 0),
         ));
+        let empty_caches = model.new_caches();
         Ok(Engine {
             model: Mutex::new(model),
             store,
@@ -147,6 +151,7 @@ impl Engine {
             next_session: AtomicU64::new(1),
             tick: AtomicU64::new(0),
             spill_dir,
+            empty_caches,
         })
     }
 
@@ -192,8 +197,8 @@ impl Engine {
 
     /// A new conversation with its own (empty) KV caches.
     pub fn new_session(&self) -> Result<Arc<Session>> {
-        let caches = self.lock_model()?.new_caches();
-        Ok(self.register(caches))
+        self.check_process()?;
+        Ok(self.register(self.empty_caches.clone()))
     }
 
     fn register(&self, caches: crate::model::KvCaches) -> Arc<Session> {
@@ -245,14 +250,10 @@ impl Engine {
     ) -> Result<Completion> {
         let session = session.unwrap_or(&self.own);
         self.check_session(session)?;
-        let mut opts = opts.clone();
-        opts.max_context = Some(
-            opts.max_context
-                .map_or(self.info.max_context, |m| m.min(self.info.max_context)),
-        );
+        let opts = self.capped(opts);
         let mut model = self.lock_model()?;
         let mut st = session.lock()?;
-        self.restore(session, &mut st, &model);
+        self.restore(session, &mut st);
         if opts.sampling.prompt_logprobs.is_some() {
             // Every prompt row must be computed to be scored: no cached prefix.
             st.cache.clear();
@@ -280,6 +281,16 @@ impl Engine {
         })
     }
 
+    /// `opts` with `max_context` capped at the engine's.
+    fn capped(&self, opts: &GenerateOptions) -> GenerateOptions {
+        let mut opts = opts.clone();
+        opts.max_context = Some(
+            opts.max_context
+                .map_or(self.info.max_context, |m| m.min(self.info.max_context)),
+        );
+        opts
+    }
+
     /// Logits of one forward over `ids` as a fresh sequence: [len(ids), vocab], row-major.
     /// Sessions are untouched (the model's own scratch caches compute it).
     pub fn logits(&self, ids: &[u32]) -> Result<Vec<f32>> {
@@ -298,9 +309,11 @@ impl Engine {
     pub fn save_session(&self, session: Option<&Session>, path: &Path) -> Result<u64> {
         let session = session.unwrap_or(&self.own);
         self.check_session(session)?;
-        let model = self.lock_model()?;
+        // Held so that no generation runs meanwhile: a batch keeps its sessions' caches
+        // out of them while it decodes.
+        let _generating = self.lock_model()?;
         let mut st = session.lock()?;
-        self.restore(session, &mut st, &model);
+        self.restore(session, &mut st);
         saved::save(
             path,
             &self.info.fingerprint,
@@ -312,7 +325,8 @@ impl Engine {
 
     /// A new session holding the context saved at `path` by [`save_session`](Self::save_session).
     pub fn load_session(&self, path: &Path) -> Result<Arc<Session>> {
-        let mut caches = self.lock_model()?.new_caches();
+        self.check_process()?;
+        let mut caches = self.empty_caches.clone();
         let cache = saved::load(path, &self.context_checks(), &mut caches)?;
         let session = self.register(caches);
         {
@@ -328,12 +342,12 @@ impl Engine {
     /// Bring an evicted session's caches back into RAM. A spill file that cannot be read
     /// (removed behind our back, disk error) costs only the reuse: the session then starts
     /// from scratch, which gives the same output.
-    fn restore(&self, session: &Session, st: &mut session::SessionState, model: &Model) {
+    fn restore(&self, session: &Session, st: &mut session::SessionState) {
         if !st.evicted {
             return;
         }
         st.evicted = false;
-        let mut caches = model.new_caches();
+        let mut caches = self.empty_caches.clone();
         match saved::load(&session.spill_path, &self.context_checks(), &mut caches) {
             Ok(cache) => {
                 st.caches = caches;

@@ -5,9 +5,10 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 use super::*;
-use crate::decode::{DraftSource, SamplingParams};
+use crate::decode::{DraftDepth, DraftSource, SamplingParams};
 
 fn model_dir(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
@@ -268,7 +269,12 @@ fn a_batch_gives_each_session_what_it_gets_alone() {
         penalised.sampling.repetition_penalty = 1.4;
         penalised.sampling.presence_penalty = 0.3;
         penalised.max_new_tokens = 7;
-        let opts = [options(&e, false), sampled, penalised];
+        // Each lane drafts its own way inside the batch: MTP (greedy and sampled) and
+        // prompt lookup.
+        penalised.draft = DraftSource::Ngram;
+        let mut greedy = options(&e, false);
+        greedy.depth = DraftDepth::Fixed(2);
+        let opts = [greedy, sampled, penalised];
         let sessions: Vec<_> = (0..3).map(|_| e.new_session().unwrap()).collect();
         for turn in 0..2 {
             let prompts_now: Vec<Vec<u32>> = prompts
@@ -289,15 +295,15 @@ fn a_batch_gives_each_session_what_it_gets_alone() {
                 .zip(&prompts_now)
                 .zip(&opts)
                 .map(|((s, p), o)| BatchRequest {
-                    session: s,
-                    prompt: p,
+                    session: s.clone(),
+                    prompt: p.clone(),
                     options: o.clone(),
                 })
                 .collect();
             let mut streamed = vec![Vec::new(); 3];
             let out = e
                 .generate_batch(
-                    &requests,
+                    requests,
                     &mut |i, t| {
                         streamed[i].extend_from_slice(t);
                         true
@@ -308,22 +314,38 @@ fn a_batch_gives_each_session_what_it_gets_alone() {
             let alone_engine = open(rel, tmp.path(), None);
             for (i, r) in out.into_iter().enumerate() {
                 let got = r.unwrap();
-                let mut o = opts[i].clone();
-                o.draft = DraftSource::Off;
-                let alone = alone_engine
-                    .generate(
-                        Some(&alone_engine.new_session().unwrap()),
-                        &prompts_now[i],
-                        &o,
-                        &mut |_| true,
-                        &AtomicBool::new(false),
-                    )
-                    .unwrap();
-                assert_eq!(got.tokens, alone.tokens, "{rel} turn {turn} request {i}");
-                assert_eq!(
-                    got.logprobs, alone.logprobs,
-                    "{rel} turn {turn} request {i}"
-                );
+                // Alone with the same drafting, and alone without any: the same tokens.
+                for draft in [opts[i].draft, DraftSource::Off] {
+                    let mut o = opts[i].clone();
+                    o.draft = draft;
+                    let alone = alone_engine
+                        .generate(
+                            Some(&alone_engine.new_session().unwrap()),
+                            &prompts_now[i],
+                            &o,
+                            &mut |_| true,
+                            &AtomicBool::new(false),
+                        )
+                        .unwrap();
+                    assert_eq!(
+                        got.tokens, alone.tokens,
+                        "{rel} turn {turn} request {i} vs alone with {draft:?}"
+                    );
+                    assert_eq!(
+                        got.logprobs, alone.logprobs,
+                        "{rel} turn {turn} request {i}"
+                    );
+                }
+                if i == 0 {
+                    assert!(
+                        got.stats.mtp_forwards > 0,
+                        "request {i} drafted in the batch"
+                    );
+                    assert!(
+                        got.stats.drafts_proposed.iter().sum::<u64>() > 0,
+                        "request {i} verified drafts in the batch"
+                    );
+                }
                 assert_eq!(streamed[i], got.tokens);
                 assert_eq!(
                     sessions[i].kv_tokens().unwrap(),
@@ -342,13 +364,17 @@ fn a_batch_refuses_a_session_twice() {
     let tmp = tempfile::tempdir().unwrap();
     let e = open("python/colibri/models/tiny", tmp.path(), None);
     let s = e.new_session().unwrap();
-    let r = |s| BatchRequest {
-        session: s,
-        prompt: &PROMPT,
+    let r = |s: &Arc<Session>| BatchRequest {
+        session: s.clone(),
+        prompt: PROMPT.to_vec(),
         options: options(&e, false),
     };
     let err = e
-        .generate_batch(&[r(&s), r(&s)], &mut |_, _| true, &AtomicBool::new(false))
+        .generate_batch(
+            vec![r(&s), r(&s)],
+            &mut |_, _| true,
+            &AtomicBool::new(false),
+        )
         .err()
         .unwrap();
     assert!(err.to_string().contains("each session once"), "{err}");

@@ -253,6 +253,7 @@ pub struct Forward {
 /// One sequence's KV caches (every main layer's and the MTP layer's), detached from the
 /// model: a session keeps its own and swaps them in for its generations
 /// ([`Model::swap_caches`]).
+#[derive(Clone)]
 pub struct KvCaches {
     layers: Vec<LayerKv>,
     mtp: LayerKv,

@@ -7,9 +7,10 @@
 //! tokens; it also checks for Ctrl-C, so KeyboardInterrupt stops generation within one
 //! forward and leaves the engine usable.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use numpy::{PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
@@ -19,7 +20,7 @@ use crate::decode::{
     DraftDepth, DraftSource, GrammarSpec, PrefillProgress, PromptLogprobs, SamplingParams,
     Vocabulary,
 };
-use crate::engine::{BatchRequest, Engine, EngineOptions, Session};
+use crate::engine::{BatchIo, BatchRequest, Engine, EngineOptions, Session};
 use crate::error::Error;
 use crate::python::{run, to_py_err};
 
@@ -307,7 +308,7 @@ impl PyEngine {
                         if let Ok(mut slot) = error.lock() {
                             slot.get_or_insert(e);
                         }
-                        cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                        cancel.store(true, Ordering::Relaxed);
                     }
                 })
             })));
@@ -369,13 +370,12 @@ impl PyEngine {
             let args: RequestArgs = r.extract()?;
             parsed.push((ids, self.options(&args)?));
         }
-        let inner: Vec<Arc<Session>> = sessions.iter().map(|s| s.inner.clone()).collect();
-        let batch: Vec<BatchRequest<'_>> = parsed
+        let batch: Vec<BatchRequest> = parsed
             .iter()
-            .zip(&inner)
+            .zip(&sessions)
             .map(|((ids, opts), s)| BatchRequest {
-                session: s,
-                prompt: ids,
+                session: s.inner.clone(),
+                prompt: ids.clone(),
                 options: opts.clone(),
             })
             .collect();
@@ -387,7 +387,7 @@ impl PyEngine {
                 Python::attach(|py| {
                     if let Err(e) = py.check_signals() {
                         pending = Some(e);
-                        cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                        cancel.store(true, Ordering::Relaxed);
                         return false;
                     }
                     let Some(cb) = &on_tokens else { return true };
@@ -395,13 +395,13 @@ impl PyEngine {
                         Ok(v) => v.extract::<bool>(py).unwrap_or(true),
                         Err(e) => {
                             pending = Some(e);
-                            cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                            cancel.store(true, Ordering::Relaxed);
                             false
                         }
                     }
                 })
             };
-            e.generate_batch(&batch, &mut on, &cancel)
+            e.generate_batch(batch, &mut on, &cancel)
         });
         if let Some(err) = pending {
             return Err(err);
@@ -414,6 +414,123 @@ impl PyEngine {
                 Err(err) => Ok(to_py_err(err).into_value(py).into_any()),
             })
             .collect()
+    }
+
+    /// A continuous batch (a server's): `admit(live)` is called before every forward with
+    /// the number of requests running and returns a list of `(id, request, session)` to
+    /// start (`request` as in `generate_batch`); `on_tokens(id, tokens)` gets each request's
+    /// emitted tokens (False stops it); `on_done(id, result)` its result dict, or its error
+    /// as an exception object. Returns once nothing runs and `admit` gives nothing; an
+    /// exception raised by a callback cancels every running request and is raised here.
+    fn run_batch(
+        &self,
+        py: Python<'_>,
+        admit: Py<PyAny>,
+        on_tokens: Py<PyAny>,
+        on_done: Py<PyAny>,
+    ) -> PyResult<()> {
+        let cancel = AtomicBool::new(false);
+        let raised: Mutex<Option<PyErr>> = Mutex::new(None);
+        // Per running request: what its result dict holds besides the tokens.
+        let scoring: Mutex<HashMap<u64, crate::decode::GenerateOptions>> = Mutex::default();
+        let fail = |e: PyErr| {
+            if let Ok(mut slot) = raised.lock() {
+                slot.get_or_insert(e);
+            }
+            cancel.store(true, Ordering::Relaxed);
+        };
+        let done = |py: Python<'_>, id: u64, result: crate::Result<crate::engine::Completion>| {
+            let opts = scoring
+                .lock()
+                .ok()
+                .and_then(|mut m| m.remove(&id))
+                .unwrap_or_default();
+            let value = match result {
+                Ok(c) => completion_dict(py, c, &opts).map(|d| d.into_any().unbind()),
+                Err(err) => Ok(to_py_err(err).into_value(py).into_any()),
+            };
+            if let Err(e) = value.and_then(|v| on_done.call1(py, (id, v))) {
+                fail(e);
+            }
+        };
+        let outcome = run(py, || {
+            let mut admit_requests = |live: usize| -> Vec<(u64, BatchRequest)> {
+                Python::attach(|py| {
+                    let listed = admit
+                        .call1(py, (live,))
+                        .and_then(|v| v.extract::<Vec<(u64, Py<PyDict>, Py<PySession>)>>(py));
+                    let listed = match listed {
+                        Ok(l) => l,
+                        Err(e) => {
+                            fail(e);
+                            return Vec::new();
+                        }
+                    };
+                    let mut out = Vec::with_capacity(listed.len());
+                    for (id, request, session) in listed {
+                        let request = request.bind(py);
+                        let parsed = request
+                            .get_item("ids")
+                            .and_then(|ids| {
+                                ids.ok_or_else(|| {
+                                    to_py_err(Error::invalid("requests", "a request has no 'ids'"))
+                                })?
+                                .extract::<Vec<u32>>()
+                            })
+                            .and_then(|ids| {
+                                let args: RequestArgs = request.extract()?;
+                                Ok((ids, self.options(&args)?))
+                            });
+                        match parsed {
+                            Ok((prompt, options)) => {
+                                if let Ok(mut m) = scoring.lock() {
+                                    m.insert(id, options.clone());
+                                }
+                                out.push((
+                                    id,
+                                    BatchRequest {
+                                        session: session.borrow(py).inner.clone(),
+                                        prompt,
+                                        options,
+                                    },
+                                ));
+                            }
+                            Err(e) => {
+                                let exc = e.into_value(py).into_any();
+                                if let Err(e) = on_done.call1(py, (id, exc)) {
+                                    fail(e);
+                                }
+                            }
+                        }
+                    }
+                    out
+                })
+            };
+            let mut tokens = |id: u64, toks: &[u32]| -> bool {
+                Python::attach(|py| match on_tokens.call1(py, (id, toks.to_vec())) {
+                    Ok(v) => v.extract::<bool>(py).unwrap_or(true),
+                    Err(e) => {
+                        fail(e);
+                        false
+                    }
+                })
+            };
+            let mut finished = |id: u64, result: crate::Result<crate::engine::Completion>| {
+                Python::attach(|py| done(py, id, result))
+            };
+            self.engine.run_batch(
+                BatchIo {
+                    admit: &mut admit_requests,
+                    on_tokens: &mut tokens,
+                    on_done: &mut finished,
+                },
+                &cancel,
+            )
+        });
+        if let Some(err) = raised.lock().ok().and_then(|mut e| e.take()) {
+            return Err(err);
+        }
+        outcome
     }
 
     /// Evict the model's expert bytes from the OS page cache (cold-start benchmarks).

@@ -47,6 +47,7 @@ def serve(
     served_name: str | None = None,
     sessions: int = 4,
     max_queue: int = 32,
+    max_batch: int | None = None,
     allow_origins: Sequence[str] = (),
     log_level: str = "warning",
     on_listen: Callable[[str], None] | None = None,
@@ -60,6 +61,7 @@ def serve(
         served_name=served_name,
         sessions=sessions,
         max_queue=max_queue,
+        max_batch=max_batch,
         allow_origins=allow_origins,
     )
     config = uvicorn.Config(

@@ -160,12 +160,17 @@ class Server:
         served_name: str,
         sessions: int,
         max_queue: int,
+        max_batch: int | None = None,
     ) -> None:
         self.model = model
         self.name = served_name
         self.stats = ServerStats(model)
         self.scheduler = Scheduler(
-            model, sessions=sessions, max_queue=max_queue, on_finish=self._finished
+            model,
+            sessions=sessions,
+            max_queue=max_queue,
+            max_batch=max_batch,
+            on_finish=self._finished,
         )
         self.stats.scheduler = self.scheduler
         self.created = int(time.time())
@@ -358,23 +363,29 @@ def create_app(
     served_name: str | None = None,
     sessions: int = 4,
     max_queue: int = 32,
+    max_batch: int | None = None,
     allow_origins: Sequence[str] = (),
 ) -> Starlette:
     """The server's ASGI application for ``model``.
 
     Args:
-        model: the loaded model; the server runs one generation on it at a time.
+        model: the loaded model; concurrent requests decode on it together (a continuous
+            batch whose forwards they share).
         api_key: when set, every endpoint but ``/health`` needs ``Authorization: Bearer
             <api_key>`` (or HTTP Basic with it as the password, for the dashboard).
         served_name: the model id clients send and ``/v1/models`` lists (default:
             :func:`default_served_name`).
         sessions: conversations whose KV cache is kept between requests.
-        max_queue: requests that may wait while one runs; more get a 429.
+        max_queue: requests that may wait beyond the running batch; more get a 429.
+        max_batch: requests decoded together, their forwards shared (each on its own
+            session, so at most ``sessions``); default ``sessions``.
         allow_origins: origins allowed to call the API from a browser (CORS); none by
             default.
     """
     name = served_name or default_served_name(model)
-    server = Server(model, served_name=name, sessions=sessions, max_queue=max_queue)
+    server = Server(
+        model, served_name=name, sessions=sessions, max_queue=max_queue, max_batch=max_batch
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -52,8 +52,13 @@ class _Live(Collector):
         )
         yield GaugeMetricFamily(
             "colibri_requests_running",
-            "Requests generating now",
+            "Requests generating now (decoded together, their forwards shared)",
             value=0 if sched is None else sched.running,
+        )
+        yield GaugeMetricFamily(
+            "colibri_requests_running_peak",
+            "The most requests that generated together since the server started",
+            value=0 if sched is None else sched.peak_running,
         )
         mem = s.memory()
         g = GaugeMetricFamily(
@@ -284,6 +289,8 @@ class ServerStats:
             "queue_depth": 0 if sched is None else sched.waiting,
             "running": 0 if sched is None else sched.running,
             "max_queue": None if sched is None else sched.max_queue,
+            "max_batch": None if sched is None else sched.max_batch,
+            "peak_running": 0 if sched is None else sched.peak_running,
             "sessions": 0 if sched is None else len(sched.pool.slots),
             "max_sessions": None if sched is None else sched.pool.size,
             "totals": t,

@@ -1,7 +1,8 @@
-"""Running requests on one :class:`colibri.Model`: a bounded FIFO queue in front of the
-engine (which runs one generation at a time), a pool of sessions so that conversations keep
-their KV prefix across requests, and a worker thread per generation so the event loop never
-waits on the engine.
+"""Running requests on one :class:`colibri.Model`: a bounded FIFO queue in front of a
+continuous batch (up to ``max_batch`` generations decode together, their forwards shared:
+an expert any of them routes to is read once for all), a pool of sessions so that
+conversations keep their KV prefix across requests, and one worker thread that runs the
+batch so the event loop never waits on the engine.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from colibri.model import GenerationResult, GenerationStream, Model, Session
+from colibri.model import BatchEntry, GenerationResult, Model, Session
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -57,17 +58,24 @@ class SessionPool:
         #: Bytes the pool's KV caches held in RAM after the last generation (evicted: 0).
         self.kv_bytes = 0
 
-    def choose(self, ids: list[int]) -> tuple[_Slot, int]:
-        """The slot to run prompt ``ids`` on, and how many of its tokens it will reuse."""
-        scored = [(common_prefix(s.tokens, ids), s) for s in self.slots]
+    def choose(
+        self, ids: list[int], busy: frozenset[int] = frozenset()
+    ) -> tuple[_Slot, int] | None:
+        """The slot to run prompt ``ids`` on, and how many of its tokens it will reuse;
+        slots whose ``id()`` is in ``busy`` (generating now) are not candidates, and
+        ``None`` means every slot is busy."""
+        free = [s for s in self.slots if id(s) not in busy]
+        scored = [(common_prefix(s.tokens, ids), s) for s in free]
         continuing = [(n, s) for n, s in scored if s.prompt_len and n >= s.prompt_len]
         if continuing:
             n, slot = max(continuing, key=lambda x: (x[0], x[1].last_used))
         elif len(self.slots) < self.size:
             slot, n = _Slot(self.model.session()), 0
             self.slots.append(slot)
-        else:
+        elif scored:
             n, slot = max(scored, key=lambda x: (x[0], -x[1].last_used))
+        else:
+            return None
         slot.last_used = time.monotonic()
         return slot, n
 
@@ -96,7 +104,8 @@ _END = object()
 @dataclass
 class Outcome:
     """What a finished generation left: the result, the expert store's per-layer counters
-    for it, the wall time, and how long it waited in the queue."""
+    (of the batch it ran in: the store's counters are shared by its requests), the wall
+    time, and how long it waited in the queue."""
 
     result: GenerationResult
     expert_stats: dict[str, Any]
@@ -119,17 +128,20 @@ class Job:
         self.cancelled = False
         self.started = False
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._stream: GenerationStream | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._ended = asyncio.Event()
+        self._cancel = threading.Event()
+        self._scheduler: Scheduler | None = None
         self._submitted = time.monotonic()
+        self._began = 0.0
+        #: The session slot it runs on, once admitted into the batch.
+        self._slot: _Slot | None = None
 
     def cancel(self) -> None:
         """Stop the generation (within one forward), or drop it from the queue."""
         self.cancelled = True
-        if self._stream is not None:
-            self._stream.cancel()
-        elif not self.started and self._task is not None:
-            self._task.cancel()  # still queued: leave the queue now
+        self._cancel.set()
+        if self._scheduler is not None:
+            self._scheduler._drop_queued(self)
 
     async def chunks(self) -> AsyncIterator[str]:
         """The generated text, chunk by chunk; raises what the generation raised."""
@@ -149,11 +161,13 @@ class Job:
 
 
 class Scheduler:
-    """Admits requests into a bounded FIFO queue and runs them on the model one at a time.
+    """Admits requests into a bounded FIFO queue and runs them in a continuous batch.
 
-    ``max_queue`` requests may wait while one runs; one more is refused with
-    :class:`QueueFull`. ``on_finish(job)`` is called (on the event loop) after each
-    generation, for the metrics."""
+    Up to ``max_batch`` requests decode together (each on its own session of the pool,
+    their forwards shared); a request joins the running batch at the next forward, after
+    its prefill, and leaves it when it ends. ``max_queue`` requests may wait beyond those;
+    one more is refused with :class:`QueueFull`. ``on_finish(job)`` is called (on the event
+    loop) after each generation, for the metrics."""
 
     def __init__(
         self,
@@ -161,25 +175,39 @@ class Scheduler:
         *,
         sessions: int = 4,
         max_queue: int = 32,
+        max_batch: int | None = None,
         on_finish: Callable[[Job], None] | None = None,
     ) -> None:
         self.model = model
         self.pool = SessionPool(model, sessions)
         self.max_queue = max_queue
+        #: Generations decoded together (each needs a session of its own).
+        self.max_batch = sessions if max_batch is None else max_batch
+        if not 1 <= self.max_batch <= sessions:
+            raise ValueError(
+                f"max_batch {self.max_batch}: each running request needs its own session, "
+                f"so it must be in 1..{sessions} (the sessions)"
+            )
         self.on_finish = on_finish
         self.waiting = 0
         self.running = 0
-        self._lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[None]] = set()
+        #: The most requests that ran together so far.
+        self.peak_running = 0
+        self._pending: deque[Job] = deque()
         self._jobs: set[Job] = set()
         self._recent: deque[float] = deque(maxlen=16)
         self._closing = False
+        self._wake = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._next_id = 0
+        self._by_id: dict[int, Job] = {}
 
     def retry_after(self) -> int:
-        """Seconds a refused client should wait: the queue ahead times the recent mean
-        request time, at least 1."""
+        """Seconds a refused client should wait: the requests ahead times the recent mean
+        request time, divided among the batch's places, at least 1."""
         mean = sum(self._recent) / len(self._recent) if self._recent else 1.0
-        return max(1, math.ceil(mean * (self.waiting + self.running)))
+        return max(1, math.ceil(mean * (self.waiting + self.running) / self.max_batch))
 
     def submit(self, ids: list[int], kwargs: dict[str, Any], tag: str = "") -> Job:
         """Queue a generation of prompt ``ids`` with ``Session.generate`` keywords
@@ -187,94 +215,141 @@ class Scheduler:
         :class:`QueueFull` or :class:`ShuttingDown`."""
         if self._closing:
             raise ShuttingDown("the server is shutting down")
-        if self.waiting >= self.max_queue and (self.running or self.waiting):
+        room = self.max_batch - self.running
+        if self.waiting >= self.max_queue + max(0, room) and (self.running or self.waiting):
             raise QueueFull(self.waiting, self.retry_after())
+        self._loop = asyncio.get_running_loop()
         job = Job(ids, kwargs, tag)
-        self.waiting += 1
+        job._scheduler = self
         self._jobs.add(job)
-        task = asyncio.get_running_loop().create_task(self._run(job))
-        job._task = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        with self._wake:
+            self._pending.append(job)
+            self.waiting += 1
+            self._wake.notify()
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="colibri-batch", daemon=True)
+            self._worker.start()
         return job
 
-    async def _run(self, job: Job) -> None:
-        try:
-            try:
-                await self._lock.acquire()
-            finally:
-                self.waiting -= 1
-            try:
-                if job.cancelled or self._closing:
+    # ------------------------------------------------------------------ the worker thread
+    def _work(self) -> None:
+        """Run batches while there are requests; sleep while there are none."""
+        while True:
+            with self._wake:
+                while not self._pending and not self._closing:
+                    self._wake.wait()
+                if self._closing and not self._pending:
                     return
-                self.running += 1
-                try:
-                    await self._generate(job)
-                finally:
-                    self.running -= 1
-            finally:
-                self._lock.release()
-        except asyncio.CancelledError:
-            pass  # dropped from the queue before it started (Job.cancel)
-        except BaseException as e:  # handed to the consumer
-            job.error = e
-        finally:
+            try:
+                self.model._run_continuous(self._admit, self._done)
+            except BaseException as e:  # the engine failed as a whole: fail what is left
+                for job in list(self._jobs):
+                    if job.started and not job._ended.is_set():
+                        self._end(job, None, e)
+
+    def _admit(self, live: int) -> list[BatchEntry]:
+        """The batch's callback before every forward: the queued requests that fit."""
+        entries: list[BatchEntry] = []
+        busy = frozenset(id(j._slot) for j in self._by_id.values() if j._slot is not None)
+        while True:
+            with self._wake:
+                if not self._pending or live + len(entries) >= self.max_batch:
+                    break
+                job = self._pending[0]
+                chosen = None if job.cancelled else self.pool.choose(job.ids, busy)
+                if chosen is None and not job.cancelled:
+                    break  # every session generates: wait for one to end
+                self._pending.popleft()
+                self.waiting -= 1
+            if job.cancelled:
+                self._end(job, None, None)
+                continue
+            assert chosen is not None
+            slot, _ = chosen
+            busy = busy | {id(slot)}
+            try:
+                params = self.model._params(job.ids, None, dict(job.kwargs))
+            except BaseException as e:  # a bad request fails alone
+                self._end(job, None, e)
+                continue
+            job._slot = slot
+            job.started = True
+            job._began = time.monotonic()
+            self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
+            self._next_id += 1
+            self._by_id[self._next_id] = job
+            entries.append(
+                BatchEntry(
+                    id=self._next_id,
+                    params=params,
+                    session=slot.session,
+                    on_text=self._text_sink(job),
+                    cancel=job._cancel,
+                )
+            )
+        return entries
+
+    def _text_sink(self, job: Job) -> Callable[[str], bool]:
+        def on_text(delta: str) -> bool:
+            self._post(job._queue.put_nowait, delta)
+            return not job.cancelled
+
+        return on_text
+
+    def _done(self, i: int, result: GenerationResult | BaseException) -> None:
+        """The batch's callback when request ``i`` ends."""
+        job = self._by_id.pop(i)
+        slot = job._slot
+        assert slot is not None
+        job._slot = None
+        self.running -= 1
+        if isinstance(result, BaseException):
+            slot.tokens = []
+            slot.prompt_len = 0
+            self._end(job, None, result)
+            return
+        slot.tokens = slot.session.token_ids
+        slot.prompt_len = len(job.ids)
+        self.pool.measure()
+        seconds = time.monotonic() - job._began
+        self._recent.append(seconds)
+        outcome = Outcome(
+            result, self.model._engine.expert_stats(), seconds, job._began - job._submitted
+        )
+        self._end(job, outcome, None)
+
+    def _end(self, job: Job, outcome: Outcome | None, error: BaseException | None) -> None:
+        """Hand a job's end to the event loop (from any thread)."""
+
+        def settle() -> None:
+            if job._ended.is_set():
+                return
+            job.outcome = outcome
+            job.error = error
             self._jobs.discard(job)
+            if outcome is not None and self.on_finish is not None:
+                self.on_finish(job)
+            job._ended.set()
             job._queue.put_nowait(_END)
 
-    async def _generate(self, job: Job) -> None:
-        loop = asyncio.get_running_loop()
-        slot, _ = self.pool.choose(job.ids)
-        stream = slot.session.generate(job.ids, stream=True, **job.kwargs)
-        assert isinstance(stream, GenerationStream)
-        job._stream = stream
-        job.started = True
-        if job.cancelled:
-            stream.cancel()
-        done: asyncio.Future[tuple[GenerationResult, dict[str, Any]]] = loop.create_future()
-        start = time.monotonic()
+        self._post(settle)
 
-        def put(item: object) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown)
-                loop.call_soon_threadsafe(job._queue.put_nowait, item)
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown)
+            loop.call_soon_threadsafe(fn, *args)
 
-        def finish(value: Any, error: BaseException | None) -> None:
-            def settle() -> None:
-                if done.done():
-                    return
-                if error is not None:
-                    done.set_exception(error)
-                else:
-                    done.set_result(value)
-
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(settle)
-
-        def drive() -> None:
-            """The worker thread: iterate the stream (the engine runs on its own thread
-            and releases the GIL), then read what the session and the store hold."""
-            try:
-                for text in stream:
-                    put(text)
-                result = stream.result
-                assert result is not None
-                slot.tokens = slot.session.token_ids
-                slot.prompt_len = len(job.ids)
-                self.pool.measure()
-                finish((result, self.model._engine.expert_stats()), None)
-            except BaseException as e:
-                slot.tokens = []
-                slot.prompt_len = 0
-                finish(None, e)
-
-        threading.Thread(target=drive, name="colibri-serve", daemon=True).start()
-        # Shielded: the engine's turn ends when the worker thread says so, not before.
-        result, store = await asyncio.shield(done)
-        seconds = time.monotonic() - start
-        self._recent.append(seconds)
-        job.outcome = Outcome(result, store, seconds, start - job._submitted)
-        if self.on_finish is not None:
-            self.on_finish(job)
+    def _drop_queued(self, job: Job) -> None:
+        """A queued job that was cancelled leaves the queue now."""
+        with self._wake:
+            if job.started or job not in self._pending:
+                return
+            self._pending.remove(job)
+            self.waiting -= 1
+        self._end(job, None, None)
 
     @property
     def closing(self) -> bool:
@@ -286,9 +361,14 @@ class Scheduler:
         self._closing = True
         for job in list(self._jobs):
             job.cancel()
+        with self._wake:
+            self._wake.notify_all()
 
     async def close(self) -> None:
         """:meth:`stop`, then wait for the generations to end."""
         self.stop()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for job in list(self._jobs):
+            await job._ended.wait()
+        worker = self._worker
+        if worker is not None:
+            await asyncio.get_running_loop().run_in_executor(None, worker.join)

@@ -946,6 +946,8 @@ def test_glm_without_indexer_tensors_is_limited_to_index_topk(tmp_path: Path) ->
         ({"max_context": 10**6}, "max_context"),
         ({"max_context": 2**70}, "max_context"),
         ({"max_context": "long"}, "max_context"),
+        ({"n_ctx": 0}, "n_ctx"),
+        ({"n_ctx": 64, "max_context": 32}, "n_ctx"),
         ({"io": "turbo"}, "io"),
         ({"prefetch": "maybe"}, "prefetch"),
         ({"draft": "eagle"}, "draft"),
@@ -959,6 +961,11 @@ def test_glm_without_indexer_tensors_is_limited_to_index_topk(tmp_path: Path) ->
 def test_bad_model_options(test_model_dir: Path, kwargs: dict[str, Any], param: str) -> None:
     with pytest.raises(colibri.InvalidArgumentError, match=param):
         colibri.Model(test_model_dir, **kwargs)
+
+
+def test_n_ctx_is_max_context(test_model_dir: Path) -> None:
+    assert colibri.Model(test_model_dir, n_ctx=48).max_context == 48
+    assert colibri.Model(test_model_dir, n_ctx=48, max_context=48).max_context == 48
 
 
 @pytest.mark.parametrize(
@@ -1423,6 +1430,38 @@ def test_logprobs_match_the_logits_of_an_independent_forward() -> None:
     assert all(top[2][1] == float("-inf") for top in s.top_logprobs)
     assert all(lp > float("-inf") for lp in s.logprobs or [])
     assert m.generate(prompt, max_tokens=2).logprobs is None
+
+
+def test_prompt_logprobs_match_log_softmax_of_an_independent_forward() -> None:
+    m = colibri.Model(threads=1)
+    prompt = m.encode("def add(a, b):\n    return a")
+    m.generate(prompt, max_tokens=2)  # the prompt is now cached: scoring must not reuse it
+    out = m.generate(prompt, max_tokens=2, temperature=0, prompt_logprobs=3)
+    assert out.stats.prompt_cached_tokens == 0
+    assert out.prompt_logprobs is not None and out.prompt_top_logprobs is not None
+    assert len(out.prompt_logprobs) == len(out.prompt_top_logprobs) == len(prompt)
+    assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] == []
+    rows = m.logits(prompt).astype(np.float64)
+    log_softmax = rows - rows.max(-1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(-1, keepdims=True))
+    for i in range(1, len(prompt)):
+        got = out.prompt_logprobs[i]
+        assert got is not None and abs(got - log_softmax[i - 1, prompt[i]]) < 1e-4
+        top = out.prompt_top_logprobs[i]
+        assert [t for t, _ in top] == list(np.argsort(-rows[i - 1], kind="stable")[:3])
+    # Scoring the prompt changes nothing generated, with drafting too.
+    plain = m.generate(prompt, max_tokens=12, temperature=0, draft="off")
+    scored = m.generate(prompt, max_tokens=12, temperature=0, draft="mtp", prompt_logprobs=0)
+    assert scored.token_ids == plain.token_ids
+    assert m.generate(prompt, max_tokens=2).prompt_logprobs is None
+    # A list of prompts scores each one.
+    batch = m.generate([prompt, prompt[:5]], max_tokens=2, prompt_logprobs=1)
+    for result, n in zip(batch, (len(prompt), 5), strict=True):
+        assert result.prompt_logprobs is not None and len(result.prompt_logprobs) == n
+        assert result.prompt_logprobs[0] is None
+        assert np.allclose(result.prompt_logprobs[1:], out.prompt_logprobs[1:n], atol=1e-5)
+    with pytest.raises(colibri.InvalidArgumentError, match="prompt_logprobs"):
+        m.generate(prompt, max_tokens=2, prompt_logprobs=21)
 
 
 def test_sampling_params_object_equals_keywords_and_conflicts_are_errors() -> None:

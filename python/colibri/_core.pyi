@@ -165,6 +165,12 @@ class Engine:
     @property
     def usage_path(self) -> Path | None:
         """Where the routing history is saved, or None when it is not saved."""
+    def load_vocabulary(self, tokenizer_json: str) -> None:
+        """Give structured output the model's vocabulary: the text of its
+        ``tokenizer.json``. Done once; later calls do nothing."""
+    @property
+    def has_vocabulary(self) -> bool:
+        """Whether :meth:`load_vocabulary` was done."""
     def new_session(self) -> Session:
         """A new conversation with its own (empty) KV caches."""
     def save_session(self, path: str | PathLike[str], session: Session | None = None) -> int:
@@ -198,6 +204,8 @@ class Engine:
         min_tokens: int = 0,
         logprobs: int | None = None,
         prefill_progress: Callable[[int, int], object] | None = None,
+        grammar: tuple[str, str] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> dict[str, Any]:
         """Generate after ``ids``; returns ``{"tokens", "finish_reason", "stats"}`` (stats
         keyed by ``generation_stats_fields()``). ``draft_depth`` 0 is auto; ``stop_ids``
@@ -207,7 +215,14 @@ class Engine:
         and ``min_tokens`` process every row's logits (verify rows included, so speculation
         stays lossless); ``logprobs`` k adds ``"logprobs"``: per token
         ``{"token", "logprob", "top": [(id, logprob)] * k}``. ``prefill_progress(done,
-        total)`` is called after each prompt chunk (512 tokens), where Ctrl-C is also checked."""
+        total)`` is called after each prompt chunk (512 tokens), where Ctrl-C is also checked.
+        ``grammar`` ``(kind, text)``, kind ``"json"`` (a JSON schema), ``"regex"`` or
+        ``"grammar"`` (Lark), constrains the output with a token mask in every row (after
+        :meth:`load_vocabulary`); a bad one raises ``InvalidArgumentError`` naming
+        ``guided_json`` / ``guided_regex`` / ``guided_grammar``. ``prompt_logprobs`` k adds
+        ``"prompt_logprobs"``: per prompt token after the first, its log-probability given
+        the tokens before it (temperature-1 softmax) with k alternatives, from a prefill
+        that reuses no cached prefix."""
     def generate_batch(
         self,
         requests: list[dict[str, Any]],

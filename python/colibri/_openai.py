@@ -209,6 +209,9 @@ _COMMON = {
     "min_p",
     "repetition_penalty",
     "min_tokens",
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
 }
 _CHAT_ONLY = {
     "messages",
@@ -402,6 +405,7 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     if logprobs is not None:
         gen["logprobs"] = logprobs
     gen.update(_logit_processing(body, model))
+    gen.update(_structured_output(body))
     for text_field in ("user", "safety_identifier", "prompt_cache_key"):
         v = body.get(text_field)
         if v is not None and not isinstance(v, str):
@@ -460,8 +464,47 @@ def _logit_processing(body: Mapping[str, Any], model: Model) -> dict[str, Any]:
     return out
 
 
+def _structured_output(body: Mapping[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``response_format`` (``{"type": "json_object"}``, ``{"type": "json_schema",
+    "json_schema": {"schema": ...}}``; llama-cpp-python's ``{"type": "json_object", "schema":
+    ...}``) and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_grammar``, as
+    ``Model.generate`` keywords."""
+    out: dict[str, Any] = {}
+    for name in ("guided_json", "guided_regex", "guided_grammar"):
+        if body.get(name) is not None:
+            out[name] = body[name]
+    rf = body.get("response_format")
+    if rf is None:
+        return out
+    if not isinstance(rf, dict) or "type" not in rf:
+        raise invalid("response_format", f"{rf!r}; expected an object with a 'type'")
+    kind = rf["type"]
+    if kind == "text":
+        return out
+    if kind == "json_object":
+        schema: object = rf.get("schema", {"type": "object"})
+    elif kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise invalid(
+                "response_format",
+                "type 'json_schema' needs 'json_schema': {'name': ..., 'schema': {...}}",
+            )
+        schema = spec["schema"]
+    else:
+        raise invalid(
+            "response_format",
+            f"type {kind!r}; expected 'text', 'json_object' or 'json_schema'",
+        )
+    if not isinstance(schema, (dict, bool)):
+        raise invalid("response_format", f"the schema {schema!r} is not a JSON schema object")
+    if out:
+        raise invalid("response_format", f"give it or {', '.join(out)}, not both")
+    return {"guided_json": schema}
+
+
 def _refuse_chat_features(body: Mapping[str, Any]) -> None:
-    """The 400s for chat features colibri has not got: tools, structured output, audio,
+    """The 400s for chat features colibri has not got: tools, audio,
     stored completions, predicted outputs, reasoning controls."""
     for name in ("tools", "functions"):
         v = body.get(name)
@@ -473,14 +516,6 @@ def _refuse_chat_features(body: Mapping[str, Any]) -> None:
             raise unsupported(name, "colibri does not call tools yet")
     if body.get("parallel_tool_calls") is not None:
         _opt_bool(body, "parallel_tool_calls")  # meaningless without tools, but typed
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or "type" not in rf:
-            raise invalid("response_format", f"{rf!r}; expected an object with a 'type'")
-        if rf["type"] != "text":
-            raise unsupported(
-                "response_format", f"type '{rf['type']}': colibri generates free text only"
-            )
     _must_be_off(body, "store", [False], "completions are not stored")
     md = body.get("metadata")
     if md not in (None, {}):

@@ -123,6 +123,12 @@ class GenerationResult:
     logprobs: list[float] | None = None
     #: With ``logprobs=k``: per token, the k most likely ``(token id, logprob)``.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: With ``prompt_logprobs=k``: each prompt token's log-probability given the tokens
+    #: before it (the model's softmax at temperature 1), ``None`` for the first, as vLLM has.
+    prompt_logprobs: list[float | None] | None = None
+    #: With ``prompt_logprobs=k``: per prompt token, the k most likely ``(token id,
+    #: logprob)`` at its position (``[]`` for the first).
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def __str__(self) -> str:
         return self.text
@@ -381,6 +387,7 @@ class Model:
             after the dense weights and the expert budget. A generation that reaches it ends
             with ``finish_reason == "length"``; a longer prompt is an
             :class:`InvalidArgumentError`.
+        n_ctx: llama-cpp-python's name for ``max_context`` (give one, or both equal).
         cache_dir: where per-model state (the routing history that picks the pinned
             experts) is kept, under a directory named by the model's fingerprint. ``None``:
             ``$COLIBRI_CACHE_DIR``, else ``$XDG_CACHE_HOME/colibri``, else
@@ -417,7 +424,15 @@ class Model:
         cache_dir: str | os.PathLike[str] | None = None,
         idle_session_budget: int | str | None = None,
         chat_template: str | os.PathLike[str] | None = None,
+        n_ctx: int | None = None,
     ) -> None:
+        if n_ctx is not None:
+            if max_context is not None and max_context != n_ctx:
+                raise InvalidArgumentError(
+                    f"invalid value for 'n_ctx': {n_ctx!r} while max_context is "
+                    f"{max_context!r}; they are the same setting, give one"
+                )
+            max_context = _check_int("n_ctx", n_ctx, minimum=1)
         _check_choice("io", io, _IO_MODES)
         self._chat_template = _template_text(chat_template)
         _check_choice("prefetch", prefetch, _PREFETCH_MODES)
@@ -628,6 +643,10 @@ class Model:
         logit_bias: Mapping[int, float] | None = ...,
         min_tokens: int | None = ...,
         logprobs: int | None = ...,
+        guided_json: str | Mapping[str, Any] | None = ...,
+        guided_regex: str | None = ...,
+        guided_grammar: str | None = ...,
+        prompt_logprobs: int | None = ...,
         prefill_progress: Callable[[int, int], object] | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
@@ -656,6 +675,10 @@ class Model:
         logit_bias: Mapping[int, float] | None = ...,
         min_tokens: int | None = ...,
         logprobs: int | None = ...,
+        guided_json: str | Mapping[str, Any] | None = ...,
+        guided_regex: str | None = ...,
+        guided_grammar: str | None = ...,
+        prompt_logprobs: int | None = ...,
         prefill_progress: Callable[[int, int], object] | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
@@ -684,6 +707,10 @@ class Model:
         logit_bias: Mapping[int, float] | None = ...,
         min_tokens: int | None = ...,
         logprobs: int | None = ...,
+        guided_json: str | Mapping[str, Any] | None = ...,
+        guided_regex: str | None = ...,
+        guided_grammar: str | None = ...,
+        prompt_logprobs: int | None = ...,
         prefill_progress: Callable[[int, int], object] | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
@@ -711,6 +738,10 @@ class Model:
         logit_bias: Mapping[int, float] | None = None,
         min_tokens: int | None = None,
         logprobs: int | None = None,
+        guided_json: str | Mapping[str, Any] | None = None,
+        guided_regex: str | None = None,
+        guided_grammar: str | None = None,
+        prompt_logprobs: int | None = None,
         prefill_progress: Callable[[int, int], object] | None = None,
         draft: DraftMode | None = None,
         draft_depth: int | Literal["auto"] | None = None,
@@ -751,6 +782,16 @@ class Model:
             logprobs: report each generated token's log-probability
                 (:attr:`GenerationResult.logprobs`) and this many most likely alternatives
                 (:attr:`GenerationResult.top_logprobs`; 0 = none).
+            prompt_logprobs: report each prompt token's log-probability given the tokens
+                before it (:attr:`GenerationResult.prompt_logprobs`, vLLM's name) and this
+                many alternatives; computed in the prefill, which then reuses no cached prefix.
+            guided_json: structured output (vLLM's name): the text is JSON matching this
+                JSON schema (a dict, its JSON text, or a pydantic model class), generated
+                compact. ``{"type": "object"}`` asks for any JSON object.
+            guided_regex: the text matches this regular expression (Rust ``regex`` syntax).
+            guided_grammar: the text follows this grammar, in llguidance's Lark syntax
+                (``start: ...`` rules; docs/python-api.md). At most one ``guided_*`` per
+                generation; the generation ends with a stop token once the text is complete.
             prefill_progress: called as ``prefill_progress(done, total)`` after each chunk
                 of the prompt is processed (chunks of 512 tokens; the tokens reused from the
                 session's cache are not counted): progress of long prompts. Ctrl-C stops a
@@ -760,9 +801,9 @@ class Model:
             stream: if true, return a :class:`GenerationStream`: an iterator of text chunks
                 yielded as tokens are accepted, whose ``result`` is set once it is exhausted.
 
-        Every logit processing step (bias, penalties, ``min_tokens``) runs in the Rust
-        sampler on every row it picks from, verify rows included: speculative decoding stays
-        lossless with them.
+        Every logit processing step (bias, penalties, ``min_tokens``, the ``guided_*`` mask)
+        runs in the Rust sampler on every row it picks from, verify rows included:
+        speculative decoding stays lossless with them.
 
         Returns:
             A :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`.
@@ -869,6 +910,12 @@ class Model:
             if given["ignore_eos"]:
                 stop_ids = [t for t in stop_ids if t not in self.eos_token_ids]
         processing = self._processing(given)
+        if processing["grammar"] is not None and not stop_ids:
+            raise InvalidArgumentError(
+                "a guided_* constraint ends the generation with a stop token once its text is "
+                "complete, and this generation has none (ignore_eos=True or stop_token_ids=[]); "
+                "give a stop token id"
+            )
         d = self.default_draft if draft is None else _check_choice("draft", draft, _DRAFT_MODES)
         depth = self.default_draft_depth if draft_depth is None else self._check_depth(draft_depth)
         if len(ids) >= self.max_context:
@@ -954,6 +1001,15 @@ class Model:
                     f"invalid value for 'logprobs': {logprobs} alternatives; at most {cap}"
                 )
         out["logprobs"] = logprobs
+        prompt_lp = given.get("prompt_logprobs")
+        if prompt_lp is not None:
+            cap = _LIMITS["max_top_logprobs"]
+            prompt_lp = _check_int("prompt_logprobs", prompt_lp, minimum=0)
+            if prompt_lp > cap:
+                raise InvalidArgumentError(
+                    f"invalid value for 'prompt_logprobs': {prompt_lp} alternatives; at most {cap}"
+                )
+        out["prompt_logprobs"] = prompt_lp
         progress = given.get("prefill_progress")
         if progress is not None and not callable(progress):
             raise InvalidArgumentError(
@@ -961,7 +1017,33 @@ class Model:
                 "taking (done, total)"
             )
         out["prefill_progress"] = progress
+        out["grammar"] = self._grammar(given)
         return out
+
+    def _grammar(self, given: Mapping[str, Any]) -> tuple[str, str] | None:
+        """The engine's ``grammar`` argument, ``(kind, text)``, of the ``guided_*`` keywords;
+        gives the engine the vocabulary on first use."""
+        named = [k for k in ("guided_json", "guided_regex", "guided_grammar") if k in given]
+        if not named:
+            return None
+        if len(named) > 1:
+            raise InvalidArgumentError(
+                f"give one of {', '.join(repr(k) for k in named)}: a generation follows one "
+                "structured-output constraint"
+            )
+        name = named[0]
+        value = given[name]
+        if name == "guided_json":
+            value = _schema_text(value)
+        elif not isinstance(value, str) or not value.strip():
+            raise InvalidArgumentError(
+                f"invalid value for {name!r}: {value!r}; expected a non-empty string"
+            )
+        if not self._engine.has_vocabulary:
+            text = (self.path / "tokenizer.json").read_text(encoding="utf-8")
+            self._engine.load_vocabulary(text)
+        kind = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar"}
+        return kind[name], value
 
     def _run(
         self,
@@ -1104,6 +1186,10 @@ class Model:
         logit_bias: Mapping[int, float] | None = ...,
         min_tokens: int | None = ...,
         logprobs: int | None = ...,
+        guided_json: str | Mapping[str, Any] | None = ...,
+        guided_regex: str | None = ...,
+        guided_grammar: str | None = ...,
+        prompt_logprobs: int | None = ...,
         prefill_progress: Callable[[int, int], object] | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
@@ -1132,6 +1218,10 @@ class Model:
         logit_bias: Mapping[int, float] | None = ...,
         min_tokens: int | None = ...,
         logprobs: int | None = ...,
+        guided_json: str | Mapping[str, Any] | None = ...,
+        guided_regex: str | None = ...,
+        guided_grammar: str | None = ...,
+        prompt_logprobs: int | None = ...,
         prefill_progress: Callable[[int, int], object] | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
@@ -1159,6 +1249,10 @@ class Model:
         logit_bias: Mapping[int, float] | None = None,
         min_tokens: int | None = None,
         logprobs: int | None = None,
+        guided_json: str | Mapping[str, Any] | None = None,
+        guided_regex: str | None = None,
+        guided_grammar: str | None = None,
+        prompt_logprobs: int | None = None,
         prefill_progress: Callable[[int, int], object] | None = None,
         draft: DraftMode | None = None,
         draft_depth: int | Literal["auto"] | None = None,
@@ -1334,6 +1428,28 @@ def _template_text(value: str | os.PathLike[str] | None) -> str | None:
     return value
 
 
+def _schema_text(value: object) -> str:
+    """``guided_json`` as JSON text: a dict, JSON text, or a pydantic model class."""
+    to_schema = getattr(value, "model_json_schema", None)
+    if callable(to_schema):
+        value = to_schema()
+    if isinstance(value, str):
+        if not value.strip():
+            raise InvalidArgumentError("invalid value for 'guided_json': the schema is empty")
+        return value
+    if isinstance(value, (Mapping, bool)):
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(
+                f"invalid value for 'guided_json': the schema is not JSON-serialisable: {e}"
+            ) from None
+    raise InvalidArgumentError(
+        f"invalid value for 'guided_json': {value!r}; expected a JSON schema (a dict or its "
+        "JSON text)"
+    )
+
+
 def _is_batch(prompt: object) -> bool:
     """A list of prompts (texts, or token-id lists), as opposed to one prompt's token ids."""
     return (
@@ -1360,6 +1476,8 @@ def _engine_keywords(p: Mapping[str, Any]) -> dict[str, Any]:
         "logit_bias",
         "min_tokens",
         "logprobs",
+        "grammar",
+        "prompt_logprobs",
     )
     return {"stop_ids": p["stop_ids"], **{k: p[k] for k in keys}}
 
@@ -1431,6 +1549,7 @@ class _Lane:
             if self.on_text is not None and len(text) > self.shown:
                 self.on_text(text[self.shown :])
         scored = raw.get("logprobs")
+        prompt = raw.get("prompt_logprobs")
         return GenerationResult(
             text=text,
             token_ids=[int(t) for t in raw["tokens"]],
@@ -1440,6 +1559,12 @@ class _Lane:
             top_logprobs=None
             if scored is None
             else [[(int(t), float(lp)) for t, lp in r["top"]] for r in scored],
+            prompt_logprobs=None
+            if prompt is None
+            else [None, *(float(r["logprob"]) for r in prompt)],
+            prompt_top_logprobs=None
+            if prompt is None
+            else [[], *([(int(t), float(lp)) for t, lp in r["top"]] for r in prompt)],
         )
 
 
@@ -1516,6 +1641,10 @@ _GENERATE_KEYWORDS = (
     "logit_bias",
     "min_tokens",
     "logprobs",
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
+    "prompt_logprobs",
     "prefill_progress",
     "draft",
     "draft_depth",

@@ -26,9 +26,10 @@ __all__ = ["SamplingParams"]
 class SamplingParams:
     """How a generation picks its tokens (vLLM's ``SamplingParams`` names and meanings).
 
-    Every logit processing step (``logit_bias``, the penalties, ``min_tokens``) is applied
-    inside the Rust sampler to every row it picks from, the verify rows of speculative
-    decoding included, so drafting never changes the output distribution with them.
+    Every logit processing step (``logit_bias``, the penalties, ``min_tokens``, the
+    ``guided_*`` structured-output mask) is applied inside the Rust sampler to every row it
+    picks from, the verify rows of speculative decoding included, so drafting never changes
+    the output distribution with them.
     """
 
     #: At most this many new tokens (``max_new_tokens`` is the same).
@@ -62,6 +63,16 @@ class SamplingParams:
     #: Report each generated token's log-probability and this many most likely
     #: alternatives (0: the token's only); ``None``: none.
     logprobs: int | None = None
+    #: Structured output: the text is JSON matching this JSON schema (a dict, its JSON text,
+    #: or a pydantic model class).
+    guided_json: str | Mapping[str, Any] | None = None
+    #: Structured output: the text matches this regular expression (Rust ``regex`` syntax).
+    guided_regex: str | None = None
+    #: Structured output: the text follows this grammar (llguidance's Lark syntax).
+    guided_grammar: str | None = None
+    #: Report each prompt token's log-probability given the tokens before it and this many
+    #: alternatives (vLLM's ``prompt_logprobs``); ``None``: none.
+    prompt_logprobs: int | None = None
 
     def fields(self) -> dict[str, Any]:
         """The fields that are set (not ``None``)."""

@@ -3,15 +3,17 @@
 //! [`Target`]. docs/speculative.md explains the algorithm, the MTP bookkeeping and the tests.
 //!
 //! - `rng`: deterministic PRNG; `sampling`: logit processing, the processed distribution,
-//!   greedy/sampled picks, logprobs
+//!   greedy/sampled picks, logprobs; `constraint`: the structured-output mask (llguidance)
 //! - `ngram`, `mtp`: drafters; `guard`: the pause guard; `depth`: the automatic depth
 //!   controller; `stats`: counters
 //! - `spec`: [`generate`], the loop that drafts, verifies, accepts and rolls back
 
+pub mod constraint;
 pub mod depth;
 pub mod guard;
 pub mod mtp;
 pub mod ngram;
+pub mod prompt;
 pub mod rng;
 pub mod sampling;
 pub mod spec;
@@ -22,13 +24,17 @@ mod mock;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_constraint;
+#[cfg(test)]
 mod tests_real;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::{Error, Result};
 
+pub use constraint::{Grammar, GrammarSpec, Vocabulary};
 pub use guard::GuardConfig;
+pub use prompt::PromptLogprobs;
 pub use sampling::{History, SamplingParams, TokenLogprob};
 pub use spec::{
     generate, generate_after, CacheState, DraftDepth, DraftSource, FinishReason, GenerateOptions,

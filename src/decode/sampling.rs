@@ -1,8 +1,8 @@
 //! Token selection: greedy argmax, and sampling from the *processed* distribution.
 //!
 //! A row's logits are first *processed* by what the context decides ([`History`]: the
-//! logit bias, the repetition / presence / frequency penalties, `min_tokens`' mask of the
-//! stop tokens), then picked: argmax when greedy, else a draw from the *processed
+//! logit bias, the repetition / presence / frequency penalties, the structured-output mask
+//! of a [`Grammar`], `min_tokens`' mask of the stop tokens), then picked: argmax when greedy, else a draw from the *processed
 //! distribution* (temperature, then top-k, then top-p, then min-p, renormalised).
 //!
 //! Sampling is inverse-CDF over token ids in ascending order with one uniform draw `u` per
@@ -15,6 +15,8 @@
 
 use std::collections::{HashMap, HashSet};
 
+use super::constraint::{ConstraintState, Grammar};
+use super::prompt::PromptLogprobs;
 use crate::{Error, Result};
 
 /// How to pick tokens. `temperature == 0` is greedy (then `top_k`/`top_p`/`min_p` are
@@ -42,8 +44,14 @@ pub struct SamplingParams {
     /// Added to the logits of these tokens before anything else (OpenAI's `logit_bias`;
     /// −inf bans a token).
     pub logit_bias: Vec<(u32, f32)>,
-    /// The stop tokens cannot be picked before this many tokens were generated.
+    /// The stop tokens cannot be picked before this many tokens were generated (unless a
+    /// complete `constraint` allows nothing else).
     pub min_tokens: usize,
+    /// Structured output: only tokens that keep the text within this grammar can be picked,
+    /// and a stop token only where the grammar may end.
+    pub constraint: Option<Grammar>,
+    /// Score the prompt's tokens in the prefill (vLLM's `prompt_logprobs`), into this sink.
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 impl Default for SamplingParams {
@@ -59,6 +67,8 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
             min_tokens: 0,
+            constraint: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -79,6 +89,7 @@ impl SamplingParams {
             || self.frequency_penalty != 0.0
             || !self.logit_bias.is_empty()
             || self.min_tokens > 0
+            || self.constraint.is_some()
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -123,6 +134,17 @@ impl SamplingParams {
                 ));
             }
         }
+        if let Some(k) = self
+            .prompt_logprobs
+            .as_ref()
+            .map(|p| p.top)
+            .filter(|&k| k > MAX_TOP_LOGPROBS)
+        {
+            return Err(Error::invalid(
+                "prompt_logprobs",
+                format!("{k} alternatives; at most {MAX_TOP_LOGPROBS}"),
+            ));
+        }
         if let Some((t, b)) = self
             .logit_bias
             .iter()
@@ -138,6 +160,15 @@ impl SamplingParams {
 
     /// Check the token ids the parameters name against the vocabulary.
     pub fn validate_tokens(&self, vocab: usize) -> Result<()> {
+        if let Some(g) = self.constraint.as_ref().filter(|g| g.vocab_size() != vocab) {
+            return Err(Error::invalid(
+                g.spec().param(),
+                format!(
+                    "the grammar was compiled for {} tokens and this model has {vocab}",
+                    g.vocab_size()
+                ),
+            ));
+        }
         match self.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
             Some((t, _)) => Err(Error::invalid(
                 "logit_bias",
@@ -159,6 +190,8 @@ pub struct History {
     generated: usize,
     /// Masked while fewer than `min_tokens` were generated.
     stop_tokens: Vec<u32>,
+    /// Where the output stands in the structured-output grammar.
+    constraint: Option<ConstraintState>,
 }
 
 impl History {
@@ -177,12 +210,16 @@ impl History {
             } else {
                 Vec::new()
             },
+            constraint: params.constraint.as_ref().map(|g| g.start(stop_tokens)),
         }
     }
 
     /// `token` was emitted.
     pub fn push(&mut self, token: u32, params: &SamplingParams) {
         self.generated += 1;
+        if let Some(c) = &mut self.constraint {
+            c.push(token);
+        }
         if params.repetition_penalty != 1.0 {
             self.seen.insert(token);
         }
@@ -237,7 +274,12 @@ impl History {
                 }
             }
         }
-        if self.generated + extra.len() < params.min_tokens {
+        let complete = match &self.constraint {
+            Some(c) => c.mask(&mut x, extra),
+            None => false,
+        };
+        // A complete grammar allows only the stop tokens: it ends the output, min_tokens or not.
+        if self.generated + extra.len() < params.min_tokens && !complete {
             for &t in &self.stop_tokens {
                 if let Some(v) = x.get_mut(t as usize) {
                     *v = f32::NEG_INFINITY;
@@ -426,10 +468,25 @@ pub fn sample(probs: &[f64], u: f64) -> Result<u32> {
 /// The token for one (processed) logits row: argmax when greedy, else a draw with the
 /// uniform `u`.
 pub fn pick(logits: &[f32], params: &SamplingParams, u: f64) -> Result<u32> {
+    let best = argmax(logits)?;
+    if logits[best as usize] == f32::NEG_INFINITY {
+        return Err(nothing_allowed());
+    }
     if params.is_greedy() {
-        return argmax(logits);
+        return Ok(best);
     }
     sample(&processed_distribution(logits, params)?, u)
+}
+
+/// Every logit of a processed row is −inf: the processing left no token to pick (the model's
+/// own logits are never −inf everywhere in practice; `argmax` reports NaN and +inf).
+fn nothing_allowed() -> Error {
+    Error::invalid(
+        "sampling_params",
+        "no token can be picked: logit_bias, min_tokens and the structured-output constraint \
+         (guided_json / guided_regex / guided_grammar) together mask every token, or the \
+         constraint failed (a grammar too complex for its limits)",
+    )
 }
 
 /// Most alternatives a token's log-probability may list (OpenAI's and vLLM's default cap).

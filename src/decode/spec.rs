@@ -14,6 +14,7 @@ use super::depth::DepthController;
 use super::guard::{GuardConfig, PauseGuard};
 use super::mtp::MtpDrafter;
 use super::ngram::NgramDrafter;
+use super::prompt::prefill_forward;
 use super::rng::Rng;
 use super::sampling::{
     pick, token_logprob, History, SamplingParams, TokenLogprob, MAX_TOP_LOGPROBS,
@@ -638,7 +639,7 @@ impl<'d, 'c> Decoding<'d, 'c> {
         while start < n {
             let end = (start + chunk).min(n);
             check_cancel(cancel)?;
-            let out = target.step_last(&self.ctx[start..end], start)?;
+            let out = prefill_forward(target, &self.ctx, start, end, &self.opts.sampling)?;
             self.stats.forwards += 1;
             let last = last_logits(&out, end - start, self.vocab, self.hidden, "step_last")?;
             if end == n {

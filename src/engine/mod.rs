@@ -254,6 +254,10 @@ impl Engine {
         let mut model = self.lock_model()?;
         let mut st = session.lock()?;
         self.restore(session, &mut st);
+        if opts.sampling.prompt_logprobs.is_some() {
+            // Every prompt row must be computed to be scored: no cached prefix.
+            st.cache.clear();
+        }
         model.swap_caches(&mut st.caches);
         self.store.reset_stats();
         let container = model.container().clone();

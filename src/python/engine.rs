@@ -16,7 +16,10 @@ use numpy::{PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::decode::{DraftDepth, DraftSource, PrefillProgress, SamplingParams};
+use crate::decode::{
+    DraftDepth, DraftSource, GrammarSpec, PrefillProgress, PromptLogprobs, SamplingParams,
+    Vocabulary,
+};
 use crate::engine::{BatchIo, BatchRequest, Engine, EngineOptions, Session};
 use crate::error::Error;
 use crate::python::{run, to_py_err};
@@ -67,6 +70,9 @@ impl PySession {
 #[pyclass(name = "Engine", module = "colibri._core", frozen)]
 pub struct PyEngine {
     engine: Engine,
+    /// The vocabulary structured output compiles grammars against, once it was given
+    /// (`load_vocabulary`).
+    vocabulary: std::sync::OnceLock<Vocabulary>,
 }
 
 /// A Rust value as the Python object of its JSON form (the stats struct's fields).
@@ -141,7 +147,30 @@ impl PyEngine {
             spill_dir,
         };
         let engine = run(py, move || Engine::open(&path, &opts))?;
-        Ok(PyEngine { engine })
+        Ok(PyEngine {
+            engine,
+            vocabulary: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// Give the model's vocabulary, as the text of its `tokenizer.json`, to structured
+    /// output (the `grammar` keyword of `generate`). Built once: later calls do nothing.
+    fn load_vocabulary(&self, py: Python<'_>, tokenizer_json: &str) -> PyResult<()> {
+        if self.vocabulary.get().is_some() {
+            return Ok(());
+        }
+        let vocab = self.engine.info().vocab_size;
+        let built = run(py, || {
+            Vocabulary::from_tokenizer_json(tokenizer_json, vocab)
+        })?;
+        let _ = self.vocabulary.set(built);
+        Ok(())
+    }
+
+    /// Whether `load_vocabulary` was done.
+    #[getter]
+    fn has_vocabulary(&self) -> bool {
+        self.vocabulary.get().is_some()
     }
 
     /// Where the routing history is saved (the cache directory's file for this model), or
@@ -215,7 +244,7 @@ impl PyEngine {
     }
 
     /// Generate after `ids`; returns {"tokens", "finish_reason", "stats"}.
-    #[pyo3(signature = (ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, draft="auto", draft_depth=0, stop_ids=None, on_tokens=None, session=None, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, min_tokens=0, logprobs=None, prefill_progress=None))]
+    #[pyo3(signature = (ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, draft="auto", draft_depth=0, stop_ids=None, on_tokens=None, session=None, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, min_tokens=0, logprobs=None, prefill_progress=None, grammar=None, prompt_logprobs=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
         &self,
@@ -239,6 +268,8 @@ impl PyEngine {
         min_tokens: usize,
         logprobs: Option<usize>,
         prefill_progress: Option<Py<PyAny>>,
+        grammar: Option<(String, String)>,
+        prompt_logprobs: Option<usize>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let e = &self.engine;
         let mut opts = self.options(&RequestArgs {
@@ -257,6 +288,8 @@ impl PyEngine {
             logit_bias,
             min_tokens,
             logprobs,
+            grammar,
+            prompt_logprobs,
         })?;
         let session = session.as_ref().map(|s| s.inner.clone());
         let cancel = Arc::new(AtomicBool::new(false));
@@ -306,7 +339,7 @@ impl PyEngine {
         if let Some(err) = pending {
             return Err(err);
         }
-        completion_dict(py, completion?, opts.logprobs.is_some())
+        completion_dict(py, completion?, &opts)
     }
 
     /// Generate for several sessions at once, their decode forwards shared (batched decode:
@@ -377,9 +410,7 @@ impl PyEngine {
             .into_iter()
             .zip(&parsed)
             .map(|(r, (_, opts))| match r {
-                Ok(c) => Ok(completion_dict(py, c, opts.logprobs.is_some())?
-                    .into_any()
-                    .unbind()),
+                Ok(c) => Ok(completion_dict(py, c, opts)?.into_any().unbind()),
                 Err(err) => Ok(to_py_err(err).into_value(py).into_any()),
             })
             .collect()
@@ -400,7 +431,8 @@ impl PyEngine {
     ) -> PyResult<()> {
         let cancel = AtomicBool::new(false);
         let raised: Mutex<Option<PyErr>> = Mutex::new(None);
-        let with_logprobs: Mutex<HashMap<u64, bool>> = Mutex::default();
+        // Per running request: what its result dict holds besides the tokens.
+        let scoring: Mutex<HashMap<u64, crate::decode::GenerateOptions>> = Mutex::default();
         let fail = |e: PyErr| {
             if let Ok(mut slot) = raised.lock() {
                 slot.get_or_insert(e);
@@ -408,13 +440,13 @@ impl PyEngine {
             cancel.store(true, Ordering::Relaxed);
         };
         let done = |py: Python<'_>, id: u64, result: crate::Result<crate::engine::Completion>| {
-            let logprobs = with_logprobs
+            let opts = scoring
                 .lock()
                 .ok()
                 .and_then(|mut m| m.remove(&id))
-                .unwrap_or(false);
+                .unwrap_or_default();
             let value = match result {
-                Ok(c) => completion_dict(py, c, logprobs).map(|d| d.into_any().unbind()),
+                Ok(c) => completion_dict(py, c, &opts).map(|d| d.into_any().unbind()),
                 Err(err) => Ok(to_py_err(err).into_value(py).into_any()),
             };
             if let Err(e) = value.and_then(|v| on_done.call1(py, (id, v))) {
@@ -451,8 +483,8 @@ impl PyEngine {
                             });
                         match parsed {
                             Ok((prompt, options)) => {
-                                if let Ok(mut m) = with_logprobs.lock() {
-                                    m.insert(id, options.logprobs.is_some());
+                                if let Ok(mut m) = scoring.lock() {
+                                    m.insert(id, options.clone());
                                 }
                                 out.push((
                                     id,
@@ -563,6 +595,10 @@ struct RequestArgs {
     logit_bias: Option<Vec<(u32, f32)>>,
     min_tokens: usize,
     logprobs: Option<usize>,
+    /// Structured output: (kind, text), kind one of `decode::constraint::GRAMMAR_KINDS`.
+    grammar: Option<(String, String)>,
+    /// Score the prompt's tokens with this many alternatives (vLLM's `prompt_logprobs`).
+    prompt_logprobs: Option<usize>,
 }
 
 impl PyEngine {
@@ -581,6 +617,20 @@ impl PyEngine {
             frequency_penalty: r.frequency_penalty,
             logit_bias: r.logit_bias.clone().unwrap_or_default(),
             min_tokens: r.min_tokens,
+            prompt_logprobs: r.prompt_logprobs.map(PromptLogprobs::new),
+            constraint: match &r.grammar {
+                None => None,
+                Some((kind, text)) => {
+                    let spec = GrammarSpec::parse(kind, text).map_err(to_py_err)?;
+                    let vocabulary = self.vocabulary.get().ok_or_else(|| {
+                        to_py_err(Error::invalid(
+                            spec.param(),
+                            "the engine has no vocabulary: call load_vocabulary first",
+                        ))
+                    })?;
+                    Some(vocabulary.compile(&spec).map_err(to_py_err)?)
+                }
+            },
         };
         opts.logprobs = r.logprobs;
         if let Some(stop) = &r.stop_ids {
@@ -595,29 +645,39 @@ impl PyEngine {
     }
 }
 
-/// A completion as the dict `Engine.generate` returns.
-fn completion_dict(
-    py: Python<'_>,
+/// A completion of a generation with `opts` as the dict `Engine.generate` returns.
+fn completion_dict<'py>(
+    py: Python<'py>,
     completion: crate::engine::Completion,
-    with_logprobs: bool,
-) -> PyResult<Bound<'_, PyDict>> {
+    opts: &crate::decode::GenerateOptions,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("tokens", completion.tokens)?;
     d.set_item("finish_reason", completion.finish.as_str())?;
     d.set_item("stats", json_to_py(py, &completion.stats)?)?;
-    if with_logprobs {
-        // Built directly: a −inf log-probability has no JSON form.
-        let rows = PyList::empty(py);
-        for lp in &completion.logprobs {
-            let row = PyDict::new(py);
-            row.set_item("token", lp.token)?;
-            row.set_item("logprob", lp.logprob)?;
-            row.set_item("top", lp.top.clone())?;
-            rows.append(row)?;
-        }
-        d.set_item("logprobs", rows)?;
+    if opts.logprobs.is_some() {
+        d.set_item("logprobs", logprob_rows(py, &completion.logprobs)?)?;
+    }
+    if let Some(sink) = &opts.sampling.prompt_logprobs {
+        d.set_item("prompt_logprobs", logprob_rows(py, &sink.take())?)?;
     }
     Ok(d)
+}
+
+/// `[{"token", "logprob", "top"}]`, built directly: a −inf log-probability has no JSON form.
+fn logprob_rows<'py>(
+    py: Python<'py>,
+    scored: &[crate::decode::TokenLogprob],
+) -> PyResult<Bound<'py, PyList>> {
+    let rows = PyList::empty(py);
+    for lp in scored {
+        let row = PyDict::new(py);
+        row.set_item("token", lp.token)?;
+        row.set_item("logprob", lp.logprob)?;
+        row.set_item("top", lp.top.clone())?;
+        rows.append(row)?;
+    }
+    Ok(rows)
 }
 
 /// The accepted values of each string option (`{"io": [...], ...}`), "auto" first.

@@ -1607,6 +1607,41 @@ def test_create_completion_and_chat_completion_return_openai_bodies() -> None:
     parts = list(m.create_chat_completion(msgs, max_tokens=6, temperature=0, stream=True))
     assert parts[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     with pytest.raises(colibri.InvalidArgumentError, match="'n'"):
-        m.create_completion("x", n=2)
+        m.create_completion("x", n=0)
+    two = m.create_completion("x", n=2, max_tokens=4, temperature=0.8, seed=4)
+    assert isinstance(two, dict) and [c["index"] for c in two["choices"]] == [0, 1]
+    assert two["choices"][1]["text"] == m.generate("x", max_tokens=4, temperature=0.8, seed=5).text
+    streamed = list(
+        m.create_completion("x", n=2, max_tokens=4, temperature=0.8, seed=4, stream=True)
+    )
+    by_index = {0: "", 1: ""}
+    for c in streamed:
+        for ch in c["choices"]:
+            by_index[ch["index"]] += ch["text"]
+    assert [by_index[0], by_index[1]] == [c["text"] for c in two["choices"]]
     with pytest.raises(colibri.InvalidArgumentError, match="'tools'"):
         m.create_chat_completion(msgs, tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+def test_n_completions_are_the_seeds_alone_and_decode_together() -> None:
+    """``n`` returns n results: completion i is the prompt with seed + i alone (so n=1 is
+    completion 0); through ``SamplingParams`` too; bad values are typed errors."""
+    m = colibri.Model(threads=2)
+    outs = m.generate("def add(a, b):", n=3, max_tokens=8, temperature=0.8, seed=7)
+    assert isinstance(outs, list) and len(outs) == 3
+    for i, out in enumerate(outs):
+        alone = m.generate("def add(a, b):", max_tokens=8, temperature=0.8, seed=7 + i)
+        assert out.token_ids == alone.token_ids
+    sp = colibri.SamplingParams(n=2, max_tokens=8, temperature=0.8, seed=7)
+    assert [o.token_ids for o in m.generate("def add(a, b):", sp)] == [
+        o.token_ids for o in outs[:2]
+    ]
+    for bad in (0, -1, "2", 65):
+        with pytest.raises(colibri.InvalidArgumentError, match="'n'"):
+            m.generate("x", n=bad)
+    with pytest.raises(colibri.InvalidArgumentError, match="'n'"):
+        m.generate("x", n=2, stream=True)
+    with pytest.raises(colibri.InvalidArgumentError, match="'n'"):
+        m.generate(["x", "y"], n=2)
+    with pytest.raises(colibri.InvalidArgumentError, match="'n'"):
+        m.generate("x", colibri.SamplingParams(n=2), n=2)

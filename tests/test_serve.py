@@ -329,10 +329,40 @@ def test_response_format_json_schema_through_the_openai_client(client: openai.Op
     assert out.choices[0].finish_reason == "stop"
 
 
+def test_n_choices_decode_together_each_as_alone(
+    client: openai.OpenAI, local: colibri.Model
+) -> None:
+    """``n`` choices: choice i is the request with seed + i run alone; usage counts the
+    prompt once; streamed, every choice's chunks carry its index."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0.9, "seed": 21}
+    got = client.completions.create(n=3, **body)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    alone = [local.generate(PROMPT, max_tokens=10, temperature=0.9, seed=21 + i) for i in range(3)]
+    assert [c.text for c in got.choices] == [a.text for a in alone]
+    assert len({c.text for c in got.choices}) > 1  # different seeds, different samples
+    assert got.usage is not None
+    assert got.usage.completion_tokens == sum(len(a.token_ids) for a in alone)
+    assert got.usage.prompt_tokens == alone[0].stats.prompt_tokens
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for part in client.completions.create(n=2, stream=True, **body):
+        for c in part.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {0: alone[0].text, 1: alone[1].text}
+    assert set(finishes) == {0, 1}
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=4, seed=3
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
 def test_unsupported_fields_are_400s_naming_them(client: openai.OpenAI) -> None:
     chat = client.chat.completions.create
     msgs = [{"role": "user", "content": "hi"}]
-    _bad(lambda: chat(model=MODEL, messages=msgs, n=2), "n")
+    _bad(lambda: chat(model=MODEL, messages=msgs, n=0), "n")
+    _bad(lambda: chat(model=MODEL, messages=msgs, n=17), "n")
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     _bad(lambda: chat(model=MODEL, messages=msgs, tools=[tool]), "tools")
     _bad(lambda: chat(model=MODEL, messages=msgs, tool_choice="required"), "tool_choice")

@@ -182,7 +182,21 @@ class Request:
     model: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
+    #: Choices to generate (OpenAI's ``n``): they decode together, choice i sampled with
+    #: seed ``seed + i``.
+    n: int = 1
 
+    def choice_generate(self, i: int) -> dict[str, Any]:
+        """The ``Session.generate`` keywords of choice ``i``: the request's, its seed (when
+        one was given) advanced by ``i``."""
+        g = dict(self.generate)
+        if i and g.get("seed") is not None:
+            g["seed"] = (int(g["seed"]) + i) % 2**64
+        return g
+
+
+#: Most choices one request may ask for (``n``).
+MAX_CHOICES = 16
 
 #: Fields both endpoints accept, with no meaning of their own beyond what is checked below.
 _COMMON = {
@@ -308,12 +322,12 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
             code="model_not_found",
         )
 
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise invalid("n", f"{n!r}; expected an integer in 1..{MAX_CHOICES}")
     # What colibri cannot do (yet): a 400 that says so, never a silent default.
-    n = body.get("n")
-    if n is not None and n != 1:
-        if not _is_int(n) or n < 1:
-            raise invalid("n", f"{n!r}; expected a positive integer")
-        raise unsupported("n", "one choice per request (send the request n times)")
     if kind == "chat":
         _refuse_chat_features(body)
     else:
@@ -421,6 +435,7 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
         logprobs=logprobs,
         model=served,
         id=prefix + uuid.uuid4().hex[:24],
+        n=n,
     )
 
 
@@ -646,19 +661,24 @@ def _completion_prompt(prompt: object, model: Model) -> list[int]:
 FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "stop"}
 
 
-def usage(stats: GenerationStats) -> dict[str, Any]:
+def usage(stats: GenerationStats | Sequence[GenerationStats]) -> dict[str, Any]:
     """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` counts the prompt
-    tokens whose KV a session already held (not prefilled again)."""
+    tokens whose KV a session already held (not prefilled again). With several choices the
+    prompt counts once and the completion tokens are summed."""
+    every = [stats] if isinstance(stats, GenerationStats) else list(stats)
+    first = every[0]
+    completion = sum(s.generated_tokens for s in every)
     return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generated_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.prompt_cached_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.prompt_cached_tokens},
     }
 
 
 def colibri_stats(stats: GenerationStats) -> dict[str, Any]:
-    """The extension object ``"colibri"`` of a response: how the generation ran."""
+    """The extension object ``"colibri"`` of a response: how the generation ran (of choice
+    0 when there are several)."""
     return {
         "prompt_cached_tokens": stats.prompt_cached_tokens,
         "prefilled_tokens": stats.prompt_tokens - stats.prompt_cached_tokens,
@@ -676,31 +696,43 @@ def colibri_stats(stats: GenerationStats) -> dict[str, Any]:
     }
 
 
-def response(req: Request, result: GenerationResult, model: Model) -> dict[str, Any]:
-    """The JSON body of a finished, non-streamed request."""
-    finish = FINISH_REASONS[result.finish_reason]
-    lp = None if req.logprobs is None else logprobs_body(model, result, req.kind, req.logprobs)
-    if req.kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text, "refusal": None},
-            "logprobs": lp,
-            "finish_reason": finish,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {
-            "index": 0,
-            "text": req.echo + result.text,
-            "logprobs": lp,
-            "finish_reason": finish,
-        }
-        obj = "text_completion"
+def _results(results: GenerationResult | Sequence[GenerationResult]) -> list[GenerationResult]:
+    return [results] if isinstance(results, GenerationResult) else list(results)
+
+
+def response(
+    req: Request, results: GenerationResult | Sequence[GenerationResult], model: Model
+) -> dict[str, Any]:
+    """The JSON body of a finished, non-streamed request (one result per choice)."""
+    every = _results(results)
+    choices = []
+    for index, result in enumerate(every):
+        finish = FINISH_REASONS[result.finish_reason]
+        lp = None if req.logprobs is None else logprobs_body(model, result, req.kind, req.logprobs)
+        if req.kind == "chat":
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": result.text, "refusal": None},
+                    "logprobs": lp,
+                    "finish_reason": finish,
+                }
+            )
+        else:
+            choices.append(
+                {
+                    "index": index,
+                    "text": req.echo + result.text,
+                    "logprobs": lp,
+                    "finish_reason": finish,
+                }
+            )
+    obj = "chat.completion" if req.kind == "chat" else "text_completion"
     return {
         **_envelope(req, obj),
-        "choices": [choice],
-        "usage": usage(result.stats),
-        "colibri": colibri_stats(result.stats),
+        "choices": choices,
+        "usage": usage([r.stats for r in every]),
+        "colibri": colibri_stats(every[0].stats),
     }
 
 
@@ -711,8 +743,10 @@ def chunk(
     role: bool = False,
     finish: str | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One SSE chunk (``chat.completion.chunk`` / ``text_completion``) of a streamed answer."""
+    """One SSE chunk (``chat.completion.chunk`` / ``text_completion``) of a streamed answer,
+    for choice ``index``."""
     if req.kind == "chat":
         delta: dict[str, Any] = {}
         if role:
@@ -720,14 +754,14 @@ def chunk(
         if text is not None:
             delta["content"] = text
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "delta": delta,
             "logprobs": logprobs,
             "finish_reason": finish,
         }
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     body: dict[str, Any] = {**_envelope(req, obj), "choices": [choice]}
     if req.include_usage:
@@ -735,39 +769,53 @@ def chunk(
     return body
 
 
-def opening_chunks(req: Request) -> list[dict[str, Any]]:
-    """The chunks a stream starts with: the assistant role (chat), or the echoed prompt."""
+def opening_chunks(req: Request, index: int = 0) -> list[dict[str, Any]]:
+    """The chunks a stream (of choice ``index``) starts with: the assistant role (chat), or
+    the echoed prompt."""
     if req.kind == "chat":
-        return [chunk(req, text="", role=True)]
-    return [chunk(req, text=req.echo)] if req.echo else []
+        return [chunk(req, text="", role=True, index=index)]
+    return [chunk(req, text=req.echo, index=index)] if req.echo else []
 
 
-def closing_chunks(req: Request, result: GenerationResult, model: Model) -> list[dict[str, Any]]:
-    """The chunks a finished stream ends with: the finish reason (with the logprobs, which
-    come at the end: the stream carries text, not tokens) and, when asked, the usage."""
+def finish_chunk(
+    req: Request, result: GenerationResult, model: Model, index: int = 0
+) -> dict[str, Any]:
+    """The chunk that ends choice ``index``: its finish reason, with its logprobs (which
+    come at the end: the stream carries text, not tokens)."""
     lp = None if req.logprobs is None else logprobs_body(model, result, req.kind, req.logprobs)
-    out = [
-        chunk(
-            req,
-            text=None if req.kind == "chat" else "",
-            finish=FINISH_REASONS[result.finish_reason],
-            logprobs=lp,
-        )
-    ]
+    return chunk(
+        req,
+        text=None if req.kind == "chat" else "",
+        finish=FINISH_REASONS[result.finish_reason],
+        logprobs=lp,
+        index=index,
+    )
+
+
+def closing_chunks(
+    req: Request, results: GenerationResult | Sequence[GenerationResult], model: Model
+) -> list[dict[str, Any]]:
+    """The chunks a finished stream ends with: each choice's finish chunk and, when asked,
+    the usage."""
+    every = _results(results)
+    out = [finish_chunk(req, r, model, i) for i, r in enumerate(every)]
     if req.include_usage:
-        out.append(usage_chunk(req, result))
+        out.append(usage_chunk(req, every))
     return out
 
 
-def usage_chunk(req: Request, result: GenerationResult) -> dict[str, Any]:
+def usage_chunk(
+    req: Request, results: GenerationResult | Sequence[GenerationResult]
+) -> dict[str, Any]:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices, the
     usage (and the ``colibri`` extension object)."""
+    every = _results(results)
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {
         **_envelope(req, obj),
         "choices": [],
-        "usage": usage(result.stats),
-        "colibri": colibri_stats(result.stats),
+        "usage": usage([r.stats for r in every]),
+        "colibri": colibri_stats(every[0].stats),
     }
 
 

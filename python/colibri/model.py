@@ -717,6 +717,39 @@ class Model:
         stream: Literal[True],
     ) -> GenerationStream: ...
 
+    @overload
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        max_new_tokens: int | None = ...,
+        max_tokens: int | None = ...,
+        temperature: float | None = ...,
+        top_k: int | None = ...,
+        top_p: float | None = ...,
+        min_p: float | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool | None = ...,
+        repetition_penalty: float | None = ...,
+        presence_penalty: float | None = ...,
+        frequency_penalty: float | None = ...,
+        logit_bias: Mapping[int, float] | None = ...,
+        min_tokens: int | None = ...,
+        logprobs: int | None = ...,
+        guided_json: str | Mapping[str, Any] | None = ...,
+        guided_regex: str | None = ...,
+        guided_grammar: str | None = ...,
+        prompt_logprobs: int | None = ...,
+        prefill_progress: Callable[[int, int], object] | None = ...,
+        draft: DraftMode | None = ...,
+        draft_depth: int | Literal["auto"] | None = ...,
+        n: int,
+        stream: Literal[False] = False,
+    ) -> list[GenerationResult]: ...
+
     def generate(
         self,
         prompt: str | Sequence[int] | list[str] | list[list[int]],
@@ -745,6 +778,7 @@ class Model:
         prefill_progress: Callable[[int, int], object] | None = None,
         draft: DraftMode | None = None,
         draft_depth: int | Literal["auto"] | None = None,
+        n: int | None = None,
         stream: bool = False,
     ) -> GenerationResult | GenerationStream | list[GenerationResult]:
         """Continue ``prompt`` (text or token ids), or every prompt of a list of them.
@@ -798,6 +832,9 @@ class Model:
                 long prefill within one chunk, with or without it.
             draft: drafter for speculative decoding (defaults to the Model's).
             draft_depth: tokens drafted per step, 1-8 or ``"auto"``.
+            n: generate this many completions of the prompt (vLLM's and OpenAI's ``n``) and
+                return them as a list: they decode together (batched decode), completion i
+                sampled with seed ``seed + i`` (so completion 0 is the one ``n=1`` gives).
             stream: if true, return a :class:`GenerationStream`: an iterator of text chunks
                 yielded as tokens are accepted, whose ``result`` is set once it is exhausted.
 
@@ -809,6 +846,16 @@ class Model:
             A :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`.
         """
         kw = {k: v for k, v in locals().items() if k in _GENERATE_KEYWORDS}
+        choices = _choices(n, sampling_params)
+        if choices > 1:
+            if _is_batch(prompt) or stream:
+                raise InvalidArgumentError(
+                    f"invalid value for 'n': {choices} completions take one prompt and stream=False"
+                )
+            base = self._params(prompt, sampling_params, kw)
+            return self._run_batch(
+                [{**base, "seed": (base["seed"] + i) % 2**64} for i in range(choices)]
+            )
         if _is_batch(prompt):
             if stream:
                 raise InvalidArgumentError(
@@ -1318,6 +1365,18 @@ class Model:
         except _openai.ApiError as e:
             where = f"'{e.param}'" if e.param else "the request"
             raise InvalidArgumentError(f"invalid value for {where}: {e.message}") from None
+        if req.n > 1:  # the choices decode together; a stream carries each one whole
+            results = self.generate(req.prompt_ids, n=req.n, **req.generate)
+            if not req.stream:
+                return _openai.response(req, results, self)
+
+            def choice_chunks() -> Iterator[dict[str, Any]]:
+                for i, r in enumerate(results):
+                    yield from _openai.opening_chunks(req, i)
+                    yield _openai.chunk(req, text=r.text, index=i)
+                yield from _openai.closing_chunks(req, results, self)
+
+            return choice_chunks()
         if not req.stream:
             result = self.generate(req.prompt_ids, **req.generate)
             return _openai.response(req, result, self)
@@ -1480,6 +1539,21 @@ def _engine_keywords(p: Mapping[str, Any]) -> dict[str, Any]:
         "prompt_logprobs",
     )
     return {"stop_ids": p["stop_ids"], **{k: p[k] for k in keys}}
+
+
+def _choices(n: object, sampling_params: object) -> int:
+    """How many completions a call asks for (``n``, as a keyword or in ``sampling_params``)."""
+    in_params = sampling_params.n if isinstance(sampling_params, SamplingParams) else None
+    if n is not None and in_params is not None:
+        raise InvalidArgumentError("'n' is given both as a keyword and in sampling_params")
+    value = n if n is not None else in_params
+    if value is None:
+        return 1
+    return _check_int("n", value, minimum=1, maximum=_MAX_CHOICES)
+
+
+#: Most completions one call may ask for (each decodes in the same batch, on its own KV).
+_MAX_CHOICES = 64
 
 
 @dataclass

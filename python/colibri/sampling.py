@@ -63,6 +63,8 @@ class SamplingParams:
     #: Report each generated token's log-probability and this many most likely
     #: alternatives (0: the token's only); ``None``: none.
     logprobs: int | None = None
+    #: Completions to generate (:meth:`colibri.Model.generate` returns a list of them).
+    n: int | None = None
     #: Structured output: the text is JSON matching this JSON schema (a dict, its JSON text,
     #: or a pydantic model class).
     guided_json: str | Mapping[str, Any] | None = None

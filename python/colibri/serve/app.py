@@ -245,9 +245,15 @@ class Server:
     async def _complete(self, request: Request, kind: protocol.Kind) -> Response:
         body = await _read_json(request)
         req = await asyncio.to_thread(self._prepare, body, kind)
+        jobs: list[Job] = []
         try:
-            job = self.scheduler.submit(req.prompt_ids, req.generate, request.url.path)
+            for i in range(req.n):  # the choices decode together in the batch
+                jobs.append(
+                    self.scheduler.submit(req.prompt_ids, req.choice_generate(i), request.url.path)
+                )
         except QueueFull as e:
+            for job in jobs:
+                job.cancel()
             raise ApiError(
                 429,
                 f"the server is busy: {e.waiting} requests are queued (--max-queue "
@@ -256,17 +262,19 @@ class Server:
                 headers={"Retry-After": str(e.retry_after)},
             ) from e
         except ShuttingDown as e:
+            for job in jobs:
+                job.cancel()
             raise ApiError(503, str(e), code="shutting_down", headers={"Retry-After": "5"}) from e
         if req.stream:
             return EventSourceResponse(
-                self._events(req, job), ping=15, headers={"Cache-Control": "no-store"}
+                self._events(req, jobs), ping=15, headers={"Cache-Control": "no-store"}
             )
-        outcome = await self._wait(request, job)
-        if outcome is None:  # the client went away: nobody reads an answer
+        outcomes = await self._wait(request, jobs)
+        if outcomes is None:  # the client went away: nobody reads an answer
             return Response(status_code=499)
-        if outcome.result.finish_reason == "cancelled":  # by the server's shutdown
+        if any(o.result.finish_reason == "cancelled" for o in outcomes):  # the shutdown
             raise ApiError(503, "the server is shutting down", code="shutting_down")
-        return JSONResponse(protocol.response(req, outcome.result, self.model))
+        return JSONResponse(protocol.response(req, [o.result for o in outcomes], self.model))
 
     def _prepare(self, body: object, kind: protocol.Kind) -> protocol.Request:
         """Check the request and tokenise its prompt (on a worker thread: a long prompt
@@ -279,52 +287,78 @@ class Server:
             raise protocol.from_colibri_error(e, req.kind) from e
         return req
 
-    async def _wait(self, request: Request, job: Job) -> Any:
-        """The outcome of ``job``, or None if the client disconnected first (the job is
-        then cancelled: within one forward, or before it leaves the queue)."""
-        work = asyncio.ensure_future(job.wait())
+    async def _wait(self, request: Request, jobs: list[Job]) -> list[Any] | None:
+        """The outcomes of ``jobs``, or None if the client disconnected first (the jobs are
+        then cancelled: within one forward, or before they leave the queue)."""
+        work = asyncio.ensure_future(asyncio.gather(*(job.wait() for job in jobs)))
         gone = asyncio.ensure_future(_disconnected(request.receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not work.done():
-                job.cancel()
+                for job in jobs:
+                    job.cancel()
         if not work.done() or work.cancelled():
             with contextlib.suppress(Exception):
                 await work
             return None
         try:
-            return work.result()
+            outcomes = work.result()
         except ColibriError as e:
             raise ApiError(500, f"{type(e).__name__}: {e}", code="engine_error") from e
+        return None if any(o is None for o in outcomes) else outcomes
 
-    async def _events(self, req: protocol.Request, job: Job) -> AsyncIterator[str]:
-        """The SSE ``data:`` lines of a streamed answer; the job is cancelled if the
-        client disconnects (sse-starlette cancels this generator)."""
-        try:
-            for opening in protocol.opening_chunks(req):
-                yield _json_line(opening)
+    async def _events(self, req: protocol.Request, jobs: list[Job]) -> AsyncIterator[str]:
+        """The SSE ``data:`` lines of a streamed answer, every choice's chunks as they come;
+        the jobs are cancelled if the client disconnects (sse-starlette cancels this
+        generator)."""
+        lines: asyncio.Queue[tuple[int, str | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, job: Job) -> None:
             try:
                 async for text in job.chunks():
-                    yield _json_line(protocol.chunk(req, text=text))
-            except ColibriError as e:
-                err = ApiError(500, f"{type(e).__name__}: {e}", code="engine_error")
-                yield _json_line(err.body())
+                    await lines.put((i, text))
+            except BaseException as e:  # reported in the stream
+                await lines.put((i, e))
                 return
-            outcome = job.outcome
-            if outcome is None or outcome.result.finish_reason == "cancelled":
+            await lines.put((i, None))
+
+        pumps = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+        try:
+            for i in range(len(jobs)):
+                for opening in protocol.opening_chunks(req, i):
+                    yield _json_line(opening)
+            running = len(jobs)
+            while running:
+                i, item = await lines.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, ColibriError):
+                    err = ApiError(500, f"{type(item).__name__}: {item}", code="engine_error")
+                    yield _json_line(err.body())
+                    return
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield _json_line(protocol.chunk(req, text=item, index=i))
+            outcomes = [job.outcome for job in jobs]
+            if any(o is None or o.result.finish_reason == "cancelled" for o in outcomes):
                 # Cancelled by the server's shutdown (a client that left reads nothing).
                 yield _json_line(
                     ApiError(503, "the server is shutting down", code="shutting_down").body()
                 )
                 return
-            for closing in protocol.closing_chunks(req, outcome.result, self.model):
+            results = [o.result for o in outcomes if o is not None]
+            for closing in protocol.closing_chunks(req, results, self.model):
                 yield _json_line(closing)
             yield "[DONE]"
         finally:
-            if job.outcome is None:
-                job.cancel()
+            for p in pumps:
+                p.cancel()
+            for job in jobs:
+                if job.outcome is None:
+                    job.cancel()
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import gc
 import inspect
+import itertools
 import json
 import re
 import shutil
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 from colibri import _core
 from colibri._text import IncrementalDecoder, StopMatcher
+from colibri.model import model_info
 from conftest import EMBEDDED_TINY, ROOT, make_test_model
 from tokenizers import Tokenizer
 
@@ -1645,3 +1647,35 @@ def test_n_completions_are_the_seeds_alone_and_decode_together() -> None:
         m.generate(["x", "y"], n=2)
     with pytest.raises(colibri.InvalidArgumentError, match="'n'"):
         m.generate("x", colibri.SamplingParams(n=2), n=2)
+
+
+def test_load_progress_reports_the_resident_bytes_and_its_errors_stop_the_load() -> None:
+    """``Model(load_progress=...)``: called per resident tensor with growing byte counts,
+    ending with ``done == total`` equal to what the container holds outside the routed
+    experts; an exception raised by the callback stops the load and reaches the caller."""
+    calls: list[tuple[int, int]] = []
+    m = colibri.Model(threads=2, load_progress=lambda d, t: calls.append((d, t)))
+    assert len(calls) > 10
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(calls))
+    assert all(d <= t for d, t in calls)
+    done, total = calls[-1]
+    assert done == total > 0
+    info = model_info(m.path)
+    streamed = ("routed_experts", "mtp_routed_experts")
+    resident = sum(sum(fm.values()) for role, fm in info["tensors"].items() if role not in streamed)
+    # Not the MTP layer's copies of the embedding and LM head (the head uses the main
+    # model's): at most the resident bytes (src/engine/tests.rs checks the exact sum).
+    assert 0.5 * resident < total <= resident
+    m.close()
+
+    class Stop(Exception):
+        pass
+
+    def stop(done: int, total: int) -> None:
+        if done > total // 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        colibri.Model(threads=2, load_progress=stop)
+    with pytest.raises(colibri.InvalidArgumentError, match="'load_progress'"):
+        colibri.Model(load_progress=3)  # type: ignore[arg-type]

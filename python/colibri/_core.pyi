@@ -144,6 +144,7 @@ class Engine:
         max_context: int | None = None,
         idle_session_bytes: int | None = None,
         spill_dir: str | PathLike[str] | None = None,
+        load_progress: Callable[[int, int], object] | None = None,
     ) -> None:
         """Load the model directory ``path``. ``io``, ``prefetch``, ``pin``: one of
         ``choices()[name]``; ``ram_budget``: expert-cache bytes (None: sized from available
@@ -155,7 +156,9 @@ class Engine:
         longest context in tokens (None: the model's exact limit, bounded by the RAM left
         for the KV cache); ``idle_session_bytes``: RAM idle sessions' KV may hold before the
         least recently used are written to ``spill_dir`` (None: one full context; the
-        directory defaults to ``sessions/`` in the cache directory)."""
+        directory defaults to ``sessions/`` in the cache directory); ``load_progress(done,
+        total)``: called after each resident tensor is read (bytes; the last call has both
+        equal), where Ctrl-C is also checked."""
     def config_json(self) -> str:
         """The model's ``config.json`` text."""
     def info(self) -> dict[str, Any]:

@@ -237,6 +237,7 @@ def _load(args: argparse.Namespace) -> Any:
         max_context=args.max_context,
         cache_dir=args.cache_dir,
         chat_template=args.chat_template,
+        load_progress=_load_bar(),
     )
 
 
@@ -294,9 +295,9 @@ def _stats_line(s: Any) -> str:
     )
 
 
-def _prefill_bar() -> Any:
-    """A ``prefill_progress`` callback drawing a tqdm bar on a terminal's stderr for prompts
-    of more than two chunks (None when stderr is not a terminal)."""
+def _progress_bar(desc: str, unit: str, minimum: int, **tqdm_args: Any) -> Any:
+    """A ``(done, total)`` progress callback drawing a tqdm bar on a terminal's stderr when
+    the work is larger than ``minimum`` (None when stderr is not a terminal)."""
     if not sys.stderr.isatty():
         return None
     from tqdm import tqdm
@@ -305,14 +306,26 @@ def _prefill_bar() -> Any:
 
     def update(done: int, total: int) -> None:
         if not bar:
-            if total <= 1024:
+            if total <= minimum:
                 return
-            bar.append(tqdm(total=total, desc="prompt", unit="tok", leave=False))
+            bar.append(tqdm(total=total, desc=desc, unit=unit, leave=False, **tqdm_args))
+        if bar[0].total != total:
+            bar[0].total = total
         bar[0].update(done - bar[0].n)
         if done >= total:
             bar[0].close()
 
     return update
+
+
+def _prefill_bar() -> Any:
+    """Prefill progress: a bar for prompts of more than two chunks."""
+    return _progress_bar("prompt", "tok", 1024)
+
+
+def _load_bar() -> Any:
+    """Model-load progress: a bar for more than 256 MB of resident weights."""
+    return _progress_bar("loading", "B", 256 << 20, unit_scale=True, unit_divisor=1024)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -388,6 +388,10 @@ class Model:
             with ``finish_reason == "length"``; a longer prompt is an
             :class:`InvalidArgumentError`.
         n_ctx: llama-cpp-python's name for ``max_context`` (give one, or both equal).
+        load_progress: called as ``load_progress(done, total)`` (bytes) after each resident
+            tensor (dense weights, norms, routers, shared experts, embeddings) is read and
+            checked, the last call with ``done == total``: the progress of opening a large
+            model. Ctrl-C stops a long load within one tensor.
         cache_dir: where per-model state (the routing history that picks the pinned
             experts) is kept, under a directory named by the model's fingerprint. ``None``:
             ``$COLIBRI_CACHE_DIR``, else ``$XDG_CACHE_HOME/colibri``, else
@@ -425,7 +429,13 @@ class Model:
         idle_session_budget: int | str | None = None,
         chat_template: str | os.PathLike[str] | None = None,
         n_ctx: int | None = None,
+        load_progress: Callable[[int, int], object] | None = None,
     ) -> None:
+        if load_progress is not None and not callable(load_progress):
+            raise InvalidArgumentError(
+                f"invalid value for 'load_progress': {load_progress!r}; expected a callable "
+                "taking (done, total)"
+            )
         if n_ctx is not None:
             if max_context is not None and max_context != n_ctx:
                 raise InvalidArgumentError(
@@ -475,6 +485,7 @@ class Model:
             max_context=context,
             cache_dir=None if cache_dir is None else os.fspath(cache_dir),
             idle_session_bytes=idle,
+            load_progress=load_progress,
         )
         self.config: dict[str, Any] = json.loads(self._engine.config_json())
         facts = self._engine.info()

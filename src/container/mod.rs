@@ -140,6 +140,24 @@ pub struct Container {
     order: Vec<String>,
     /// Shard `__metadata__` maps.
     metadata: Vec<BTreeMap<String, String>>,
+    /// Told of every resident tensor read while a model loads ([`Container::report_loads`]).
+    load_progress: std::sync::Mutex<Option<LoadCounter>>,
+}
+
+/// Called with (bytes read, bytes to read) while a model loads its resident weights;
+/// returning false stops the load with [`Error::Cancelled`].
+pub type LoadReport = std::sync::Arc<dyn Fn(u64, u64) -> bool + Send + Sync>;
+
+struct LoadCounter {
+    done: u64,
+    total: u64,
+    report: LoadReport,
+}
+
+impl std::fmt::Debug for LoadCounter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LoadCounter({} of {} bytes)", self.done, self.total)
+    }
 }
 
 /// The `*.safetensors` files of `dir`, sorted by name.
@@ -182,6 +200,7 @@ impl Container {
             tensors: HashMap::new(),
             order: Vec::new(),
             metadata: Vec::new(),
+            load_progress: std::sync::Mutex::new(None),
         };
         for path in paths {
             let file = ShardFile::open(&path)?;
@@ -387,6 +406,48 @@ impl Container {
             .sum()
     }
 
+    /// Report every [`weight`](Self::weight) and [`vector`](Self::vector) read to `report`
+    /// with the running total against [`resident_bytes`](Self::resident_bytes) (a model's
+    /// load); `None` stops reporting. [`finish_loads`](Self::finish_loads) ends it.
+    pub fn report_loads(&self, report: Option<LoadReport>) {
+        let counter = report.map(|report| LoadCounter {
+            done: 0,
+            total: self.resident_bytes(),
+            report,
+        });
+        if let Ok(mut slot) = self.load_progress.lock() {
+            *slot = counter;
+        }
+    }
+
+    /// End the reporting of [`report_loads`](Self::report_loads) with a last call whose
+    /// total is what was read (tensors a load skips, such as a disabled MTP head, are not
+    /// waited for), so a progress bar ends full.
+    pub fn finish_loads(&self) {
+        let counter = self.load_progress.lock().ok().and_then(|mut s| s.take());
+        if let Some(c) = counter {
+            (c.report)(c.done, c.done);
+        }
+    }
+
+    fn loaded(&self, bytes: usize) -> Result<()> {
+        let Ok(mut slot) = self.load_progress.lock() else {
+            return Ok(());
+        };
+        let Some(c) = slot.as_mut() else {
+            return Ok(());
+        };
+        c.done += bytes as u64;
+        c.total = c.total.max(c.done);
+        let (done, total, report) = (c.done, c.total, c.report.clone());
+        drop(slot);
+        if report(done, total) {
+            Ok(())
+        } else {
+            Err(Error::Cancelled)
+        }
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
     }
@@ -454,10 +515,12 @@ impl Container {
             None
         };
         let data = file.read(t.range.clone(), name)?;
+        self.loaded(data.len())?;
         check_floats(&t.file, name, finite::scan_raw(&data, t.dtype))?;
         let scales: Vec<f32> = match qs {
             Some((qs_name, qs)) => {
                 let raw = self.shards[qs.shard].read(qs.range.clone(), &qs_name)?;
+                self.loaded(raw.len())?;
                 let v: Vec<f32> = raw
                     .chunks_exact(4)
                     .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -490,6 +553,7 @@ impl Container {
             ));
         }
         let raw = self.bytes(name)?;
+        self.loaded(raw.len())?;
         let v = decode_floats(&raw, t.dtype).ok_or_else(|| {
             Error::container(
                 &t.file,

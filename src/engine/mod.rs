@@ -28,7 +28,7 @@ use crate::model::{context, Model};
 use crate::{Error, Result};
 
 pub use batch::{BatchIo, BatchRequest};
-pub use options::{check_choice, choices, EngineOptions, PinChoice, CHOICES};
+pub use options::{check_choice, choices, EngineOptions, LoadProgress, PinChoice, CHOICES};
 pub use session::Session;
 pub use stats::GenerationStats;
 
@@ -98,7 +98,13 @@ impl Engine {
         let model_opts = opts.model_options(&container, prefetch);
         // Read before the model's dense weights are mapped and touched.
         let available = experts::mem_available();
-        let model = Model::load_with_experts(container.clone(), &model_opts, store.clone())?;
+        container.report_loads(opts.load_progress.as_ref().map(|p| p.0.clone()));
+        let model = Model::load_with_experts(container.clone(), &model_opts, store.clone());
+        match &model {
+            Ok(_) => container.finish_loads(),
+            Err(_) => container.report_loads(None),
+        }
+        let model = model?;
         let exact = model.max_exact_context();
         let max_context = match opts.max_context {
             Some(n) => context::check_max_context(n, exact, model.context_limit_reason())?,

@@ -85,6 +85,21 @@ pub struct EngineOptions {
     /// Where evicted sessions are written; `None` = `sessions/` in `cache_dir` (or the
     /// default cache directory; the system temporary directory when there is none).
     pub spill_dir: Option<PathBuf>,
+    /// Told the load's progress (bytes of resident weights read, bytes to read) after each
+    /// tensor; the last call has both equal. The total before it is the container's
+    /// resident bytes, an upper bound (the MTP layer's copies of the embedding and LM head
+    /// are not read). Returning false stops the open with `Error::Cancelled`.
+    pub load_progress: Option<LoadProgress>,
+}
+
+/// The callback of [`EngineOptions::load_progress`].
+#[derive(Clone)]
+pub struct LoadProgress(pub crate::container::LoadReport);
+
+impl std::fmt::Debug for LoadProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LoadProgress(..)")
+    }
 }
 
 impl EngineOptions {

@@ -379,3 +379,58 @@ fn a_batch_refuses_a_session_twice() {
         .unwrap();
     assert!(err.to_string().contains("each session once"), "{err}");
 }
+
+#[test]
+fn the_load_reports_its_progress_up_to_every_resident_byte_and_can_be_stopped() {
+    let calls: Arc<std::sync::Mutex<Vec<(u64, u64)>>> = Arc::default();
+    let seen = calls.clone();
+    let opts = EngineOptions {
+        usage_file: false,
+        threads: 2,
+        load_progress: Some(LoadProgress(Arc::new(move |done, total| {
+            seen.lock().unwrap().push((done, total));
+            true
+        }))),
+        ..EngineOptions::new()
+    };
+    let dir = model_dir("python/colibri/models/tiny");
+    let e = Engine::open(&dir, &opts).expect("the model opens");
+    let calls = calls.lock().unwrap().clone();
+    assert!(calls.len() > 10, "one call per tensor: {}", calls.len());
+    assert!(
+        calls.windows(2).all(|w| w[0].0 <= w[1].0),
+        "done only grows"
+    );
+    assert!(calls.iter().all(|&(d, t)| d <= t));
+    let (done, total) = *calls.last().unwrap();
+    assert_eq!(done, total, "the last call ends the bar full");
+    // Every byte of every tensor the model keeps resident: all but the routed experts and
+    // the MTP layer's copies of the embedding and LM head (the head uses the main model's).
+    let container = Container::open(&dir).unwrap();
+    let loaded: u64 = container
+        .names()
+        .filter(|n| {
+            let r = crate::container::names::classify(container.config(), n);
+            use crate::container::names::Role;
+            r.role != Role::RoutedExpert
+                && !(matches!(r.role, Role::Embed | Role::LmHead) && r.layer.is_some())
+        })
+        .map(|n| container.info(n).unwrap().nbytes() as u64)
+        .sum();
+    assert_eq!(done, loaded);
+    assert!(
+        loaded < container.resident_bytes(),
+        "the tiny model has an MTP layer"
+    );
+    drop(e);
+    // A callback returning false stops the open.
+    let stopping = EngineOptions {
+        usage_file: false,
+        load_progress: Some(LoadProgress(Arc::new(|done, _| done == 0))),
+        ..EngineOptions::new()
+    };
+    assert!(matches!(
+        Engine::open(&dir, &stopping),
+        Err(Error::Cancelled)
+    ));
+}

@@ -20,7 +20,7 @@ use crate::decode::{
     DraftDepth, DraftSource, GrammarSpec, PrefillProgress, PromptLogprobs, SamplingParams,
     Vocabulary,
 };
-use crate::engine::{BatchIo, BatchRequest, Engine, EngineOptions, Session};
+use crate::engine::{BatchIo, BatchRequest, Engine, EngineOptions, LoadProgress, Session};
 use crate::error::Error;
 use crate::python::{run, to_py_err};
 
@@ -112,7 +112,7 @@ fn json_to_py<'py, T: serde::Serialize>(py: Python<'py>, v: &T) -> PyResult<Boun
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, cache_dir=None, pin="auto", resident_layers=None, max_context=None, idle_session_bytes=None, spill_dir=None))]
+    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, cache_dir=None, pin="auto", resident_layers=None, max_context=None, idle_session_bytes=None, spill_dir=None, load_progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -130,7 +130,31 @@ impl PyEngine {
         max_context: Option<usize>,
         idle_session_bytes: Option<u64>,
         spill_dir: Option<PathBuf>,
+        load_progress: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
+        // Told after each resident tensor: checks for Ctrl-C (a long load stops within a
+        // tensor) and calls the caller's callback; an error of either stops the open.
+        let raised: Arc<Mutex<Option<PyErr>>> = Arc::default();
+        let report = {
+            let raised = raised.clone();
+            LoadProgress(Arc::new(move |done: u64, total: u64| {
+                Python::attach(|py| {
+                    let outcome = py.check_signals().and_then(|()| match &load_progress {
+                        Some(cb) => cb.call1(py, (done, total)).map(|_| ()),
+                        None => Ok(()),
+                    });
+                    match outcome {
+                        Ok(()) => true,
+                        Err(e) => {
+                            if let Ok(mut slot) = raised.lock() {
+                                slot.get_or_insert(e);
+                            }
+                            false
+                        }
+                    }
+                })
+            }))
+        };
         let opts = EngineOptions {
             threads,
             io: EngineOptions::parse_io(io).map_err(to_py_err)?,
@@ -145,8 +169,13 @@ impl PyEngine {
             max_context,
             idle_session_bytes,
             spill_dir,
+            load_progress: Some(report),
         };
-        let engine = run(py, move || Engine::open(&path, &opts))?;
+        let engine = run(py, move || Engine::open(&path, &opts));
+        if let Some(err) = raised.lock().ok().and_then(|mut e| e.take()) {
+            return Err(err);
+        }
+        let engine = engine?;
         Ok(PyEngine {
             engine,
             vocabulary: std::sync::OnceLock::new(),

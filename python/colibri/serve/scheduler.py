@@ -243,9 +243,11 @@ class Scheduler:
             try:
                 self.model._run_continuous(self._admit, self._done)
             except BaseException as e:  # the engine failed as a whole: fail what is left
-                for job in list(self._jobs):
-                    if job.started and not job._ended.is_set():
-                        self._end(job, None, e)
+                for i, job in list(self._by_id.items()):
+                    del self._by_id[i]
+                    job._slot = None
+                    self.running -= 1
+                    self._end(job, None, e)
 
     def _admit(self, live: int) -> list[BatchEntry]:
         """The batch's callback before every forward: the queued requests that fit."""

@@ -635,6 +635,39 @@ class Model:
     @overload
     def generate(
         self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        max_new_tokens: int | None = ...,
+        max_tokens: int | None = ...,
+        temperature: float | None = ...,
+        top_k: int | None = ...,
+        top_p: float | None = ...,
+        min_p: float | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool | None = ...,
+        repetition_penalty: float | None = ...,
+        presence_penalty: float | None = ...,
+        frequency_penalty: float | None = ...,
+        logit_bias: Mapping[int, float] | None = ...,
+        min_tokens: int | None = ...,
+        logprobs: int | None = ...,
+        guided_json: str | Mapping[str, Any] | None = ...,
+        guided_regex: str | None = ...,
+        guided_grammar: str | None = ...,
+        prompt_logprobs: int | None = ...,
+        prefill_progress: Callable[[int, int], object] | None = ...,
+        draft: DraftMode | None = ...,
+        draft_depth: int | Literal["auto"] | None = ...,
+        n: int,
+        stream: Literal[False] = False,
+    ) -> list[GenerationResult]: ...
+
+    @overload
+    def generate(
+        self,
         prompt: list[str] | list[list[int]],
         sampling_params: SamplingParams | None = None,
         *,
@@ -727,39 +760,6 @@ class Model:
         draft_depth: int | Literal["auto"] | None = ...,
         stream: Literal[True],
     ) -> GenerationStream: ...
-
-    @overload
-    def generate(
-        self,
-        prompt: str | Sequence[int],
-        sampling_params: SamplingParams | None = None,
-        *,
-        max_new_tokens: int | None = ...,
-        max_tokens: int | None = ...,
-        temperature: float | None = ...,
-        top_k: int | None = ...,
-        top_p: float | None = ...,
-        min_p: float | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool | None = ...,
-        repetition_penalty: float | None = ...,
-        presence_penalty: float | None = ...,
-        frequency_penalty: float | None = ...,
-        logit_bias: Mapping[int, float] | None = ...,
-        min_tokens: int | None = ...,
-        logprobs: int | None = ...,
-        guided_json: str | Mapping[str, Any] | None = ...,
-        guided_regex: str | None = ...,
-        guided_grammar: str | None = ...,
-        prompt_logprobs: int | None = ...,
-        prefill_progress: Callable[[int, int], object] | None = ...,
-        draft: DraftMode | None = ...,
-        draft_depth: int | Literal["auto"] | None = ...,
-        n: int,
-        stream: Literal[False] = False,
-    ) -> list[GenerationResult]: ...
 
     def generate(
         self,
@@ -859,14 +859,11 @@ class Model:
         kw = {k: v for k, v in locals().items() if k in _GENERATE_KEYWORDS}
         choices = _choices(n, sampling_params)
         if choices > 1:
-            if _is_batch(prompt) or stream:
+            if _is_batch(prompt):
                 raise InvalidArgumentError(
-                    f"invalid value for 'n': {choices} completions take one prompt and stream=False"
+                    f"invalid value for 'n': {choices} completions take one prompt"
                 )
-            base = self._params(prompt, sampling_params, kw)
-            return self._run_batch(
-                [{**base, "seed": (base["seed"] + i) % 2**64} for i in range(choices)]
-            )
+            return self._n_results(prompt, sampling_params, kw, choices, stream)
         if _is_batch(prompt):
             if stream:
                 raise InvalidArgumentError(
@@ -874,6 +871,25 @@ class Model:
                 )
             return self._run_batch([self._params(p, sampling_params, kw) for p in prompt])
         return self._launch(self._params(prompt, sampling_params, kw), stream)
+
+    def _n_results(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: object,
+        kw: Mapping[str, Any],
+        choices: int,
+        stream: bool,
+    ) -> list[GenerationResult]:
+        """``choices`` completions of one prompt, decoded together; completion i sampled
+        with seed ``seed + i``."""
+        if stream:
+            raise InvalidArgumentError(
+                f"invalid value for 'n': {choices} completions take stream=False"
+            )
+        base = self._params(prompt, sampling_params, kw)
+        return self._run_batch(
+            [{**base, "seed": (base["seed"] + i) % 2**64} for i in range(choices)]
+        )
 
     def _params(
         self,
@@ -1251,6 +1267,39 @@ class Model:
         prefill_progress: Callable[[int, int], object] | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
+        n: int,
+        stream: Literal[False] = False,
+    ) -> list[GenerationResult]: ...
+
+    @overload
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        max_new_tokens: int | None = ...,
+        max_tokens: int | None = ...,
+        temperature: float | None = ...,
+        top_k: int | None = ...,
+        top_p: float | None = ...,
+        min_p: float | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool | None = ...,
+        repetition_penalty: float | None = ...,
+        presence_penalty: float | None = ...,
+        frequency_penalty: float | None = ...,
+        logit_bias: Mapping[int, float] | None = ...,
+        min_tokens: int | None = ...,
+        logprobs: int | None = ...,
+        guided_json: str | Mapping[str, Any] | None = ...,
+        guided_regex: str | None = ...,
+        guided_grammar: str | None = ...,
+        prompt_logprobs: int | None = ...,
+        prefill_progress: Callable[[int, int], object] | None = ...,
+        draft: DraftMode | None = ...,
+        draft_depth: int | Literal["auto"] | None = ...,
         stream: Literal[False] = False,
     ) -> GenerationResult: ...
 
@@ -1314,8 +1363,9 @@ class Model:
         prefill_progress: Callable[[int, int], object] | None = None,
         draft: DraftMode | None = None,
         draft_depth: int | Literal["auto"] | None = None,
+        n: int | None = None,
         stream: bool = False,
-    ) -> GenerationResult | GenerationStream:
+    ) -> GenerationResult | GenerationStream | list[GenerationResult]:
         """Generate the assistant's reply to ``messages`` (a list of
         ``{"role": ..., "content": ...}`` dicts), rendered with the model's chat template.
 
@@ -1323,6 +1373,9 @@ class Model:
         :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`.
         """
         kw = {k: v for k, v in locals().items() if k in _GENERATE_KEYWORDS}
+        choices = _choices(n, sampling_params)
+        if choices > 1:
+            return self._n_results(self._chat_ids(messages), sampling_params, kw, choices, stream)
         params = self._params(self._chat_ids(messages), sampling_params, kw)
         return self._launch(params, stream)
 

@@ -76,4 +76,33 @@ fn fma_peak(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, streaming_read, fma_peak);
+/// The int8 ceiling of the prefill's VNNI kernel, 2 threads (`compute/vnni_peak_2threads`,
+/// "elem/s" = integer ops/s, a multiply-add counted as two).
+fn vnni_peak(c: &mut Criterion) {
+    const ITERS: usize = 1 << 20;
+    let Some((ops, _)) = crate::probes::vnni_peak(1, 1) else {
+        eprintln!("compute: no AVX-512 VNNI, no int8 probe");
+        return;
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .expect("thread pool");
+    let mut g = c.benchmark_group("compute");
+    g.throughput(Throughput::Elements((2 * ops * ITERS) as u64));
+    g.sample_size(10);
+    g.bench_function("vnni_peak_2threads", |b| {
+        b.iter(|| {
+            let (x, y) = pool.install(|| {
+                rayon::join(
+                    || crate::probes::vnni_peak(ITERS, black_box(1)),
+                    || crate::probes::vnni_peak(ITERS, black_box(2)),
+                )
+            });
+            black_box((x, y))
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, streaming_read, fma_peak, vnni_peak);

@@ -13,7 +13,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use colibri::quant::kernels::{self, KernelPath};
+use colibri::quant::kernels::{self, Arithmetic, KernelPath};
 use colibri::quant::{QMatrix, QuantFormat};
 use criterion::{criterion_group, Bencher, BenchmarkGroup, Criterion, Throughput};
 
@@ -353,6 +353,17 @@ fn prefill(c: &mut Criterion) {
                 black_box(&y);
             })
         });
+        // The same call with int8 activations (the `prefill` option's fast arithmetic; the
+        // VNNI kernel where the CPU has it, else the scalar reference, so skipped there).
+        if kernels::int8act::simd_available() {
+            g.bench_function(format!("{format}/{name}_{rows}x{cols}/S{s}/int8"), |b| {
+                iter_on_pool(b, &pool, || {
+                    kernels::matmul_in(Arithmetic::Int8, &w, black_box(&x), s, &mut y, Some(&pool))
+                        .expect("int8 matmul");
+                    black_box(&y);
+                })
+            });
+        }
     }
     g.finish();
 }

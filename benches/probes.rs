@@ -69,6 +69,28 @@ pub fn fma_peak(path: KernelPath, iters: usize, seed: f32) -> Option<(usize, f32
     }
 }
 
+/// The int8 ceiling of the VNNI kernel (`kernels::int8act`) on this thread: `iters` rounds of
+/// independent 512-bit `vpdpbusd` (64 multiply-adds each) and returns (integer ops done,
+/// counting a multiply-add as two like the FMA probe, and a value to keep the work alive).
+/// `None` without AVX-512 VNNI.
+pub fn vnni_peak(iters: usize, seed: i32) -> Option<(usize, i32)> {
+    if !colibri::quant::kernels::int8act::simd_available() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: AVX-512 F and VNNI are present (checked above).
+        Some((iters * x86::OPS_PER_ITER_VNNI, unsafe {
+            x86::vnni_peak(iters, seed)
+        }))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (iters, seed);
+        None
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -79,6 +101,28 @@ mod x86 {
     pub const FLOPS_PER_ITER_256: usize = CHAINS * 2 * 8;
     /// Flops per iteration of [`fma_peak_avx512`] (16 lanes).
     pub const FLOPS_PER_ITER_512: usize = CHAINS * 2 * 16;
+    /// Integer ops per iteration of [`vnni_peak`] (64 multiply-adds per instruction).
+    pub const OPS_PER_ITER_VNNI: usize = CHAINS * 2 * 64;
+
+    /// `iters` rounds of [`CHAINS`] independent 512-bit `vpdpbusd`.
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512 F and VNNI.
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    pub unsafe fn vnni_peak(iters: usize, seed: i32) -> i32 {
+        let mut acc = [_mm512_set1_epi32(seed); CHAINS];
+        let (a, b) = (_mm512_set1_epi8(3), _mm512_set1_epi8(-2));
+        for _ in 0..iters {
+            for c in acc.iter_mut() {
+                *c = _mm512_dpbusd_epi32(*c, a, b);
+            }
+        }
+        let mut sum = _mm512_setzero_si512();
+        for c in acc {
+            sum = _mm512_add_epi32(sum, c);
+        }
+        _mm512_reduce_add_epi32(sum)
+    }
 
     /// `iters` rounds of [`CHAINS`] independent 8-lane FMAs.
     ///

@@ -144,6 +144,7 @@ class Engine:
         max_context: int | None = None,
         idle_session_bytes: int | None = None,
         spill_dir: str | PathLike[str] | None = None,
+        prefill: str = "auto",
         load_progress: Callable[[int, int], object] | None = None,
     ) -> None:
         """Load the model directory ``path``. ``io``, ``prefetch``, ``pin``: one of
@@ -156,7 +157,10 @@ class Engine:
         longest context in tokens (None: the model's exact limit, bounded by the RAM left
         for the KV cache); ``idle_session_bytes``: RAM idle sessions' KV may hold before the
         least recently used are written to ``spill_dir`` (None: one full context; the
-        directory defaults to ``sessions/`` in the cache directory); ``load_progress(done,
+        directory defaults to ``sessions/`` in the cache directory); ``prefill``: the
+        arithmetic of prompt forwards of 16 rows or more, ``"exact"`` or ``"int8"``
+        (activations rounded to int8 per 64-element block; "auto": int8 where the CPU has
+        AVX-512 VNNI); ``load_progress(done,
         total)``: called after each resident tensor is read (bytes; the last call has both
         equal), where Ctrl-C is also checked."""
     def config_json(self) -> str:
@@ -164,7 +168,7 @@ class Engine:
     def info(self) -> dict[str, Any]:
         """Facts fixed at load: ``has_mtp``, ``uses_dsa``, ``max_context``, ``vocab_size``,
         ``hidden_size``, ``eos_token_ids``, ``kv_bytes_per_token``, ``idle_session_bytes``,
-        ``fingerprint``."""
+        ``fingerprint``, ``prefill`` (the arithmetic of long prefills: "exact" or "int8")."""
     @property
     def usage_path(self) -> Path | None:
         """Where the routing history is saved, or None when it is not saved."""

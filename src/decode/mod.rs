@@ -73,6 +73,23 @@ pub trait Target {
     fn step_last(&mut self, tokens: &[u32], start_pos: usize) -> Result<StepOutput> {
         self.step_all(tokens, start_pos)
     }
+    /// The forward of a prompt's rows (prefill): [`step_all`](Self::step_all) when
+    /// `all_logits`, else [`step_last`](Self::step_last). A target may compute a long
+    /// prefill with a faster, inexact arithmetic (the model's `prefill` option): the prompt's
+    /// KV rows are then approximate, but every decode step and verify after it is exact, so
+    /// speculation stays lossless with respect to plain decoding after the same prefill.
+    fn prefill(
+        &mut self,
+        tokens: &[u32],
+        start_pos: usize,
+        all_logits: bool,
+    ) -> Result<StepOutput> {
+        if all_logits {
+            self.step_all(tokens, start_pos)
+        } else {
+            self.step_last(tokens, start_pos)
+        }
+    }
     /// [`mtp_step`](Self::mtp_step) for a caller that reads only the last row's logits (an
     /// MTP absorb): `logits` may hold that row alone.
     fn mtp_step_last(

@@ -41,9 +41,10 @@ impl PartialEq for PromptLogprobs {
     }
 }
 
-/// The prefill forward over `prompt[start..end]` at positions `start..`: `step_last`, or,
-/// when `sampling` asks for the prompt's log-probabilities, `step_all` with each row scoring
-/// the prompt token after it (the last row of the prompt has none to score).
+/// The prefill forward over `prompt[start..end]` at positions `start..` (`Target::prefill`):
+/// the last row's logits, or, when `sampling` asks for the prompt's log-probabilities, every
+/// row's, each row scoring the prompt token after it (the last row of the prompt has none to
+/// score).
 pub(crate) fn prefill_forward(
     target: &mut dyn Target,
     prompt: &[u32],
@@ -52,9 +53,9 @@ pub(crate) fn prefill_forward(
     sampling: &SamplingParams,
 ) -> Result<StepOutput> {
     let Some(sink) = &sampling.prompt_logprobs else {
-        return target.step_last(&prompt[start..end], start);
+        return target.prefill(&prompt[start..end], start, false);
     };
-    let out = target.step_all(&prompt[start..end], start)?;
+    let out = target.prefill(&prompt[start..end], start, true)?;
     let vocab = target.vocab_size();
     check_step(&out, end - start, vocab, target.hidden_size(), "step_all")?;
     let unit = SamplingParams {

@@ -52,6 +52,8 @@ pub struct EngineInfo {
     pub fingerprint: String,
     /// The text of the model's `config.json`.
     pub config_json: String,
+    /// The arithmetic of long prefills, decided at open ("exact" or "int8").
+    pub prefill: &'static str,
 }
 
 /// What one [`Engine::generate`] produced.
@@ -131,6 +133,7 @@ impl Engine {
             idle_session_bytes,
             fingerprint: store.fingerprint().to_owned(),
             config_json,
+            prefill: model.prefill_arithmetic().name(),
         };
         let spill_dir = opts.spill_dir.clone().unwrap_or_else(|| {
             opts.cache_dir

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use crate::container::Container;
 use crate::experts::{IoMode, PinPolicy, PrefetchMode, StoreOptions};
 use crate::model::ModelOptions;
+use crate::quant::kernels::{int8act, Arithmetic};
 use crate::{Error, Result};
 
 /// The accepted values of each string option, "auto" first where it exists. Front ends list
@@ -16,6 +17,7 @@ pub const CHOICES: &[(&str, &[&str])] = &[
     ("prefetch", &["auto", "off", "hint", "real"]),
     ("pin", &["auto", "history", "off"]),
     ("draft", &["auto", "mtp", "ngram", "off"]),
+    ("prefill", &["auto", "exact", "int8"]),
 ];
 
 /// The choices of option `name` (empty for an unknown name).
@@ -76,6 +78,9 @@ pub struct EngineOptions {
     pub pin: PinChoice,
     /// Layers whose routed experts stay resident beyond the budget (e.g. the MTP layer).
     pub resident_layers: Vec<usize>,
+    /// The arithmetic of long prefills (prompt forwards of at least
+    /// [`int8act::PREFILL_MIN_ROWS`] rows); `None` = [`EngineOptions::default_prefill`].
+    pub prefill: Option<Arithmetic>,
     /// Longest context in tokens; `None` = [`context::default_max_context`](crate::model::context::default_max_context).
     pub max_context: Option<usize>,
     /// RAM that idle sessions' KV caches may hold together; beyond it the least recently
@@ -131,6 +136,27 @@ impl EngineOptions {
         }
     }
 
+    /// Parse the string form of `prefill` ("auto" → `None`).
+    pub fn parse_prefill(value: &str) -> Result<Option<Arithmetic>> {
+        check_choice("prefill", value)?;
+        Ok(match value {
+            "exact" => Some(Arithmetic::Exact),
+            "int8" => Some(Arithmetic::Int8),
+            _ => None,
+        })
+    }
+
+    /// What "auto" means for `prefill`: int8 activations where the CPU runs their VNNI kernel
+    /// (AVX-512 VNNI; 1.5–2× the exact prefill, docs/benchmarks.md), exact elsewhere (the
+    /// int8 arithmetic's scalar reference would be slower than the exact kernels).
+    pub fn default_prefill() -> Arithmetic {
+        if int8act::simd_available() {
+            Arithmetic::Int8
+        } else {
+            Arithmetic::Exact
+        }
+    }
+
     /// Parse the string form of `pin`.
     pub fn parse_pin(value: &str) -> Result<PinChoice> {
         check_choice("pin", value)?;
@@ -173,6 +199,7 @@ impl EngineOptions {
             threads: self.threads,
             load_mtp: self.load_mtp,
             prefetch_top_k,
+            prefill_arithmetic: self.prefill.unwrap_or_else(Self::default_prefill),
         }
     }
 }

@@ -20,8 +20,13 @@ fn normed_step(
     tokens: &[u32],
     start: usize,
     all_logits: bool,
+    prefill: bool,
 ) -> Result<StepOutput> {
-    let f = m.step(tokens, start, all_logits)?;
+    let f = if prefill {
+        m.prefill(tokens, start, all_logits)?
+    } else {
+        m.step(tokens, start, all_logits)?
+    };
     let hidden = m.final_norm(&f.pre_norm_hidden);
     Ok(StepOutput {
         logits: f.logits,
@@ -37,10 +42,18 @@ impl Target for Model {
         self.config().hidden_size
     }
     fn step_all(&mut self, tokens: &[u32], start_pos: usize) -> Result<StepOutput> {
-        normed_step(self, tokens, start_pos, true)
+        normed_step(self, tokens, start_pos, true, false)
     }
     fn step_last(&mut self, tokens: &[u32], start_pos: usize) -> Result<StepOutput> {
-        normed_step(self, tokens, start_pos, false)
+        normed_step(self, tokens, start_pos, false, false)
+    }
+    fn prefill(
+        &mut self,
+        tokens: &[u32],
+        start_pos: usize,
+        all_logits: bool,
+    ) -> Result<StepOutput> {
+        normed_step(self, tokens, start_pos, all_logits, true)
     }
     fn kv_len(&self) -> usize {
         Model::kv_len(self)

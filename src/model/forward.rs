@@ -21,6 +21,8 @@ use crate::model::linear;
 use crate::model::moe::{ExpertProvider, Mlp, Moe, ResidentExperts};
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
 use crate::model::rope::Rope;
+use crate::quant::kernels::int8act::PREFILL_MIN_ROWS;
+use crate::quant::kernels::Arithmetic;
 use crate::quant::pack::reference_dequantize_row;
 
 /// The feed-forward half of a decoder layer.
@@ -226,6 +228,10 @@ pub struct ModelOptions {
     pub load_mtp: bool,
     /// Router-lookahead width: experts predicted per row for the next layer (0 = off).
     pub prefetch_top_k: usize,
+    /// The arithmetic of [`Model::prefill`] forwards of at least
+    /// [`PREFILL_MIN_ROWS`](crate::quant::kernels::int8act::PREFILL_MIN_ROWS) rows; every
+    /// other forward is exact.
+    pub prefill_arithmetic: Arithmetic,
 }
 
 impl Default for ModelOptions {
@@ -234,6 +240,7 @@ impl Default for ModelOptions {
             threads: 0,
             load_mtp: true,
             prefetch_top_k: 0,
+            prefill_arithmetic: Arithmetic::Exact,
         }
     }
 }
@@ -333,6 +340,7 @@ pub struct Model {
     /// Shared so that [`Model::step`] can run a whole forward on it (see there).
     pool: Arc<rayon::ThreadPool>,
     prefetch_top_k: usize,
+    prefill_arithmetic: Arithmetic,
     /// GLM DSA: the checkpoint's lightning indexers are in use (see `max_exact_context`).
     dsa: bool,
     trace_selections: bool,
@@ -409,6 +417,7 @@ impl Model {
             experts,
             pool,
             prefetch_top_k: opts.prefetch_top_k,
+            prefill_arithmetic: opts.prefill_arithmetic,
             dsa,
             trace_selections: false,
         };
@@ -610,6 +619,24 @@ impl Model {
     /// step).
     pub fn step(&mut self, tokens: &[u32], start: usize, all_logits: bool) -> Result<Forward> {
         self.on_pool(|m| m.step_here(tokens, start, all_logits))
+    }
+
+    /// [`step`](Self::step) for the rows of a prompt: in the model's prefill arithmetic
+    /// ([`ModelOptions::prefill_arithmetic`]) when there are at least
+    /// [`PREFILL_MIN_ROWS`](crate::quant::kernels::int8act::PREFILL_MIN_ROWS) of them, else
+    /// exactly. Decode steps and verify forwards go through `step`, always exact.
+    pub fn prefill(&mut self, tokens: &[u32], start: usize, all_logits: bool) -> Result<Forward> {
+        let arith = if tokens.len() >= PREFILL_MIN_ROWS {
+            self.prefill_arithmetic
+        } else {
+            Arithmetic::Exact
+        };
+        self.on_pool(|m| linear::with_arithmetic(arith, || m.step_here(tokens, start, all_logits)))
+    }
+
+    /// The arithmetic of long prefills.
+    pub fn prefill_arithmetic(&self) -> Arithmetic {
+        self.prefill_arithmetic
     }
 
     /// Run `f` on a thread of the compute pool (see [`step`](Self::step)).

@@ -1,10 +1,42 @@
-//! A weight matrix from the container applied to S activation rows through the kernels.
+//! A weight matrix from the container applied to S activation rows through the kernels, in
+//! the arithmetic of the forward running on this thread.
+
+use std::cell::Cell;
 
 use crate::container::{Container, Weight};
 use crate::error::{Error, Result};
-use crate::quant::kernels;
+use crate::quant::kernels::{self, Arithmetic};
 
-/// `y[S, O] = x[S, I] · Wᵀ` through the dispatched kernel.
+thread_local! {
+    /// The arithmetic of the forward this thread is running ([`with_arithmetic`]).
+    static ARITHMETIC: Cell<Arithmetic> = const { Cell::new(Arithmetic::Exact) };
+}
+
+/// Restores the previous arithmetic when dropped (also when `f` unwinds).
+struct Restore(Arithmetic);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        ARITHMETIC.with(|a| a.set(self.0));
+    }
+}
+
+/// Run `f` (a whole forward) with the matmuls it makes on this thread through [`apply`] and
+/// `moe::ffn` in `arith`. Per thread, and set by the forward's own thread, so a forward
+/// decides its arithmetic once and nothing else is affected. Code that runs inside pool tasks
+/// (the attention heads) calls the kernels directly, always exactly: a task may run on this
+/// thread while it waits, and must compute the same whichever thread runs it.
+pub fn with_arithmetic<R>(arith: Arithmetic, f: impl FnOnce() -> R) -> R {
+    let _restore = Restore(ARITHMETIC.with(|a| a.replace(arith)));
+    f()
+}
+
+/// The arithmetic [`apply`] uses on this thread now.
+pub fn arithmetic() -> Arithmetic {
+    ARITHMETIC.with(|a| a.get())
+}
+
+/// `y[S, O] = x[S, I] · Wᵀ` through the dispatched kernel, in this thread's [`arithmetic`].
 pub fn apply(
     w: &Weight,
     x: &[f32],
@@ -13,7 +45,7 @@ pub fn apply(
 ) -> Result<Vec<f32>> {
     let v = w.view();
     let mut y = vec![0.0f32; s * v.rows()];
-    kernels::matmul(&v, x, s, &mut y, pool)?;
+    kernels::matmul_in(arithmetic(), &v, x, s, &mut y, pool)?;
     Ok(y)
 }
 

@@ -8,7 +8,8 @@ use crate::model::linear;
 use crate::quant::kernels;
 use crate::quant::QMatrix;
 
-/// `down(silu(gate·x) ⊙ up·x)` over `s` rows of `x`.
+/// `down(silu(gate·x) ⊙ up·x)` over `s` rows of `x`, in this thread's arithmetic
+/// (`linear::arithmetic`).
 pub fn ffn(
     gate: &QMatrix<'_>,
     up: &QMatrix<'_>,
@@ -18,7 +19,7 @@ pub fn ffn(
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<Vec<f32>> {
     let mut out = vec![0.0f32; s * down.rows()];
-    kernels::expert_ffn(gate, up, down, x, s, &mut out, pool)?;
+    kernels::expert_ffn_in(linear::arithmetic(), gate, up, down, x, s, &mut out, pool)?;
     Ok(out)
 }
 

@@ -32,6 +32,7 @@
 //! `scalar|avx2|avx512|neon` overrides it, read once), and [`set_forced_path`] switches it for
 //! tests and A/B benches.
 
+pub mod int8act;
 pub mod scalar;
 pub mod vecops;
 
@@ -234,6 +235,90 @@ pub fn set_forced_path(path: Option<KernelPath>) -> Result<()> {
     };
     FORCED.store(code, Ordering::Relaxed);
     Ok(())
+}
+
+/// How a call may compute: exactly, or with int8 activations where exactness is not promised
+/// (long prefills; docs/architecture.md, "Prefill arithmetic").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Arithmetic {
+    /// f32 dequantisation and accumulation, S-invariant: every decode and verify row.
+    #[default]
+    Exact,
+    /// Activations rounded to int8 per block of 64 and summed as integers ([`int8act`]), for
+    /// the weight formats that have that form ([`int8act::supports`]); the others exact.
+    Int8,
+}
+
+impl Arithmetic {
+    /// The name used by the `prefill` option.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arithmetic::Exact => "exact",
+            Arithmetic::Int8 => "int8",
+        }
+    }
+}
+
+/// Whether int8 calls run the VNNI kernel (the AVX-512 path is active and the CPU has VNNI)
+/// rather than the scalar reference.
+fn int8_on_simd() -> Result<bool> {
+    Ok(active_path()? == KernelPath::Avx512 && int8act::simd_available())
+}
+
+/// [`matmul`] in `arith`: int8 activations when asked and `w`'s format has that form, else
+/// exact. An int8 result depends on S (each call quantises its own rows) but never on the
+/// pool or its threads.
+pub fn matmul_in(
+    arith: Arithmetic,
+    w: &QMatrix<'_>,
+    x: &[f32],
+    s: usize,
+    y: &mut [f32],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    if arith == Arithmetic::Exact || !int8act::supports(w.format()) {
+        return matmul(w, x, s, y, pool);
+    }
+    check_shapes(w, x.len(), s, y.len())?;
+    let q = int8act::QuantizedActs::new(x, s, w.cols());
+    int8act::matmul_quantized(w, &q, y, int8_on_simd()?, pool)
+}
+
+/// [`expert_ffn`] in `arith` (see [`matmul_in`]): gate and up share one quantisation of `x`,
+/// and the hidden rows are quantised again for down.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_ffn_in(
+    arith: Arithmetic,
+    gate: &QMatrix<'_>,
+    up: &QMatrix<'_>,
+    down: &QMatrix<'_>,
+    x: &[f32],
+    s: usize,
+    out: &mut [f32],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    let int8 = arith == Arithmetic::Int8
+        && [gate, up, down]
+            .iter()
+            .all(|w| int8act::supports(w.format()));
+    if !int8 || gate.rows() != up.rows() || gate.cols() != up.cols() {
+        return expert_ffn(gate, up, down, x, s, out, pool);
+    }
+    let (f, h) = (gate.rows(), gate.cols());
+    let hidden_len = s.saturating_mul(f);
+    check_shapes(gate, x.len(), s, hidden_len)?;
+    check_shapes(down, hidden_len, s, out.len())?;
+    let simd = int8_on_simd()?;
+    let q = int8act::QuantizedActs::new(x, s, h);
+    let mut g = vec![0.0f32; hidden_len];
+    let mut u = vec![0.0f32; hidden_len];
+    int8act::matmul_quantized(gate, &q, &mut g, simd, pool)?;
+    int8act::matmul_quantized(up, &q, &mut u, simd, pool)?;
+    for (g, u) in g.iter_mut().zip(&u) {
+        *g = silu(*g) * u;
+    }
+    let qh = int8act::QuantizedActs::new(&g, s, f);
+    int8act::matmul_quantized(down, &qh, out, simd, pool)
 }
 
 /// Columns a matrix may have (the SIMD paths index scale groups with a 64-bit multiply-shift,

@@ -1,0 +1,349 @@
+//! The fast prefill arithmetic: `Y[S×O] ≈ X[S×I] · Wᵀ` with the activations rounded to int8
+//! per block of 64 elements and each block's products summed as integers (AVX-512 VNNI
+//! `vpdpbusd`), as llama.cpp's Q8 activations against Q4 weights do. **Not exact**: the
+//! activations lose their low bits (≈ 0.4% of a block's largest magnitude). The engine uses it
+//! only where exactness is not promised — prefill forwards of at least
+//! [`PREFILL_MIN_ROWS`] rows when the `prefill` option allows it (docs/architecture.md,
+//! "Prefill arithmetic"); decode and verify rows always run the exact kernels, so speculation
+//! stays lossless.
+//!
+//! The arithmetic, which the scalar reference ([`reference_matmul`]) and the VNNI path
+//! (`vnni.rs`) compute bit for bit:
+//! - **activations** ([`QuantizedActs::new`]): per row and block b of 64 elements,
+//!   `m = max|x|`, `xq = round_half_even(x · (127 / m))` as i8 and `sx_b = m / 127` (a block
+//!   of zeros: `xq = 0`, `sx_b = 0`);
+//! - **weights** as unsigned bytes `u = q + o` (int4: the stored nibble, o = 8; int8: o = 128),
+//!   so that `d_b = Σ u·xq − o·Σ xq = Σ q·xq` is the block's exact integer dot product;
+//! - **scales**: `sw_b`, the scale of the weight group holding block b (group sizes that are
+//!   multiples of 64) or of the row (per-row int4 and int8);
+//! - **sum**: block b goes to lane `b mod 16`:
+//!   `lane = fma(d_b as f32, sw_b · sx_b, lane)` over the blocks in order, then the 16 lanes by
+//!   [`sum_lanes`]' fixed tree.
+//!
+//! Formats with other group sizes, and float weights, have no int8 form: [`supports`] says so
+//! and the caller runs the exact kernel for them.
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod vnni;
+
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::quant::format::{QMatrix, QuantFormat};
+use crate::quant::pack::reference_dequantize_row;
+
+/// Prefill forwards of fewer rows than this run the exact kernels whatever the option says:
+/// decode steps and verify forwards (at most 1 + the deepest draft, 9 rows) stay below it.
+pub const PREFILL_MIN_ROWS: usize = 16;
+
+/// Elements per activation block (one scale each), and per lane of a `vpdpbusd` chunk.
+pub const BLOCK: usize = 64;
+/// Blocks per chunk: one per 32-bit lane of a 512-bit vector.
+const LANES: usize = 16;
+
+/// 64 bytes in one cache line: the lane layouts are built of these, so no vector load splits
+/// a line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(super) struct Line(pub [u8; 64]);
+
+// SAFETY: 64 bytes, alignment 64: no padding, every bit pattern valid.
+unsafe impl bytemuck::Zeroable for Line {}
+// SAFETY: as above; it is `Copy` and `repr(C)`.
+unsafe impl bytemuck::Pod for Line {}
+
+/// Whether `format` has an int8-activation form (the weights' scales are constant over each
+/// 64-element block).
+pub fn supports(format: QuantFormat) -> bool {
+    match format {
+        QuantFormat::Int8PerRow | QuantFormat::Int4PerRow => true,
+        QuantFormat::Int4Grouped { group_size } => group_size % BLOCK == 0,
+        QuantFormat::F32 | QuantFormat::Bf16 | QuantFormat::F16 => false,
+    }
+}
+
+/// Whether this CPU runs the VNNI kernel (AVX-512 F, BW and VNNI); elsewhere the int8
+/// arithmetic runs as the scalar reference, correct but slow.
+pub fn simd_available() -> bool {
+    let f = crate::cpu::features();
+    cfg!(target_arch = "x86_64") && f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni
+}
+
+/// `u = q + offset` for a format: the shift with `offset = 1 << shift`.
+fn offset_shift(format: QuantFormat) -> u32 {
+    match format {
+        QuantFormat::Int8PerRow => 7,
+        _ => 3,
+    }
+}
+
+/// Chunks of 16 blocks for `cols` columns.
+fn chunks_for(cols: usize) -> usize {
+    cols.div_ceil(BLOCK).div_ceil(LANES).max(1)
+}
+
+/// Activation rows quantised to int8 per 64-element block, laid out for `vpdpbusd`: row r's
+/// chunk c is 16 lines; line k holds, in 32-bit lane j, elements `4k..4k+4` of block
+/// `16c + j`.
+pub struct QuantizedActs {
+    rows: usize,
+    cols: usize,
+    chunks: usize,
+    /// [rows][chunks · 16] lines of i8 (as bytes).
+    q: Vec<Line>,
+    /// [rows][chunks · 16]: `sx_b` (0 past the last block).
+    scales: Vec<f32>,
+    /// [rows][chunks · 16]: `Σ xq` of each block (0 past the last block).
+    sums: Vec<i32>,
+}
+
+impl QuantizedActs {
+    /// Quantise `x` ([rows, cols] row-major).
+    pub fn new(x: &[f32], rows: usize, cols: usize) -> Self {
+        let chunks = chunks_for(cols);
+        let blocks = chunks * LANES;
+        let mut q = vec![Line([0; 64]); rows * blocks];
+        let mut scales = vec![0.0f32; rows * blocks];
+        let mut sums = vec![0i32; rows * blocks];
+        let mut xq = [0i8; BLOCK];
+        for r in 0..rows {
+            let row = &x[r * cols..(r + 1) * cols];
+            let lines = &mut q[r * blocks..(r + 1) * blocks];
+            for (b, src) in row.chunks(BLOCK).enumerate() {
+                let (scale, sum) = quantize_block(src, &mut xq);
+                scales[r * blocks + b] = scale;
+                sums[r * blocks + b] = sum;
+                let (c, j) = (b / LANES, b % LANES);
+                for k in 0..BLOCK / 4 {
+                    let dst = &mut lines[c * LANES + k].0[4 * j..4 * j + 4];
+                    for (d, v) in dst.iter_mut().zip(&xq[4 * k..4 * k + 4]) {
+                        *d = *v as u8;
+                    }
+                }
+            }
+        }
+        QuantizedActs {
+            rows,
+            cols,
+            chunks,
+            q,
+            scales,
+            sums,
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Block b of row r as i8, in element order (zeros past the end of the row).
+    fn block(&self, r: usize, b: usize) -> [i8; BLOCK] {
+        let blocks = self.chunks * LANES;
+        let (c, j) = (b / LANES, b % LANES);
+        let mut out = [0i8; BLOCK];
+        for k in 0..BLOCK / 4 {
+            let line = &self.q[r * blocks + c * LANES + k].0;
+            for e in 0..4 {
+                out[4 * k + e] = line[4 * j + e] as i8;
+            }
+        }
+        out
+    }
+}
+
+/// One block: `xq` (zero-padded past `src`), and its scale and integer sum.
+fn quantize_block(src: &[f32], xq: &mut [i8; BLOCK]) -> (f32, i32) {
+    let m = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    xq.fill(0);
+    if m == 0.0 || !m.is_finite() {
+        // A NaN or Inf activation is the forward's own error to report; quantise it to zeros
+        // rather than to garbage.
+        return (0.0, 0);
+    }
+    let inv = 127.0 / m;
+    let mut sum = 0i32;
+    for (d, v) in xq.iter_mut().zip(src) {
+        let r = (v * inv).round_ties_even().clamp(-127.0, 127.0);
+        *d = r as i8;
+        sum += r as i32;
+    }
+    (m / 127.0, sum)
+}
+
+/// The 16 lanes summed by the fixed tree both paths use: halves added lane-wise (8, 4, 2, 1).
+#[inline]
+pub(super) fn sum_lanes(l: &[f32; LANES]) -> f32 {
+    let mut v = *l;
+    let mut n = LANES / 2;
+    while n > 0 {
+        for i in 0..n {
+            v[i] += v[i + n];
+        }
+        n /= 2;
+    }
+    v[0]
+}
+
+/// The weight scale of each block of row `o`, [chunks · 16] (0 past the last block).
+pub(super) fn block_scales(w: &QMatrix<'_>, o: usize, out: &mut [f32]) {
+    let scales = w.row_scales(o);
+    let blocks = w.cols().div_ceil(BLOCK);
+    for (b, s) in out.iter_mut().enumerate() {
+        *s = if b >= blocks {
+            0.0
+        } else {
+            match w.format() {
+                QuantFormat::Int4Grouped { group_size } => scales[b * BLOCK / group_size],
+                _ => scales[0],
+            }
+        };
+    }
+}
+
+/// The reference: `y[t, o]` for the activations `x` by the arithmetic in the module docs,
+/// computed from the reference dequantiser's integers (not from the lane layouts).
+pub fn reference_matmul(w: &QMatrix<'_>, x: &QuantizedActs, y: &mut [f32]) -> Result<()> {
+    check(w, x, y.len())?;
+    let s = x.rows;
+    let mut out_t = vec![0.0f32; w.rows() * s];
+    reference_rows(w, 0, x, &mut out_t);
+    transpose(&out_t, w.rows(), s, y);
+    Ok(())
+}
+
+/// [`reference_matmul`] for the rows `o0..o0 + out.len() / S`, written transposed.
+fn reference_rows(w: &QMatrix<'_>, o0: usize, x: &QuantizedActs, out: &mut [f32]) {
+    let (cols, s) = (w.cols(), x.rows);
+    let blocks = x.chunks * LANES;
+    let shift = offset_shift(w.format());
+    let mut deq = vec![0.0f32; cols];
+    let mut q = vec![0i32; blocks * BLOCK];
+    let mut sw = vec![0.0f32; blocks];
+    for (i, out) in out.chunks_exact_mut(s).enumerate() {
+        let o = o0 + i;
+        // The stored integers: the reference weights divided by their scale (exact: each is
+        // an integer times a scale, and the division by that scale undoes it).
+        reference_dequantize_row(w, o, &mut deq);
+        block_scales(w, o, &mut sw);
+        q.fill(0);
+        for (e, v) in deq.iter().enumerate() {
+            let s = sw[e / BLOCK];
+            q[e] = if s == 0.0 { 0 } else { (v / s).round() as i32 };
+        }
+        for (t, y) in out.iter_mut().enumerate() {
+            let mut lanes = [0.0f32; LANES];
+            for b in 0..blocks {
+                let xq = x.block(t, b);
+                // d = Σ u·xq − o·Σ xq with u = q + o: the same integer as Σ q·xq.
+                let d: i32 = q[b * BLOCK..(b + 1) * BLOCK]
+                    .iter()
+                    .zip(&xq)
+                    .map(|(q, x)| (q + (1 << shift)) * *x as i32)
+                    .sum::<i32>()
+                    - (x.sums[t * blocks + b] << shift);
+                let scale = sw[b] * x.scales[t * blocks + b];
+                lanes[b % LANES] = (d as f32).mul_add(scale, lanes[b % LANES]);
+            }
+            *y = sum_lanes(&lanes);
+        }
+    }
+}
+
+fn check(w: &QMatrix<'_>, x: &QuantizedActs, y_len: usize) -> Result<()> {
+    if !supports(w.format()) {
+        return Err(Error::invalid(
+            "int8 matmul",
+            format!("{} weights have no int8-activation form", w.format()),
+        ));
+    }
+    if x.cols != w.cols() || x.rows.checked_mul(w.rows()) != Some(y_len) {
+        return Err(Error::invalid(
+            "int8 matmul",
+            format!(
+                "W is [{}, {}] so X must have {} columns and Y {}×{} values; got {} columns \
+                 and {y_len} values",
+                w.rows(),
+                w.cols(),
+                w.cols(),
+                x.rows,
+                w.rows(),
+                x.cols
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Activation rows per pass over the weights: the quantised rows of a pass stay in L2
+/// (256 KiB), and every weight row is decoded once per pass.
+fn rows_per_pass(cols: usize) -> usize {
+    ((256 << 10) / (chunks_for(cols) * LANES * 64)).max(8)
+}
+
+/// `y ≈ x · Wᵀ` by the int8 arithmetic, for activations already quantised: on the VNNI kernel
+/// when `simd` (an error if this CPU lacks it), else the scalar reference. `pool`
+/// parallelises over weight rows. The result does not depend on the pool or its threads.
+pub fn matmul_quantized(
+    w: &QMatrix<'_>,
+    x: &QuantizedActs,
+    y: &mut [f32],
+    simd: bool,
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    check(w, x, y.len())?;
+    if simd && !simd_available() {
+        return Err(Error::invalid(
+            "int8 matmul",
+            "the VNNI kernel needs AVX-512 F, BW, VL and VNNI, which this CPU lacks",
+        ));
+    }
+    let (o, s) = (w.rows(), x.rows);
+    if o == 0 || s == 0 {
+        return Ok(());
+    }
+    let mut out_t = vec![0.0f32; o * s];
+    let row_bytes = w.format().row_bytes(w.cols());
+    let work = |o0: usize, chunk: &mut [f32]| {
+        if simd {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `simd_available()` was checked above; `check` made the shapes agree and
+            // the chunk covers rows `o0..o0 + chunk.len() / s` of `w`.
+            unsafe {
+                vnni::rows(w, o0, x, rows_per_pass(w.cols()), chunk)
+            }
+        } else {
+            reference_rows(w, o0, x, chunk)
+        }
+    };
+    match pool {
+        None => work(0, &mut out_t),
+        Some(pool) => {
+            let threads = pool.current_num_threads().max(1);
+            // ~8 chunks per thread for balance, but at least ~16 KiB of weights per chunk.
+            let per = o
+                .div_ceil(threads * 8)
+                .max((16 << 10) / row_bytes.max(1))
+                .clamp(1, o);
+            pool.install(|| {
+                out_t
+                    .par_chunks_mut(per * s)
+                    .enumerate()
+                    .for_each(|(i, chunk)| work(i * per, chunk))
+            });
+        }
+    }
+    transpose(&out_t, o, s, y);
+    Ok(())
+}
+
+/// `dst[t·rows + o] = src[o·s + t]`: [rows, s] → [s, rows].
+fn transpose(src: &[f32], rows: usize, s: usize, dst: &mut [f32]) {
+    for (o, row) in src.chunks_exact(s).enumerate().take(rows) {
+        for (t, v) in row.iter().enumerate() {
+            dst[t * rows + o] = *v;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

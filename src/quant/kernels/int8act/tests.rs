@@ -1,0 +1,235 @@
+use super::*;
+use crate::quant::kernels::scalar;
+use crate::quant::pack::quantize;
+
+/// Deterministic pseudo-random values in [-1, 1) with a few outliers (LLM activations have
+/// channels far larger than the rest).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|i| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let v = ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+            if i % 97 == 13 {
+                v * 20.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+fn formats() -> Vec<QuantFormat> {
+    vec![
+        QuantFormat::Int4Grouped { group_size: 64 },
+        QuantFormat::Int4Grouped { group_size: 128 },
+        QuantFormat::Int4PerRow,
+        QuantFormat::Int8PerRow,
+    ]
+}
+
+#[test]
+fn only_formats_with_block_constant_scales_have_an_int8_form() {
+    assert!(supports(QuantFormat::Int4Grouped { group_size: 64 }));
+    assert!(supports(QuantFormat::Int4Grouped { group_size: 256 }));
+    assert!(supports(QuantFormat::Int8PerRow));
+    assert!(!supports(QuantFormat::Int4Grouped { group_size: 32 }));
+    assert!(!supports(QuantFormat::Int4Grouped { group_size: 96 }));
+    assert!(!supports(QuantFormat::Bf16));
+    let p = quantize(QuantFormat::Bf16, "w", &values(64, 1), 1, 64).unwrap();
+    let x = QuantizedActs::new(&values(64, 2), 1, 64);
+    let err = reference_matmul(&p.view(), &x, &mut [0.0]).unwrap_err();
+    assert!(err.to_string().contains("no int8-activation form"), "{err}");
+}
+
+#[test]
+fn activations_round_to_127_steps_of_their_block_maximum() {
+    let mut x = values(200, 3);
+    x[64..128].fill(0.0); // an all-zero block
+    let q = QuantizedActs::new(&x, 1, 200);
+    assert_eq!(q.chunks, 1);
+    for b in 0..4 {
+        let src = &x[b * 64..((b + 1) * 64).min(200)];
+        let m = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let block = q.block(0, b);
+        assert_eq!(q.scales[b], m / 127.0);
+        assert_eq!(q.sums[b], block.iter().map(|v| *v as i32).sum::<i32>());
+        for (e, v) in src.iter().enumerate() {
+            let back = block[e] as f32 * q.scales[b];
+            assert!((back - v).abs() <= q.scales[b] * 0.5 + 1e-7, "{b} {e}");
+        }
+        // Past the row's end: zeros.
+        assert!(block[src.len()..].iter().all(|v| *v == 0));
+    }
+    assert_eq!(q.scales[1], 0.0);
+    assert!(q.scales[4..].iter().all(|s| *s == 0.0));
+}
+
+/// The reference's integer sums are Σ q·xq: rebuilt here in f64 from the dequantised weights
+/// and the activations' own rounding, the result agrees to f32 rounding.
+#[test]
+fn reference_is_the_blockwise_integer_dot_product() {
+    for format in formats() {
+        let (o, i, s) = (5, 300, 3);
+        let p = quantize(format, "w", &values(o * i, 4), o, i).unwrap();
+        let x = values(s * i, 5);
+        let q = QuantizedActs::new(&x, s, i);
+        let mut y = vec![0.0f32; s * o];
+        reference_matmul(&p.view(), &q, &mut y).unwrap();
+        let mut wrow = vec![0.0f32; i];
+        for r in 0..o {
+            reference_dequantize_row(&p.view(), r, &mut wrow);
+            for t in 0..s {
+                let mut want = 0.0f64;
+                for b in 0..i.div_ceil(64) {
+                    let xq = q.block(t, b);
+                    for e in b * 64..((b + 1) * 64).min(i) {
+                        want +=
+                            wrow[e] as f64 * xq[e - b * 64] as f64 * q.scales[t * 16 + b] as f64;
+                    }
+                }
+                let got = y[t * o + r] as f64;
+                assert!(
+                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "{format} row {r} act {t}: {got} vs {want}"
+                );
+            }
+        }
+    }
+}
+
+/// Against the exact f32 kernel: the int8 rounding of the activations moves each output by
+/// a few percent of the outputs' RMS at worst (3% measured with one ×20 outlier every 97
+/// elements, which coarsens the steps of the blocks holding one).
+#[test]
+fn int8_activations_stay_close_to_the_exact_product() {
+    for format in formats() {
+        let (o, i, s) = (64, 1024, 8);
+        let p = quantize(format, "w", &values(o * i, 6), o, i).unwrap();
+        let x = values(s * i, 7);
+        let mut exact = vec![0.0f32; s * o];
+        scalar::matmul(&p.view(), &x, s, &mut exact);
+        let mut approx = vec![0.0f32; s * o];
+        let q = QuantizedActs::new(&x, s, i);
+        reference_matmul(&p.view(), &q, &mut approx).unwrap();
+        let rms = (exact.iter().map(|v| v * v).sum::<f32>() / exact.len() as f32).sqrt();
+        let worst = exact
+            .iter()
+            .zip(&approx)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst / rms < 0.05, "{format}: worst {worst} at rms {rms}");
+        assert!(
+            worst > 0.0,
+            "{format}: int8 activations cannot be exact here"
+        );
+    }
+}
+
+#[test]
+fn shape_mismatches_are_errors() {
+    let p = quantize(QuantFormat::Int8PerRow, "w", &values(4 * 64, 8), 4, 64).unwrap();
+    let q = QuantizedActs::new(&values(2 * 65, 9), 2, 65);
+    assert!(reference_matmul(&p.view(), &q, &mut [0.0; 8]).is_err());
+    let q = QuantizedActs::new(&values(2 * 64, 9), 2, 64);
+    assert!(reference_matmul(&p.view(), &q, &mut [0.0; 7]).is_err());
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn transpose16_swaps_rows_and_words() {
+    if !simd_available() {
+        eprintln!("skipping: no AVX-512 VNNI on this CPU");
+        return;
+    }
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn run(m: &[[u32; 16]; 16]) -> [[u32; 16]; 16] {
+        use std::arch::x86_64::*;
+        // SAFETY: the features were checked by the caller; each row is 16 u32.
+        unsafe {
+            let mut r = [_mm512_setzero_si512(); 16];
+            for (v, row) in r.iter_mut().zip(m) {
+                *v = _mm512_loadu_si512(row.as_ptr().cast());
+            }
+            let t = vnni::transpose16_for_tests(r);
+            let mut out = [[0u32; 16]; 16];
+            for (row, v) in out.iter_mut().zip(t) {
+                _mm512_storeu_si512(row.as_mut_ptr().cast(), v);
+            }
+            out
+        }
+    }
+    let mut m = [[0u32; 16]; 16];
+    for (j, row) in m.iter_mut().enumerate() {
+        for (k, v) in row.iter_mut().enumerate() {
+            *v = (j * 100 + k) as u32;
+        }
+    }
+    // SAFETY: checked above.
+    let t = unsafe { run(&m) };
+    for k in 0..16 {
+        for j in 0..16 {
+            assert_eq!(t[k][j], m[j][k]);
+        }
+    }
+}
+
+/// The VNNI kernel equals the reference bit for bit: every supported format, column counts
+/// around the block and chunk edges, every tile shape, passes of several rows, and a pool.
+#[test]
+fn vnni_kernel_equals_the_reference_bit_for_bit() {
+    if !simd_available() {
+        eprintln!("skipping: no AVX-512 VNNI on this CPU");
+        return;
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    for format in formats() {
+        for &i in &[1usize, 63, 64, 65, 127, 128, 1000, 1024, 1025, 2048 + 64] {
+            for &(o, s) in &[(1usize, 1usize), (3, 5), (4, 4), (9, 7), (17, 11), (6, 40)] {
+                let p = quantize(format, "w", &values(o * i, (o * i) as u64), o, i).unwrap();
+                let x = values(s * i, (s + i) as u64);
+                let q = QuantizedActs::new(&x, s, i);
+                let mut want = vec![0.0f32; s * o];
+                reference_matmul(&p.view(), &q, &mut want).unwrap();
+                let mut got = vec![0.0f32; s * o];
+                matmul_quantized(&p.view(), &q, &mut got, true, None).unwrap();
+                let mut pooled = vec![0.0f32; s * o];
+                matmul_quantized(&p.view(), &q, &mut pooled, true, Some(&pool)).unwrap();
+                for (k, ((a, b), c)) in want.iter().zip(&got).zip(&pooled).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{format} I={i} O={o} S={s} at {k}"
+                    );
+                    assert_eq!(a.to_bits(), c.to_bits(), "{format} pooled at {k}");
+                }
+            }
+        }
+    }
+    // Passes of fewer rows than S decode each weight row again and give the same values.
+    let (o, i, s) = (8, 640, 21);
+    let p = quantize(
+        QuantFormat::Int4Grouped { group_size: 64 },
+        "w",
+        &values(o * i, 11),
+        o,
+        i,
+    )
+    .unwrap();
+    let q = QuantizedActs::new(&values(s * i, 12), s, i);
+    let mut whole = vec![0.0f32; o * s];
+    let mut passes = vec![0.0f32; o * s];
+    // SAFETY: VNNI checked above; the shapes agree and the chunk is the whole matrix.
+    unsafe {
+        vnni::rows(&p.view(), 0, &q, s, &mut whole);
+        vnni::rows(&p.view(), 0, &q, 5, &mut passes);
+    }
+    assert_eq!(whole, passes);
+}

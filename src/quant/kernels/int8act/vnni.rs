@@ -1,0 +1,286 @@
+//! The int8 arithmetic on AVX-512 VNNI (see the parent module for what it computes). Each
+//! weight row is decoded once per pass into the activations' lane layout (`decode_row`:
+//! unsigned bytes, 16 lines per chunk of 16 blocks, by a 16 × 16 transpose of 32-bit words), so
+//! that one `vpdpbusd` adds four products of each of 16 blocks into that block's own 32-bit
+//! lane and a chunk's 16 instructions finish 16 block sums at once. Tiles of up to four weight
+//! rows × four activation rows share each loaded vector: 16 integer accumulators per chunk,
+//! then each lane converted and scaled once per chunk (one `vcvtdq2ps`, one `vmulps`, one
+//! `vfmadd` per tile cell and chunk, against the 16 `vpdpbusd`).
+//!
+//! Every function here needs AVX-512 F, BW, VL and VNNI: `rows` enables them and the rest is
+//! `#[inline(always)]` into it.
+
+use std::arch::x86_64::*;
+
+use super::{block_scales, offset_shift, sum_lanes, Line, QuantizedActs, BLOCK, LANES};
+use crate::quant::format::{QMatrix, QuantFormat};
+
+/// Weight rows decoded per pass.
+const WR: usize = 4;
+/// Activation rows per tile.
+const AR: usize = 4;
+
+/// `n` bytes of `data` from `start` (fewer past its end, the rest zero) in the low bytes of a
+/// vector.
+#[inline(always)]
+unsafe fn load_bytes(data: &[u8], start: usize, n: usize) -> __m512i {
+    if start >= data.len() {
+        // SAFETY: AVX-512 F is enabled by the caller.
+        return unsafe { _mm512_setzero_si512() };
+    }
+    let avail = (data.len() - start).min(n);
+    let mask = if avail >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << avail) - 1
+    };
+    // SAFETY: `start < data.len()`, so the pointer is in bounds; the mask covers only the
+    // `avail` bytes that exist (masked-out bytes are not read); AVX-512 BW is enabled.
+    unsafe { _mm512_maskz_loadu_epi8(mask, data.as_ptr().add(start).cast()) }
+}
+
+/// Block `b` of an int4 row as 64 unsigned nibbles in element order.
+#[inline(always)]
+unsafe fn int4_block(data: &[u8], b: usize) -> __m512i {
+    // SAFETY: AVX-512 F and BW are enabled by the caller.
+    unsafe {
+        let packed = _mm512_castsi512_si256(load_bytes(data, b * BLOCK / 2, BLOCK / 2));
+        // u16 lane m = byte m; then its low byte = the low nibble (element 2m) and its high
+        // byte = the high nibble (element 2m + 1).
+        let t = _mm512_cvtepu8_epi16(packed);
+        _mm512_and_si512(
+            _mm512_or_si512(t, _mm512_slli_epi16::<4>(t)),
+            _mm512_set1_epi16(0x0F0F),
+        )
+    }
+}
+
+/// Block `b` of an int8 row as 64 unsigned bytes `q + 128` in element order.
+#[inline(always)]
+unsafe fn int8_block(data: &[u8], b: usize) -> __m512i {
+    // SAFETY: AVX-512 F is enabled by the caller.
+    unsafe { _mm512_xor_si512(load_bytes(data, b * BLOCK, BLOCK), _mm512_set1_epi8(-128)) }
+}
+
+/// 16 × 16 transpose of 32-bit words: `out[k]` word j = `r[j]` word k.
+#[inline(always)]
+unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+    // SAFETY: AVX-512 F is enabled by the caller.
+    unsafe {
+        let z = _mm512_setzero_si512();
+        // t[2m] / t[2m + 1]: per 128-bit lane L, words 0–1 / 2–3 of r[2m] and r[2m + 1]
+        // interleaved.
+        let mut t = [z; 16];
+        for m in 0..8 {
+            t[2 * m] = _mm512_unpacklo_epi32(r[2 * m], r[2 * m + 1]);
+            t[2 * m + 1] = _mm512_unpackhi_epi32(r[2 * m], r[2 * m + 1]);
+        }
+        // u[4n + p]: per 128-bit lane L, word p of L in rows 4n..4n + 4.
+        let mut u = [z; 16];
+        for n in 0..4 {
+            u[4 * n] = _mm512_unpacklo_epi64(t[4 * n], t[4 * n + 2]);
+            u[4 * n + 1] = _mm512_unpackhi_epi64(t[4 * n], t[4 * n + 2]);
+            u[4 * n + 2] = _mm512_unpacklo_epi64(t[4 * n + 1], t[4 * n + 3]);
+            u[4 * n + 3] = _mm512_unpackhi_epi64(t[4 * n + 1], t[4 * n + 3]);
+        }
+        // out[4L + p] = lane L of u[p], u[4 + p], u[8 + p], u[12 + p]: a 4 × 4 transpose of
+        // 128-bit lanes.
+        let mut out = [z; 16];
+        for p in 0..4 {
+            let v0 = _mm512_shuffle_i32x4::<0x44>(u[p], u[4 + p]);
+            let v1 = _mm512_shuffle_i32x4::<0xEE>(u[p], u[4 + p]);
+            let v2 = _mm512_shuffle_i32x4::<0x44>(u[8 + p], u[12 + p]);
+            let v3 = _mm512_shuffle_i32x4::<0xEE>(u[8 + p], u[12 + p]);
+            out[p] = _mm512_shuffle_i32x4::<0x88>(v0, v2);
+            out[4 + p] = _mm512_shuffle_i32x4::<0xDD>(v0, v2);
+            out[8 + p] = _mm512_shuffle_i32x4::<0x88>(v1, v3);
+            out[12 + p] = _mm512_shuffle_i32x4::<0xDD>(v1, v3);
+        }
+        out
+    }
+}
+
+/// Row `o` of `w` as unsigned bytes in the lane layout: line `16c + k`, lane j = elements
+/// `4k..4k + 4` of block `16c + j` (`out.len()` = chunks · 16).
+#[inline(always)]
+unsafe fn decode_row(w: &QMatrix<'_>, o: usize, out: &mut [Line]) {
+    let data = w.row_data(o);
+    let int8 = w.format() == QuantFormat::Int8PerRow;
+    // SAFETY: AVX-512 F and BW are enabled by the caller; each store writes one 64-byte line
+    // of `out`, whose lines are 64-byte aligned.
+    unsafe {
+        for (c, lines) in out.chunks_exact_mut(LANES).enumerate() {
+            let mut r = [_mm512_setzero_si512(); 16];
+            for (j, v) in r.iter_mut().enumerate() {
+                *v = if int8 {
+                    int8_block(data, c * LANES + j)
+                } else {
+                    int4_block(data, c * LANES + j)
+                };
+            }
+            for (line, v) in lines.iter_mut().zip(transpose16(r)) {
+                _mm512_store_si512(line.0.as_mut_ptr().cast(), v);
+            }
+        }
+    }
+}
+
+/// One tile: rows `0..NW` of the decoded weights (`wl`, `ws`: [NW][blocks]) against activation
+/// rows `t0..t0 + NA`; returns `[w][a]`.
+#[inline(always)]
+unsafe fn tile<const NW: usize, const NA: usize>(
+    wl: &[Line],
+    ws: &[f32],
+    x: &QuantizedActs,
+    t0: usize,
+    shift: u32,
+) -> [[f32; NA]; NW] {
+    let blocks = x.chunks * LANES;
+    // SAFETY: AVX-512 F and VNNI are enabled by the caller. Every line index is below
+    // `NW · blocks` (weights) or `(t0 + NA) · blocks ≤ rows · blocks` (activations), and every
+    // 16-float load starts at a multiple of 16 below the slice's length.
+    unsafe {
+        let mut sums = [[_mm512_setzero_ps(); NA]; NW];
+        let shift = _mm512_set1_epi32(shift as i32);
+        for c in 0..x.chunks {
+            let base = c * LANES;
+            // Each lane starts at −o · Σxq of its block, so the sum ends at Σ q · xq.
+            let mut acc = [[_mm512_setzero_si512(); NA]; NW];
+            for a in 0..NA {
+                let sums_x =
+                    _mm512_loadu_si512(x.sums.as_ptr().add((t0 + a) * blocks + base).cast());
+                let init =
+                    _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_sllv_epi32(sums_x, shift));
+                for row in acc.iter_mut() {
+                    row[a] = init;
+                }
+            }
+            for k in 0..LANES {
+                let mut wv = [_mm512_setzero_si512(); NW];
+                for (r, v) in wv.iter_mut().enumerate() {
+                    *v = _mm512_load_si512(wl[r * blocks + base + k].0.as_ptr().cast());
+                }
+                for a in 0..NA {
+                    let xv = _mm512_load_si512(x.q[(t0 + a) * blocks + base + k].0.as_ptr().cast());
+                    for (row, w) in acc.iter_mut().zip(&wv) {
+                        row[a] = _mm512_dpbusd_epi32(row[a], *w, xv);
+                    }
+                }
+            }
+            for a in 0..NA {
+                let sx = _mm512_loadu_ps(x.scales.as_ptr().add((t0 + a) * blocks + base));
+                for r in 0..NW {
+                    let sw = _mm512_loadu_ps(ws.as_ptr().add(r * blocks + base));
+                    sums[r][a] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(acc[r][a]),
+                        _mm512_mul_ps(sw, sx),
+                        sums[r][a],
+                    );
+                }
+            }
+        }
+        let mut out = [[0.0f32; NA]; NW];
+        let mut lanes = [0.0f32; LANES];
+        for r in 0..NW {
+            for a in 0..NA {
+                _mm512_storeu_ps(lanes.as_mut_ptr(), sums[r][a]);
+                out[r][a] = sum_lanes(&lanes);
+            }
+        }
+        out
+    }
+}
+
+/// [`tile`] for run-time sizes (1..=4 each), results into `out` ([n, s] transposed) at weight
+/// row `i0` and activation row `t0`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_into(
+    nw: usize,
+    na: usize,
+    wl: &[Line],
+    ws: &[f32],
+    x: &QuantizedActs,
+    t0: usize,
+    shift: u32,
+    i0: usize,
+    out: &mut [f32],
+) {
+    let s = x.rows;
+    macro_rules! run {
+        ($nw:literal, $na:literal) => {{
+            // SAFETY: forwarded from the caller.
+            let v = unsafe { tile::<$nw, $na>(wl, ws, x, t0, shift) };
+            for (r, row) in v.iter().enumerate() {
+                out[(i0 + r) * s + t0..(i0 + r) * s + t0 + $na].copy_from_slice(row);
+            }
+        }};
+    }
+    match (nw, na) {
+        (4, 4) => run!(4, 4),
+        (4, 3) => run!(4, 3),
+        (4, 2) => run!(4, 2),
+        (4, 1) => run!(4, 1),
+        (3, 4) => run!(3, 4),
+        (3, 3) => run!(3, 3),
+        (3, 2) => run!(3, 2),
+        (3, 1) => run!(3, 1),
+        (2, 4) => run!(2, 4),
+        (2, 3) => run!(2, 3),
+        (2, 2) => run!(2, 2),
+        (2, 1) => run!(2, 1),
+        (1, 4) => run!(1, 4),
+        (1, 3) => run!(1, 3),
+        (1, 2) => run!(1, 2),
+        _ => run!(1, 1),
+    }
+}
+
+/// `out[i·S + t] ≈ W[o0 + i] · x_t` by the int8 arithmetic, for the rows of one chunk (`out`
+/// is [n, S]), the activations in passes of `pass` rows.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW, VL and VNNI; `x.cols == w.cols()`, `w`'s format is one
+/// [`super::supports`] accepts, and `o0 + out.len() / x.rows <= w.rows()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn rows(
+    w: &QMatrix<'_>,
+    o0: usize,
+    x: &QuantizedActs,
+    pass: usize,
+    out: &mut [f32],
+) {
+    let s = x.rows;
+    let n = out.len() / s;
+    let blocks = x.chunks * LANES;
+    let shift = offset_shift(w.format());
+    let mut wl = vec![Line([0; 64]); WR * blocks];
+    let mut ws = vec![0.0f32; WR * blocks];
+    for p0 in (0..s).step_by(pass.max(1)) {
+        let p1 = (p0 + pass).min(s);
+        for i0 in (0..n).step_by(WR) {
+            let nw = WR.min(n - i0);
+            for r in 0..nw {
+                // SAFETY: the features are enabled here; `o0 + i0 + r < o0 + n <= w.rows()`.
+                unsafe { decode_row(w, o0 + i0 + r, &mut wl[r * blocks..(r + 1) * blocks]) };
+                block_scales(w, o0 + i0 + r, &mut ws[r * blocks..(r + 1) * blocks]);
+            }
+            let mut t = p0;
+            while t < p1 {
+                let na = AR.min(p1 - t);
+                // SAFETY: the features are enabled here; rows `0..nw` of `wl`/`ws` were decoded
+                // above and `t + na <= s`.
+                unsafe { tile_into(nw, na, &wl, &ws, x, t, shift, i0, out) };
+                t += na;
+            }
+        }
+    }
+}
+
+/// [`transpose16`] for the tests.
+#[cfg(test)]
+#[inline(always)]
+pub(super) unsafe fn transpose16_for_tests(r: [__m512i; 16]) -> [__m512i; 16] {
+    // SAFETY: forwarded: the caller enables AVX-512 F.
+    unsafe { transpose16(r) }
+}

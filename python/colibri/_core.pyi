@@ -18,6 +18,12 @@ def build_info() -> dict[str, object]:
 
 # --- container reader and converter (src/python/container.rs) ---------------------------
 
+def model_config(dir: str | PathLike[str]) -> dict[str, Any]:
+    """The model's ``config.json`` as the engine reads it (aliases resolved, family defaults
+    filled in, validated): ``model_type``, ``vocab_size``, ``hidden_size``,
+    ``num_hidden_layers``, ``num_nextn_predict_layers``, ``n_routed_experts``, ... under their
+    transformers names. Raises ``ConfigError`` / ``ColibriFileNotFoundError``."""
+
 class Container:
     """An opened model directory: shard headers parsed; tensors are read when asked for."""
 

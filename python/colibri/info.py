@@ -3,9 +3,7 @@ tensor role, the memory plan), read without loading the model for compute."""
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 from colibri import _core
@@ -55,7 +53,8 @@ def tensor_role(name: str, num_hidden_layers: int) -> str:
 def model_info(path: str | os.PathLike[str], *, mtp_loaded: bool = True) -> dict[str, Any]:
     """Describe the model directory ``path`` without loading it for compute.
 
-    Returns a dict with ``config`` (family, layers, experts, ...), ``tensors`` (for each
+    Returns a dict with ``config`` (family, layers, experts, ...: the engine's reading of
+    ``config.json``, its aliases and family defaults included), ``tensors`` (for each
     role: ``{format: bytes}``, a weight's scales counted with it), and ``memory``:
     ``dense_bytes`` (resident in RAM: everything but the routed experts, the MTP layer only
     when ``mtp_loaded``), ``expert_bytes`` (routed experts, streamed from disk),
@@ -63,7 +62,7 @@ def model_info(path: str | os.PathLike[str], *, mtp_loaded: bool = True) -> dict
     float32, the GLM DSA indexer key per full layer, plus the MTP layer's row when loaded).
     """
     c = _core.Container(os.fspath(path))
-    cfg = json.loads((Path(c.dir) / "config.json").read_text(encoding="utf-8"))
+    cfg = _core.model_config(c.dir)  # the engine's reading of config.json
     n_layers = int(cfg["num_hidden_layers"])
     names = c.names()
     fmt_of: dict[str, str] = {}
@@ -86,21 +85,24 @@ def model_info(path: str | os.PathLike[str], *, mtp_loaded: bool = True) -> dict
     if not mtp_loaded:
         dense_roles = [r for r in dense_roles if r != "mtp"]
     summary = {
-        "model_type": cfg.get("model_type"),
-        "hidden_size": cfg.get("hidden_size"),
-        "num_hidden_layers": n_layers,
-        "first_k_dense_replace": cfg.get("first_k_dense_replace"),
-        "vocab_size": cfg.get("vocab_size"),
-        "n_routed_experts": cfg.get("n_routed_experts"),
-        "num_experts_per_tok": cfg.get("num_experts_per_tok"),
-        "n_shared_experts": cfg.get("n_shared_experts"),
-        "moe_intermediate_size": cfg.get("moe_intermediate_size"),
-        "num_attention_heads": cfg.get("num_attention_heads"),
-        "kv_lora_rank": cfg.get("kv_lora_rank"),
-        "q_lora_rank": cfg.get("q_lora_rank"),
-        "max_position_embeddings": cfg.get("max_position_embeddings"),
-        "mtp_layers": int(cfg.get("num_nextn_predict_layers") or 0),
+        key: cfg[key]
+        for key in (
+            "model_type",
+            "hidden_size",
+            "num_hidden_layers",
+            "first_k_dense_replace",
+            "vocab_size",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "n_shared_experts",
+            "moe_intermediate_size",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "q_lora_rank",
+            "max_position_embeddings",
+        )
     }
+    summary["mtp_layers"] = cfg["num_nextn_predict_layers"]
     return {
         "path": str(c.dir),
         "config": summary,

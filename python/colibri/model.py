@@ -27,7 +27,6 @@ from colibri import _core
 from colibri._hub import resolve_model_dir
 from colibri.errors import (
     ColibriError,
-    ConfigError,
     InvalidArgumentError,
     ModelNotFoundError,
     NonFiniteWeightError,
@@ -79,12 +78,8 @@ __all__ = [
 
 def _mtp_layers(path: Path) -> list[int]:
     """The MTP layers' indices (``num_hidden_layers`` onwards) of the model at ``path``."""
-    cfg = _read_json(path / "config.json")
-    try:
-        first = int(cfg["num_hidden_layers"])
-        count = int(cfg.get("num_nextn_predict_layers", 0) or 0)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{path / 'config.json'}: cannot read the layer counts ({e})") from e
+    cfg = _core.model_config(path)
+    first, count = int(cfg["num_hidden_layers"]), int(cfg["num_nextn_predict_layers"])
     if count == 0:
         raise InvalidArgumentError("pin_mtp=True, but this model has no MTP layer")
     return list(range(first, first + count))
@@ -234,7 +229,7 @@ class Model:
             max((len(t.encode("utf-8")) for t in self.tokenizer.get_vocab()), default=1),
         )
         if mtp and not self._has_mtp:
-            _warn_incomplete_mtp(self.path, self.config)
+            _warn_incomplete_mtp(self.path)
         if self.default_draft == "mtp" and not self._has_mtp:
             raise InvalidArgumentError(
                 "invalid value for 'draft': 'mtp' needs an MTP head and this model has none "
@@ -1227,17 +1222,14 @@ class BatchEntry:
 _MTP_HEAD_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 
 
-def _warn_incomplete_mtp(path: Path, config: Mapping[str, Any]) -> None:
+def _warn_incomplete_mtp(path: Path) -> None:
     """The config declares an MTP layer whose head the engine did not load: warn naming the
     tensors that are missing, unless the whole layer is absent (a checkpoint shipped without
     it on purpose)."""
-    try:
-        n = int(config.get("num_nextn_predict_layers", 0) or 0)
-        first = int(config["num_hidden_layers"])
-    except (KeyError, TypeError, ValueError):
+    cfg = _core.model_config(path)
+    if cfg["num_nextn_predict_layers"] <= 0:
         return
-    if n <= 0:
-        return
+    first = int(cfg["num_hidden_layers"])
     names = _core.Container(str(path)).names()
     prefix = f"model.layers.{first}."
     if not any(x.startswith(prefix) for x in names):

@@ -205,6 +205,18 @@ def _default_max_new_tokens(gc: Mapping[str, Any], path: Path) -> int:
     return value
 
 
+def _check_alternatives(name: str, value: object) -> int | None:
+    """``logprobs`` / ``prompt_logprobs``: how many most likely alternatives to report
+    (``None``: no log-probabilities at all)."""
+    if value is None:
+        return None
+    cap = _LIMITS["max_top_logprobs"]
+    k = _check_int(name, value, minimum=0)
+    if k > cap:
+        raise InvalidArgumentError(f"invalid value for '{name}': {k} alternatives; at most {cap}")
+    return k
+
+
 def _check_processing(
     given: Mapping[str, Any], check_token: Callable[[str, object], int]
 ) -> dict[str, Any]:
@@ -247,24 +259,8 @@ def _check_processing(
     out["min_tokens"] = _check_int("min_tokens", given.get("min_tokens", 0), minimum=0)
     if out["min_tokens"] >= 1 << 63:
         raise InvalidArgumentError("invalid value for 'min_tokens': too large")
-    logprobs = given.get("logprobs")
-    if logprobs is not None:
-        cap = _LIMITS["max_top_logprobs"]
-        logprobs = _check_int("logprobs", logprobs, minimum=0)
-        if logprobs > cap:
-            raise InvalidArgumentError(
-                f"invalid value for 'logprobs': {logprobs} alternatives; at most {cap}"
-            )
-    out["logprobs"] = logprobs
-    prompt_lp = given.get("prompt_logprobs")
-    if prompt_lp is not None:
-        cap = _LIMITS["max_top_logprobs"]
-        prompt_lp = _check_int("prompt_logprobs", prompt_lp, minimum=0)
-        if prompt_lp > cap:
-            raise InvalidArgumentError(
-                f"invalid value for 'prompt_logprobs': {prompt_lp} alternatives; at most {cap}"
-            )
-    out["prompt_logprobs"] = prompt_lp
+    for name in ("logprobs", "prompt_logprobs"):
+        out[name] = _check_alternatives(name, given.get(name))
     progress = given.get("prefill_progress")
     if progress is not None and not callable(progress):
         raise InvalidArgumentError(

@@ -289,26 +289,32 @@ fn dequant_fp8_blocks<'py>(
 #[pyfunction]
 fn model_config(py: Python<'_>, dir: PathBuf) -> PyResult<Bound<'_, PyDict>> {
     let c = run(py, move || ModelConfig::from_file(dir.join("config.json")))?;
+    let sizes = [
+        ("vocab_size", c.vocab_size),
+        ("hidden_size", c.hidden_size),
+        ("intermediate_size", c.intermediate_size),
+        ("moe_intermediate_size", c.moe_intermediate_size),
+        ("num_hidden_layers", c.num_hidden_layers),
+        ("num_attention_heads", c.num_attention_heads),
+        ("kv_lora_rank", c.kv_lora_rank),
+        ("qk_nope_head_dim", c.qk_nope_head_dim),
+        ("qk_rope_head_dim", c.qk_rope_head_dim),
+        ("v_head_dim", c.v_head_dim),
+        ("n_routed_experts", c.n_routed_experts),
+        ("num_experts_per_tok", c.num_experts_per_tok),
+        ("n_shared_experts", c.n_shared_experts),
+        ("first_k_dense_replace", c.first_k_dense_replace),
+        ("max_position_embeddings", c.max_position_embeddings),
+        ("num_nextn_predict_layers", c.num_nextn_predict_layers),
+    ];
     let d = PyDict::new(py);
     d.set_item("model_type", c.family.model_type())?;
-    d.set_item("vocab_size", c.vocab_size)?;
-    d.set_item("hidden_size", c.hidden_size)?;
-    d.set_item("intermediate_size", c.intermediate_size)?;
-    d.set_item("moe_intermediate_size", c.moe_intermediate_size)?;
-    d.set_item("num_hidden_layers", c.num_hidden_layers)?;
-    d.set_item("num_attention_heads", c.num_attention_heads)?;
-    d.set_item("q_lora_rank", c.q_lora_rank)?;
-    d.set_item("kv_lora_rank", c.kv_lora_rank)?;
-    d.set_item("qk_nope_head_dim", c.qk_nope_head_dim)?;
-    d.set_item("qk_rope_head_dim", c.qk_rope_head_dim)?;
-    d.set_item("v_head_dim", c.v_head_dim)?;
-    d.set_item("n_routed_experts", c.n_routed_experts)?;
-    d.set_item("num_experts_per_tok", c.num_experts_per_tok)?;
-    d.set_item("n_shared_experts", c.n_shared_experts)?;
-    d.set_item("first_k_dense_replace", c.first_k_dense_replace)?;
-    d.set_item("max_position_embeddings", c.max_position_embeddings)?;
-    d.set_item("num_nextn_predict_layers", c.num_nextn_predict_layers)?;
-    d.set_item("index_topk", c.index_topk)?;
+    for (name, value) in sizes {
+        d.set_item(name, value)?;
+    }
+    for (name, value) in [("q_lora_rank", c.q_lora_rank), ("index_topk", c.index_topk)] {
+        d.set_item(name, value)?;
+    }
     d.set_item("tie_word_embeddings", c.tie_word_embeddings)?;
     d.set_item("eos_token_ids", c.eos_token_ids)?;
     Ok(d)

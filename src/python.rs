@@ -22,20 +22,21 @@ pub(crate) fn run<T: Send>(
     py: Python<'_>,
     work: impl FnOnce() -> crate::Result<T> + Send,
 ) -> PyResult<T> {
-    let outcome = py.detach(|| catch_unwind(AssertUnwindSafe(work)));
+    let outcome = py.detach(|| catch_panic(work));
     errors::flush_warnings(py);
-    match outcome {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(to_py_err(e)),
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
-            Err(to_py_err(Error::Internal(what)))
-        }
-    }
+    outcome.map_err(to_py_err)
+}
+
+/// `work()`, with a panic turned into [`Error::Internal`] carrying its message.
+fn catch_panic<T>(work: impl FnOnce() -> crate::Result<T>) -> crate::Result<T> {
+    catch_unwind(AssertUnwindSafe(work)).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        Err(Error::Internal(what))
+    })
 }
 
 /// CPU features the kernels can dispatch on, e.g. `["avx2", "fma", "avx512f"]`.
@@ -56,37 +57,12 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
-/// Raise the engine error for a deliberately bad argument; lets tests check the mapping of
-/// every error kind to its Python class without needing a broken model on disk.
-#[pyfunction]
-fn _raise_for_test(py: Python<'_>, kind: &str) -> PyResult<()> {
-    let kind = kind.to_owned();
-    run(py, move || {
-        Err(match kind.as_str() {
-            "io" => Error::io(
-                "/nonexistent",
-                std::io::Error::from_raw_os_error(libc::ENOENT),
-            ),
-            "config" => Error::Config {
-                path: "config.json".into(),
-                msg: "bad".into(),
-            },
-            "container" => Error::container("a.safetensors", Some("w"), "truncated"),
-            "invalid" => Error::invalid("temperature", "must be >= 0"),
-            "cancelled" => Error::Cancelled,
-            "panic" => panic!("deliberate test panic"),
-            other => Error::invalid("kind", format!("unknown kind {other}")),
-        })
-    })
-}
-
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::init(m.py())?;
     m.add("__version__", crate::VERSION)?;
     m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
-    m.add_function(wrap_pyfunction!(_raise_for_test, m)?)?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PySession>()?;
     m.add_function(wrap_pyfunction!(engine::choices, m)?)?;
@@ -95,4 +71,29 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     container::register(m)?;
     kernels::register(m)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A panic in engine work never crosses into Python as a panic: it is an
+    /// `Error::Internal` with the panic's message (raised as `colibri.InternalError`).
+    #[test]
+    fn a_panic_becomes_an_internal_error() {
+        let err = catch_panic::<()>(|| panic!("deliberate test panic")).unwrap_err();
+        assert!(
+            matches!(&err, Error::Internal(m) if m == "deliberate test panic"),
+            "{err}"
+        );
+        let n = 7;
+        let err = catch_panic::<()>(|| panic!("formatted {n}")).unwrap_err();
+        assert!(
+            matches!(&err, Error::Internal(m) if m == "formatted 7"),
+            "{err}"
+        );
+        assert_eq!(catch_panic(|| Ok(3)).unwrap(), 3);
+        let err = catch_panic::<()>(|| Err(Error::Cancelled)).unwrap_err();
+        assert!(matches!(err, Error::Cancelled));
+    }
 }

@@ -253,7 +253,6 @@ fn chained_mtp_drafts_match_transformers_convention() {
         let (_, want_logits) = g.f32("mtp_chain_logits");
         let mut m = load(name);
         let v = m.config().vocab_size;
-        let h = m.config().hidden_size;
         let t = prompt.len();
         let f = m.step(&prompt, 0, true).unwrap();
         let carried = m.final_norm(&f.pre_norm_hidden);
@@ -262,7 +261,7 @@ fn chained_mtp_drafts_match_transformers_convention() {
         tokens.push(greedy[0]);
         let d = m.mtp_step(&tokens, &carried, 0, true).unwrap();
         let mut logits = d.logits[(t - 1) * v..].to_vec();
-        let mut state = d.post_norm_hidden[(t - 1) * h..].to_vec();
+        let mut state = d.post_norm_hidden.slice(t - 1..t);
         for k in 0..want_ids.len() {
             let err = rel_err(&logits, &want_logits[k * v..(k + 1) * v]);
             assert!(err <= 1e-3, "{name}: chain depth {} rel err {err}", k + 1);

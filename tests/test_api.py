@@ -1152,7 +1152,7 @@ def test_a_forked_child_gets_a_clear_error(test_model_dir: Path, exit_how: str) 
 def test_finish_reason_is_a_literal_of_what_the_engine_produces() -> None:
     """``GenerationResult.finish_reason`` is typed as the Literal of its values, and every
     reason the Rust engine can return (FinishReason::as_str) maps onto one of them."""
-    from colibri.model import _ENGINE_FINISH_REASONS, FinishReason
+    from colibri.results import _ENGINE_FINISH_REASONS, FinishReason
 
     hints = typing.get_type_hints(colibri.GenerationResult)
     assert hints["finish_reason"] == FinishReason
@@ -1367,13 +1367,13 @@ def test_idle_sessions_over_the_budget_go_to_disk_and_come_back(
 
 
 def test_option_vocabulary_and_stats_names_come_from_the_engine() -> None:
-    from colibri import model as model_module
+    from colibri import validation
 
     choices = _core.choices()
     for name, alias in [
-        ("io", model_module.IoMode),
-        ("prefetch", model_module.PrefetchMode),
-        ("draft", model_module.DraftMode),
+        ("io", validation.IoMode),
+        ("prefetch", validation.PrefetchMode),
+        ("draft", validation.DraftMode),
     ]:
         assert list(typing.get_args(alias)) == choices[name], name
     py_fields = set(colibri.GenerationStats.__dataclass_fields__) - {"extra"}

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import platform
 import re
+import shutil
 from pathlib import Path
 
 import colibri
@@ -43,6 +45,38 @@ def test_cpu_features_match_the_os_view() -> None:
     assert info["cpu_features"] == _core.cpu_features()
 
 
+def _raise(kind: str, tmp: Path, model_dir: Path) -> None:
+    """Make the engine raise an error of ``kind`` through a public call, the way a user
+    meets it. (Every variant's class and fields, and a caught panic, are tested in Rust:
+    src/python/errors.rs, src/python.rs.)"""
+    if kind == "io":
+        _core.Container(tmp / "no-model")
+    elif kind == "config":
+        (tmp / "config.json").write_text("{")
+        _core.Container(tmp)
+    elif kind == "container":
+        shutil.copy(model_dir / "config.json", tmp / "config.json")
+        header = json.dumps({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}})
+        shard = tmp / "model.safetensors"
+        shard.write_bytes(len(header).to_bytes(8, "little") + header.encode() + bytes(8))
+        _core.Container(tmp)
+    else:
+        _core.ConvertJob(tmp / "src", tmp / "dst", group_size=7)
+
+
+def _fields(kind: str, tmp: Path) -> dict[str, object]:
+    """The fields the error :func:`_raise` raises carries (the others are ``None``)."""
+    return {
+        "io": {"filename": str(tmp / "no-model" / "config.json"), "errno": errno.ENOENT},
+        "config": {"filename": str(tmp / "config.json")},
+        "container": {"filename": str(tmp / "model.safetensors"), "tensor": "w"},
+        "invalid": {"param": "group_size"},
+    }[kind]
+
+
+_NONE = {"filename": None, "errno": None, "param": None, "tensor": None}
+
+
 @pytest.mark.parametrize(
     ("kind", "cls", "builtin"),
     [
@@ -50,60 +84,21 @@ def test_cpu_features_match_the_os_view() -> None:
         ("config", colibri.ConfigError, ValueError),
         ("container", colibri.ContainerError, ValueError),
         ("invalid", colibri.InvalidArgumentError, ValueError),
-        ("panic", colibri.InternalError, RuntimeError),
     ],
 )
-def test_engine_errors_map_to_the_hierarchy(kind: str, cls: type, builtin: type) -> None:
+def test_engine_errors_map_to_the_hierarchy_with_their_fields(
+    kind: str, cls: type, builtin: type, tmp_path: Path, test_model_dir: Path
+) -> None:
     with pytest.raises(cls) as info:
-        _core._raise_for_test(kind)
+        _raise(kind, tmp_path, test_model_dir)
     assert isinstance(info.value, colibri.ColibriError)
     assert isinstance(info.value, builtin)
     assert str(info.value)
-
-
-@pytest.mark.parametrize(
-    ("kind", "attrs"),
-    [
-        ("io", {"filename": "/nonexistent", "errno": errno.ENOENT, "param": None, "tensor": None}),
-        ("config", {"filename": "config.json", "errno": None, "param": None, "tensor": None}),
-        ("container", {"filename": "a.safetensors", "errno": None, "param": None, "tensor": "w"}),
-        ("invalid", {"filename": None, "errno": None, "param": "temperature", "tensor": None}),
-        ("panic", {"filename": None, "errno": None, "param": None, "tensor": None}),
-    ],
-)
-def test_engine_errors_carry_their_fields(kind: str, attrs: dict[str, object]) -> None:
-    with pytest.raises(colibri.ColibriError) as info:
-        _core._raise_for_test(kind)
-    got = {name: getattr(info.value, name) for name in attrs}
-    assert got == attrs
+    want = {**_NONE, **_fields(kind, tmp_path)}
+    got = {name: getattr(info.value, name) for name in want}
+    assert got == want
     # The engine's message stands as it is (OSError would rewrite it once errno is set).
     assert not str(info.value).startswith("[Errno")
-
-
-def test_a_real_io_error_names_file_and_errno(tmp_path: Path) -> None:
-    missing = tmp_path / "no-model"
-    with pytest.raises(colibri.ColibriFileNotFoundError) as info:
-        _core.Container(str(missing))
-    assert info.value.errno == errno.ENOENT
-    assert info.value.filename is not None and str(missing) in info.value.filename
-    assert str(missing) in str(info.value)
-
-
-def test_a_bad_argument_names_its_param(tmp_path: Path) -> None:
-    with pytest.raises(colibri.InvalidArgumentError) as info:
-        _core.ConvertJob(tmp_path / "src", tmp_path / "dst", group_size=7)
-    assert info.value.param == "group_size"
-    assert info.value.filename is None and info.value.tensor is None
-
-
-def test_a_panic_never_crosses_as_panic_exception() -> None:
-    with pytest.raises(colibri.InternalError, match="deliberate test panic"):
-        _core._raise_for_test("panic")
-
-
-def test_cancel_maps_to_keyboard_interrupt() -> None:
-    with pytest.raises(KeyboardInterrupt):
-        _core._raise_for_test("cancelled")
 
 
 def test_engine_warnings_reach_the_colibri_logger(

@@ -183,15 +183,23 @@ def test_pin_mtp_keeps_the_mtp_layer_resident(standin: Path) -> None:
     assert plain._engine.expert_stats()["layers"][mtp_layer]["misses"] > 0
 
 
-def test_pin_mtp_without_an_mtp_layer_is_a_typed_error(tmp_path: Path) -> None:
+def test_pin_mtp_without_an_mtp_layer_is_a_typed_error(
+    tmp_path: Path, test_model_dir: Path
+) -> None:
+    """``pin_mtp``'s layer list comes from the engine's reading of config.json: its alias
+    ``num_mtp_layers`` counts, and a bad config is the engine's ``ConfigError``."""
     import colibri
     from colibri.model import _mtp_layers
 
-    (tmp_path / "config.json").write_text(
-        json.dumps({"num_hidden_layers": 4, "num_nextn_predict_layers": 0})
-    )
+    cfg = json.loads((test_model_dir / "config.json").read_text())
+    first = cfg["num_hidden_layers"]
+    cfg.pop("num_nextn_predict_layers", None)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
     with pytest.raises(colibri.InvalidArgumentError, match="no MTP layer"):
         _mtp_layers(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"num_nextn_predict_layers": 1}))
-    with pytest.raises(colibri.ConfigError, match="layer counts"):
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_mtp_layers": 2}))
+    assert _mtp_layers(tmp_path) == [first, first + 1]
+    del cfg["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    with pytest.raises(colibri.ConfigError, match="num_hidden_layers"):
         _mtp_layers(tmp_path)

@@ -24,15 +24,10 @@ from colibri.errors import (
     SavedContextError,
     UnsupportedModelError,
 )
-from colibri.model import (
-    FinishReason,
-    GenerationResult,
-    GenerationStats,
-    GenerationStream,
-    Model,
-    Session,
-)
+from colibri.model import Model, Session
+from colibri.results import FinishReason, GenerationResult, GenerationStats
 from colibri.sampling import SamplingParams
+from colibri.stream import GenerationStream
 
 __version__: str = _core.__version__
 

@@ -16,10 +16,13 @@ def cpu_features() -> list[str]:
 def build_info() -> dict[str, object]:
     """Version, architecture and CPU features of this build."""
 
-def _raise_for_test(kind: str) -> None:
-    """Raise the engine error of ``kind`` (testing the error mapping only)."""
-
 # --- container reader and converter (src/python/container.rs) ---------------------------
+
+def model_config(dir: str | PathLike[str]) -> dict[str, Any]:
+    """The model's ``config.json`` as the engine reads it (aliases resolved, family defaults
+    filled in, validated): ``model_type``, ``vocab_size``, ``hidden_size``,
+    ``num_hidden_layers``, ``num_nextn_predict_layers``, ``n_routed_experts``, ... under their
+    transformers names. Raises ``ConfigError`` / ``ColibriFileNotFoundError``."""
 
 class Container:
     """An opened model directory: shard headers parsed; tensors are read when asked for."""
@@ -277,16 +280,3 @@ def kernel_paths() -> list[str]:
 def set_kernel_path(path: str | None) -> None:
     """Force every later call onto ``path`` (None: ``COLIBRI_KERNEL`` or auto-detection);
     a path this CPU cannot run raises InvalidArgumentError."""
-
-def _matmul(
-    format: str,
-    rows: int,
-    cols: int,
-    data: npt.NDArray[np.uint8],
-    scales: npt.NDArray[np.float32],
-    x: npt.NDArray[np.float32],
-    path: str | None = None,
-    threads: int = 1,
-) -> npt.NDArray[np.float32]:
-    """``x @ W.T`` for a packed ``[rows, cols]`` weight in ``format`` (e.g. "int4_g64"):
-    float32 ``[S, rows]``. For tests."""

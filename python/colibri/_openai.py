@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from colibri.errors import ColibriError, InvalidArgumentError
-from colibri.model import GenerationResult, GenerationStats, Model
+from colibri.model import Model
+from colibri.results import GenerationResult, GenerationStats
 
 Kind = Literal["chat", "completion"]
 

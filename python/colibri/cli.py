@@ -21,7 +21,7 @@ def _cmd_version(_: argparse.Namespace) -> int:
 
 def _size(text: str) -> int:
     """Parse a byte size such as ``4GiB``, ``500MB`` or ``1048576``."""
-    from colibri.model import parse_size
+    from colibri.validation import parse_size
 
     return parse_size("size", text)
 
@@ -410,7 +410,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from colibri._hub import resolve_model_dir
-    from colibri.model import model_info
+    from colibri.info import model_info
 
     path = resolve_model_dir(args.model, revision=args.revision)
     info = model_info(path, mtp_loaded=not args.no_mtp)

@@ -1,14 +1,21 @@
-"""``colibri.Model``: load a model, generate text, chat, and inspect logits."""
+"""``colibri.Model``: load a model, generate text, chat, and inspect logits; ``Session``,
+one conversation on it.
+
+The model's helpers live by job: argument checking in :mod:`colibri.validation`, the
+streaming iterator and each generation's text side in :mod:`colibri.stream`, the result
+types in :mod:`colibri.results`, ``colibri info``'s description of a model directory in
+:mod:`colibri.info`. The names they export that this module has always offered
+(``colibri.model.GenerationResult``, ``model_info``, ...) are imported here as well.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import queue
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -18,340 +25,61 @@ from tokenizers import Tokenizer
 
 from colibri import _core
 from colibri._hub import resolve_model_dir
-from colibri._text import IncrementalDecoder, StopMatcher
 from colibri.errors import (
     ColibriError,
-    ConfigError,
-    InternalError,
     InvalidArgumentError,
     ModelNotFoundError,
     NonFiniteWeightError,
 )
+from colibri.info import model_info
+from colibri.results import (
+    FinishReason,
+    GenerationResult,
+    GenerationStats,
+)
 from colibri.sampling import SamplingParams
+from colibri.stream import GenerationStream, _Lane
+from colibri.validation import (
+    _DRAFT_MODES,
+    _IO_MODES,
+    _PREFETCH_MODES,
+    MAX_THREADS,
+    MIN_BYTES_PER_TOKEN,
+    DraftMode,
+    IoMode,
+    PrefetchMode,
+    _check_choice,
+    _check_depth,
+    _check_float,
+    _check_int,
+    _check_processing,
+    _choices,
+    _default_max_new_tokens,
+    _is_batch,
+    _parse_bytes,
+    _schema_text,
+    _template_text,
+)
 
-DraftMode = Literal["auto", "mtp", "ngram", "off"]
-IoMode = Literal["auto", "mmap", "pread", "direct"]
-PrefetchMode = Literal["auto", "off", "hint", "real"]
-
-#: Why a generation ended: ``"length"`` (``max_new_tokens`` or the context limit),
-#: ``"stop"`` (an EOS / stop token or a stop string), ``"cancelled"`` (the consumer stopped
-#: it: a closed or abandoned stream, an ``on_tokens`` callback).
-FinishReason = Literal["length", "stop", "cancelled"]
-
-#: The engine's finish reasons (``FinishReason::as_str`` in src/decode/spec.rs) as reported
-#: here: the context filling up ends a generation like ``max_new_tokens`` does.
-_ENGINE_FINISH_REASONS: dict[str, FinishReason] = {
-    "length": "length",
-    "stop": "stop",
-    "cancelled": "cancelled",
-    "context_full": "length",
-}
-
-# The vocabulary of the string options comes from the Rust engine (crate::engine::CHOICES);
-# the Literal types above repeat it for type checkers, and a test keeps them equal.
-_CHOICES: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in _core.choices().items()}
-_LIMITS: dict[str, int] = dict(_core.limits())
-_DRAFT_MODES = _CHOICES["draft"]
-_IO_MODES = _CHOICES["io"]
-_PREFETCH_MODES = _CHOICES["prefetch"]
-
-
-@dataclass(frozen=True)
-class GenerationStats:
-    """What one generation cost and how speculation and the expert store behaved.
-
-    The fields are those of the Rust engine's ``GenerationStats`` (``crate::engine::stats``),
-    the one source of these names."""
-
-    prompt_tokens: int
-    #: Leading prompt tokens whose KV the session (or the model's own conversation) already
-    #: held, so the prefill skipped them (a chat's earlier turns; 0 for a new prompt).
-    prompt_cached_tokens: int
-    #: Tokens emitted, a final stop token included.
-    generated_tokens: int
-    #: Main-model forwards: prefill chunks plus decode forwards.
-    forwards: int
-    #: Forwards after the prefill (plain steps and verifies).
-    decode_forwards: int
-    #: MTP-layer forwards (absorbs and chained drafts).
-    mtp_forwards: int
-    #: Generated tokens per decode forward (1.0 without drafting).
-    tokens_per_forward: float
-    #: Decode speed, excluding prefill.
-    tokens_per_second: float
-    #: Prompt-processing speed: prefilled (not cached) tokens per prefill second.
-    prompt_tokens_per_second: float
-    prefill_seconds: float
-    decode_seconds: float
-    #: Draft tokens proposed / accepted, indexed by depth (index 0 is depth 1).
-    drafts_proposed: list[int]
-    drafts_accepted: list[int]
-    acceptance_rate: float
-    draft_seconds: float
-    verify_seconds: float
-    #: Times the pause guard switched drafting off.
-    guard_pauses: int
-    #: Decode cycles per draft depth (index 0: no draft).
-    depth_histogram: list[int]
-    #: Routed-expert uses served from memory / read from disk, and the bytes read.
-    expert_hits: int
-    expert_misses: int
-    expert_bytes_read: int
-    #: Seconds the forward waited for expert reads.
-    expert_wait_seconds: float
-    #: Share of the routed experts the router lookahead predicted (None: it predicted none).
-    prefetch_recall: float | None
-    prefetch_useful: int
-    prefetch_wasted: int
-    #: The I/O mode in effect (``"direct"`` falls back to ``"pread"`` where refused).
-    io_mode: str
-    #: Fields a newer engine reports that this class does not name yet.
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """The output of :meth:`Model.generate`."""
-
-    text: str
-    token_ids: list[int]
-    #: ``"length"`` (max_new_tokens), ``"stop"`` (EOS or a stop string) or ``"cancelled"``.
-    finish_reason: FinishReason
-    stats: GenerationStats
-    #: With ``logprobs=k``: each generated token's log-probability under the distribution
-    #: the sampler drew it from (greedy: the softmax of the processed logits).
-    logprobs: list[float] | None = None
-    #: With ``logprobs=k``: per token, the k most likely ``(token id, logprob)``.
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    #: With ``prompt_logprobs=k``: each prompt token's log-probability given the tokens
-    #: before it (the model's softmax at temperature 1), ``None`` for the first, as vLLM has.
-    prompt_logprobs: list[float | None] | None = None
-    #: With ``prompt_logprobs=k``: per prompt token, the k most likely ``(token id,
-    #: logprob)`` at its position (``[]`` for the first).
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def _check_choice(name: str, value: object, choices: Sequence[str]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise InvalidArgumentError(
-            f"invalid value for '{name}': {value!r}; expected one of {', '.join(choices)}"
-        )
-    return value
-
-
-#: Largest integer any parameter takes (the engine's 64-bit sizes and counts).
-_MAX_INT = 2**63 - 1
-#: Most compute threads a model accepts.
-MAX_THREADS = 4096
-#: Text bytes one token may stand for, at least: the bound on a prompt's size before it is
-#: tokenised is ``max_context`` times this or the vocabulary's longest token, whichever is
-#: larger (a normaliser may also drop characters; 32 leaves room for that).
-MIN_BYTES_PER_TOKEN = 32
-
-
-def _check_int(
-    name: str, value: object, *, minimum: int | None = None, maximum: int = _MAX_INT
-) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgumentError(f"invalid value for '{name}': {value!r}; expected an integer")
-    v = int(value)
-    if minimum is not None and v < minimum:
-        raise InvalidArgumentError(f"invalid value for '{name}': {v}; must be >= {minimum}")
-    if v > maximum:
-        raise InvalidArgumentError(f"invalid value for '{name}': {v}; must be <= {maximum}")
-    return v
-
-
-def _check_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise InvalidArgumentError(f"invalid value for '{name}': {value!r}; expected a number")
-    v = float(value)
-    if not np.isfinite(v):
-        raise InvalidArgumentError(f"invalid value for '{name}': {v}; must be a finite number")
-    return v
-
-
-_SIZE_UNITS = {
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-    "ki": 2**10,
-    "mi": 2**20,
-    "gi": 2**30,
-    "ti": 2**40,
-}
-
-
-def parse_size(name: str, text: str) -> int:
-    """Parse a byte size such as ``"4GiB"``, ``"500MB"`` or ``"1048576"`` for parameter
-    ``name``; anything else is an :class:`InvalidArgumentError`."""
-    t = text.strip().lower().removesuffix("b")
-    try:
-        for suffix in sorted(_SIZE_UNITS, key=len, reverse=True):
-            if t.endswith(suffix):
-                value = int(float(t[: -len(suffix)]) * _SIZE_UNITS[suffix])
-                break
-        else:
-            value = int(t)
-    except (ValueError, OverflowError):  # "abc", "nanGB", "infGB"
-        raise InvalidArgumentError(
-            f"invalid value for '{name}': {text!r}; use bytes or a unit, e.g. '8GB', '512MiB'"
-        ) from None
-    if value < 0:
-        raise InvalidArgumentError(f"invalid value for '{name}': {text!r}; must be >= 0")
-    if value > _MAX_INT:
-        raise InvalidArgumentError(f"invalid value for '{name}': {text!r}; must be < 2**63")
-    return value
-
-
-def _parse_bytes(name: str, value: int | str | None) -> int | None:
-    """``None``, an int of bytes, or a string like ``"8GB"`` / ``"512MiB"``."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return parse_size(name, value)
-    return _check_int(name, value, minimum=0)
-
-
-class _Finished:
-    def __init__(self, result: GenerationResult | None, error: BaseException | None) -> None:
-        self.result = result
-        self.error = error
-
-
-class GenerationStream(Iterator[str]):
-    """The text of a generation, chunk by chunk, as the engine accepts tokens.
-
-    Iterate it for ``str`` chunks (several tokens' worth when drafts are accepted; never a
-    partial UTF-8 character or a possible start of a stop string). Once exhausted,
-    :attr:`result` holds the :class:`GenerationResult` (text, token ids, stats). Generation
-    starts at the first ``next()`` and runs on a worker thread; :meth:`close` (or leaving a
-    ``with`` block, or Ctrl-C while waiting) stops it within one forward, and :attr:`result`
-    then describes the partial generation (``finish_reason == "cancelled"``). Abandoning the
-    stream (``break`` out of a ``for`` loop over it, or dropping the last reference) stops it
-    within one forward too, as a generator is closed when it is dropped.
-    """
-
-    def __init__(
-        self, run: Callable[[Callable[[str], bool], threading.Event], GenerationResult]
-    ) -> None:
-        self._run = run
-        self._queue: queue.Queue[str | _Finished] = queue.Queue()
-        self._cancel = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._finished = False
-        #: The complete result, set when the stream is exhausted or closed.
-        self.result: GenerationResult | None = None
-
-    def _start(self) -> None:
-        # The worker must not reference the stream: a running thread is a GC root, and a
-        # stream it kept alive could never be collected, so abandoning it (``break`` out of
-        # the loop, ``del``) would not reach ``__del__`` and the generation would run on.
-        self._thread = threading.Thread(
-            target=_stream_worker,
-            args=(self._run, self._queue, self._cancel),
-            name="colibri-generate",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def __iter__(self) -> GenerationStream:
-        return self
-
-    def __next__(self) -> str:
-        if self._finished:
-            raise StopIteration
-        if self._thread is None:
-            self._start()
-        while True:
-            try:
-                item = self._queue.get()
-            except BaseException:  # KeyboardInterrupt while waiting: stop the engine too
-                self.close()
-                raise
-            if isinstance(item, str):
-                if item:
-                    return item
-                continue
-            self._finish(item)
-            raise StopIteration
-
-    def _finish(self, item: _Finished) -> None:
-        self._finished = True
-        if self._thread is not None:
-            self._thread.join()
-        if item.error is not None:
-            raise item.error
-        self.result = item.result
-
-    def cancel(self) -> None:
-        """Ask the generation to stop within one forward, from any thread, without waiting.
-
-        The consumer's iteration then ends (after the chunks already produced) and
-        :attr:`result` has ``finish_reason == "cancelled"``; a server cancels a request whose
-        client went away this way while another thread iterates the stream."""
-        self._cancel.set()
-
-    def close(self) -> None:
-        """Stop the generation (within one forward) and wait for the engine to be free."""
-        if self._finished:
-            return
-        self._cancel.set()
-        if self._thread is None:
-            self._finished = True
-            return
-        while True:
-            item = self._queue.get()
-            if isinstance(item, _Finished):
-                if isinstance(item.error, Exception):
-                    item.error = None  # the consumer asked to stop; errors after it are moot
-                self._finish(item)
-                return
-
-    def __enter__(self) -> GenerationStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # An abandoned stream (dropped or garbage-collected unfinished) stops its generation
-        # within one forward; the next call on the model then waits at most that long.
-        cancel = getattr(self, "_cancel", None)
-        if cancel is not None:
-            cancel.set()
-
-
-def _stream_worker(
-    run: Callable[[Callable[[str], bool], threading.Event], GenerationResult],
-    out: queue.Queue[str | _Finished],
-    cancel: threading.Event,
-) -> None:
-    """The body of a :class:`GenerationStream`'s worker thread (it holds no reference to the
-    stream itself, see ``GenerationStream._start``)."""
-
-    def on_text(delta: str) -> bool:
-        out.put(delta)
-        return not cancel.is_set()
-
-    try:
-        out.put(_Finished(run(on_text, cancel), None))
-    except BaseException as e:  # handed to the consumer
-        out.put(_Finished(None, e))
+#: The public names of this module; the helpers' homes are named in the module docstring.
+__all__ = [
+    "DraftMode",
+    "FinishReason",
+    "GenerationResult",
+    "GenerationStats",
+    "GenerationStream",
+    "IoMode",
+    "Model",
+    "PrefetchMode",
+    "Session",
+    "model_info",
+]
 
 
 def _mtp_layers(path: Path) -> list[int]:
     """The MTP layers' indices (``num_hidden_layers`` onwards) of the model at ``path``."""
-    cfg = _read_json(path / "config.json")
-    try:
-        first = int(cfg["num_hidden_layers"])
-        count = int(cfg.get("num_nextn_predict_layers", 0) or 0)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{path / 'config.json'}: cannot read the layer counts ({e})") from e
+    cfg = _core.model_config(path)
+    first, count = int(cfg["num_hidden_layers"]), int(cfg["num_nextn_predict_layers"])
     if count == 0:
         raise InvalidArgumentError("pin_mtp=True, but this model has no MTP layer")
     return list(range(first, first + count))
@@ -447,7 +175,7 @@ class Model:
         self._chat_template = _template_text(chat_template)
         _check_choice("prefetch", prefetch, _PREFETCH_MODES)
         self.default_draft: DraftMode = _check_choice("draft", draft, _DRAFT_MODES)  # type: ignore[assignment]
-        self.default_draft_depth = self._check_depth(draft_depth)
+        self.default_draft_depth = _check_depth(draft_depth)
         if self.default_draft == "mtp" and not mtp:
             raise InvalidArgumentError(
                 "invalid value for 'draft': 'mtp' drafts with the MTP head, which mtp=False "
@@ -501,7 +229,7 @@ class Model:
             max((len(t.encode("utf-8")) for t in self.tokenizer.get_vocab()), default=1),
         )
         if mtp and not self._has_mtp:
-            _warn_incomplete_mtp(self.path, self.config)
+            _warn_incomplete_mtp(self.path)
         if self.default_draft == "mtp" and not self._has_mtp:
             raise InvalidArgumentError(
                 "invalid value for 'draft': 'mtp' needs an MTP head and this model has none "
@@ -510,18 +238,6 @@ class Model:
             )
 
     # ----------------------------------------------------------------------------- helpers
-    @staticmethod
-    def _check_depth(depth: object) -> int:
-        if depth == "auto":
-            return 0
-        d = _check_int("draft_depth", depth, minimum=1)
-        cap = _LIMITS["max_draft_depth"]
-        if d > cap:
-            raise InvalidArgumentError(
-                f"invalid value for 'draft_depth': {d}; must be 1..{cap} or 'auto'"
-            )
-        return d
-
     @property
     def has_mtp(self) -> bool:
         """Whether the MTP head is loaded (self-speculative drafting available)."""
@@ -983,7 +699,10 @@ class Model:
                 )
             if given["ignore_eos"]:
                 stop_ids = [t for t in stop_ids if t not in self.eos_token_ids]
-        processing = self._processing(given)
+        processing = {
+            **_check_processing(given, self._check_token),
+            "grammar": self._grammar(given),
+        }
         if processing["grammar"] is not None and not stop_ids:
             raise InvalidArgumentError(
                 "a guided_* constraint ends the generation with a stop token once its text is "
@@ -991,7 +710,7 @@ class Model:
                 "give a stop token id"
             )
         d = self.default_draft if draft is None else _check_choice("draft", draft, _DRAFT_MODES)
-        depth = self.default_draft_depth if draft_depth is None else self._check_depth(draft_depth)
+        depth = self.default_draft_depth if draft_depth is None else _check_depth(draft_depth)
         if len(ids) >= self.max_context:
             raise InvalidArgumentError(
                 f"invalid value for 'prompt': {len(ids)} tokens leave no room to generate in "
@@ -1026,73 +745,6 @@ class Model:
             "stop_ids": stop_ids,
             **processing,
         }
-
-    def _processing(self, given: Mapping[str, Any]) -> dict[str, Any]:
-        """The logit-processing and logprobs arguments of a generation, validated."""
-        out: dict[str, Any] = {}
-        min_p = _check_float("min_p", given.get("min_p", 0.0))
-        if not 0.0 <= min_p <= 1.0:
-            raise InvalidArgumentError(f"invalid value for 'min_p': {min_p}; must be in [0, 1]")
-        out["min_p"] = min_p
-        rep = _check_float("repetition_penalty", given.get("repetition_penalty", 1.0))
-        if rep <= 0:
-            raise InvalidArgumentError(
-                f"invalid value for 'repetition_penalty': {rep}; must be > 0 (1 = off)"
-            )
-        out["repetition_penalty"] = rep
-        for name in ("presence_penalty", "frequency_penalty"):
-            out[name] = _check_float(name, given.get(name, 0.0))
-        bias = given.get("logit_bias") or {}
-        if not isinstance(bias, Mapping):
-            raise InvalidArgumentError(
-                f"invalid value for 'logit_bias': {bias!r}; expected a mapping of token id to "
-                "a number"
-            )
-        pairs: list[tuple[int, float]] = []
-        for tok, value in bias.items():
-            t = self._check_token("logit_bias", tok)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise InvalidArgumentError(
-                    f"invalid value for 'logit_bias': token {t}: {value!r} is not a number"
-                )
-            v = float(value)
-            if v != v or v == float("inf"):
-                raise InvalidArgumentError(
-                    f"invalid value for 'logit_bias': token {t}: {v}; use a finite number, or "
-                    "-inf to ban the token"
-                )
-            pairs.append((t, v))
-        out["logit_bias"] = pairs
-        out["min_tokens"] = _check_int("min_tokens", given.get("min_tokens", 0), minimum=0)
-        if out["min_tokens"] >= 1 << 63:
-            raise InvalidArgumentError("invalid value for 'min_tokens': too large")
-        logprobs = given.get("logprobs")
-        if logprobs is not None:
-            cap = _LIMITS["max_top_logprobs"]
-            logprobs = _check_int("logprobs", logprobs, minimum=0)
-            if logprobs > cap:
-                raise InvalidArgumentError(
-                    f"invalid value for 'logprobs': {logprobs} alternatives; at most {cap}"
-                )
-        out["logprobs"] = logprobs
-        prompt_lp = given.get("prompt_logprobs")
-        if prompt_lp is not None:
-            cap = _LIMITS["max_top_logprobs"]
-            prompt_lp = _check_int("prompt_logprobs", prompt_lp, minimum=0)
-            if prompt_lp > cap:
-                raise InvalidArgumentError(
-                    f"invalid value for 'prompt_logprobs': {prompt_lp} alternatives; at most {cap}"
-                )
-        out["prompt_logprobs"] = prompt_lp
-        progress = given.get("prefill_progress")
-        if progress is not None and not callable(progress):
-            raise InvalidArgumentError(
-                f"invalid value for 'prefill_progress': {progress!r}; expected a callable "
-                "taking (done, total)"
-            )
-        out["prefill_progress"] = progress
-        out["grammar"] = self._grammar(given)
-        return out
 
     def _grammar(self, given: Mapping[str, Any]) -> tuple[str, str] | None:
         """The engine's ``grammar`` argument, ``(kind, text)``, of the ``guided_*`` keywords;
@@ -1530,58 +1182,6 @@ class Model:
         self.close()
 
 
-def _template_text(value: str | os.PathLike[str] | None) -> str | None:
-    """A chat template given as text, or as the path of a file holding it."""
-    if value is None:
-        return None
-    if isinstance(value, os.PathLike) or (
-        isinstance(value, str) and "{" not in value and Path(value).is_file()
-    ):
-        path = Path(value)
-        try:
-            return path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise InvalidArgumentError(
-                f"invalid value for 'chat_template': cannot read {path}: {e}"
-            ) from e
-    if not isinstance(value, str) or not value:
-        raise InvalidArgumentError(
-            f"invalid value for 'chat_template': {value!r}; expected template text or a file"
-        )
-    return value
-
-
-def _schema_text(value: object) -> str:
-    """``guided_json`` as JSON text: a dict, JSON text, or a pydantic model class."""
-    to_schema = getattr(value, "model_json_schema", None)
-    if callable(to_schema):
-        value = to_schema()
-    if isinstance(value, str):
-        if not value.strip():
-            raise InvalidArgumentError("invalid value for 'guided_json': the schema is empty")
-        return value
-    if isinstance(value, (Mapping, bool)):
-        try:
-            return json.dumps(value)
-        except (TypeError, ValueError) as e:
-            raise InvalidArgumentError(
-                f"invalid value for 'guided_json': the schema is not JSON-serialisable: {e}"
-            ) from None
-    raise InvalidArgumentError(
-        f"invalid value for 'guided_json': {value!r}; expected a JSON schema (a dict or its "
-        "JSON text)"
-    )
-
-
-def _is_batch(prompt: object) -> bool:
-    """A list of prompts (texts, or token-id lists), as opposed to one prompt's token ids."""
-    return (
-        isinstance(prompt, (list, tuple))
-        and len(prompt) > 0
-        and all(isinstance(p, (str, list, tuple)) for p in prompt)
-    )
-
-
 def _engine_keywords(p: Mapping[str, Any]) -> dict[str, Any]:
     """The engine's keywords of a checked generation (``Model._params``)."""
     keys = (
@@ -1605,21 +1205,6 @@ def _engine_keywords(p: Mapping[str, Any]) -> dict[str, Any]:
     return {"stop_ids": p["stop_ids"], **{k: p[k] for k in keys}}
 
 
-def _choices(n: object, sampling_params: object) -> int:
-    """How many completions a call asks for (``n``, as a keyword or in ``sampling_params``)."""
-    in_params = sampling_params.n if isinstance(sampling_params, SamplingParams) else None
-    if n is not None and in_params is not None:
-        raise InvalidArgumentError("'n' is given both as a keyword and in sampling_params")
-    value = n if n is not None else in_params
-    if value is None:
-        return 1
-    return _check_int("n", value, minimum=1, maximum=_MAX_CHOICES)
-
-
-#: Most completions one call may ask for (each decodes in the same batch, on its own KV).
-_MAX_CHOICES = 64
-
-
 @dataclass
 class BatchEntry:
     """A generation for :meth:`Model._run_continuous`: its id, its checked parameters
@@ -1633,94 +1218,18 @@ class BatchEntry:
     cancel: threading.Event | None
 
 
-class _Lane:
-    """One generation's text side: incremental decoding, stop strings, the text callback."""
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        p: Mapping[str, Any],
-        on_text: Callable[[str], bool] | None,
-        cancel: threading.Event | None,
-    ) -> None:
-        self.decoder = IncrementalDecoder(tokenizer)
-        self.matcher = StopMatcher(p["stops"])
-        self.hidden = set(p["stop_ids"])
-        self.on_text = on_text
-        self.cancel = cancel
-        self.shown = 0
-        self.stopped_by_string = False
-
-    def on_tokens(self, new_ids: list[int]) -> bool:
-        """The engine's callback: False stops the generation (a stop string, a cancel)."""
-        if self.cancel is not None and self.cancel.is_set():
-            return False
-        self.decoder.push([t for t in new_ids if t not in self.hidden])
-        text = self.decoder.text
-        cut = self.matcher.check(text, self.shown)
-        if cut is not None:
-            self.stopped_by_string = True
-            if self.on_text is not None and cut > self.shown:
-                self.on_text(text[self.shown : cut])
-            self.shown = cut
-            return False
-        if self.on_text is not None:
-            upto = self.matcher.safe_len(text)
-            if upto > self.shown:
-                keep_going = self.on_text(text[self.shown : upto])
-                self.shown = upto
-                return keep_going
-        return True
-
-    def result(self, raw: Mapping[str, Any]) -> GenerationResult:
-        """The result of the engine's answer ``raw``."""
-        reason = str(raw["finish_reason"])
-        if reason not in _ENGINE_FINISH_REASONS:
-            raise InternalError(f"the engine returned an unknown finish reason {reason!r}")
-        finish = _ENGINE_FINISH_REASONS[reason]
-        if self.stopped_by_string:
-            text = self.decoder.text[: self.shown]
-            finish = "stop"
-        else:
-            self.decoder.flush()
-            text = self.decoder.text
-            if self.on_text is not None and len(text) > self.shown:
-                self.on_text(text[self.shown :])
-        scored = raw.get("logprobs")
-        prompt = raw.get("prompt_logprobs")
-        return GenerationResult(
-            text=text,
-            token_ids=[int(t) for t in raw["tokens"]],
-            finish_reason=finish,
-            stats=_stats(raw["stats"]),
-            logprobs=None if scored is None else [float(r["logprob"]) for r in scored],
-            top_logprobs=None
-            if scored is None
-            else [[(int(t), float(lp)) for t, lp in r["top"]] for r in scored],
-            prompt_logprobs=None
-            if prompt is None
-            else [None, *(float(r["logprob"]) for r in prompt)],
-            prompt_top_logprobs=None
-            if prompt is None
-            else [[], *([(int(t), float(lp)) for t, lp in r["top"]] for r in prompt)],
-        )
-
-
 #: What an MTP head needs besides its attention and MoE (the engine's `MtpHead::present`).
 _MTP_HEAD_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 
 
-def _warn_incomplete_mtp(path: Path, config: Mapping[str, Any]) -> None:
+def _warn_incomplete_mtp(path: Path) -> None:
     """The config declares an MTP layer whose head the engine did not load: warn naming the
     tensors that are missing, unless the whole layer is absent (a checkpoint shipped without
     it on purpose)."""
-    try:
-        n = int(config.get("num_nextn_predict_layers", 0) or 0)
-        first = int(config["num_hidden_layers"])
-    except (KeyError, TypeError, ValueError):
+    cfg = _core.model_config(path)
+    if cfg["num_nextn_predict_layers"] <= 0:
         return
-    if n <= 0:
-        return
+    first = int(cfg["num_hidden_layers"])
     names = _core.Container(str(path)).names()
     prefix = f"model.layers.{first}."
     if not any(x.startswith(prefix) for x in names):
@@ -1746,19 +1255,6 @@ def _caller_stacklevel() -> int:
         level += 1
         frame = frame.f_back  # type: ignore[assignment]
     return level
-
-
-def _default_max_new_tokens(gc: Mapping[str, Any], path: Path) -> int:
-    """``max_new_tokens`` of ``generation_config.json`` (the model author's default length),
-    else 128."""
-    value = gc.get("max_new_tokens")
-    if value is None:
-        return 128
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"{path}: 'max_new_tokens' must be a positive integer, not {value!r}; fix or remove it"
-        )
-    return value
 
 
 #: The keywords of :meth:`Model.generate` besides ``sampling_params`` and ``stream``.
@@ -1876,117 +1372,3 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise ColibriError(f"{path}: cannot read JSON: {e}") from e
     return data if isinstance(data, dict) else {}
-
-
-def _stats(raw: Mapping[str, Any]) -> GenerationStats:
-    known = [f for f in GenerationStats.__dataclass_fields__ if f != "extra"]
-    missing = [k for k in known if k not in raw]
-    if missing:
-        raise InternalError(f"the engine's stats lack {', '.join(missing)}")
-    extra = {k: v for k, v in raw.items() if k not in GenerationStats.__dataclass_fields__}
-    return GenerationStats(**{k: raw[k] for k in known}, extra=extra)
-
-
-#: Roles of the tensors in a container, in the order ``colibri info`` prints them.
-ROLES = (
-    "embed",
-    "lm_head",
-    "attention",
-    "indexer",
-    "norms",
-    "dense_mlp",
-    "router",
-    "shared_experts",
-    "routed_experts",
-    "mtp",
-    "mtp_routed_experts",
-)
-
-
-def tensor_role(name: str, num_hidden_layers: int) -> str:
-    """The role of a tensor (a scale ``NAME.qs`` has its weight's role)."""
-    name = name.removesuffix(".qs")
-    parts = name.split(".")
-    layer = int(parts[2]) if name.startswith("model.layers.") and parts[2].isdigit() else None
-    if layer is not None and layer >= num_hidden_layers:
-        return "mtp_routed_experts" if ".mlp.experts." in name else "mtp"
-    if ".mlp.experts." in name:
-        return "routed_experts"
-    if ".mlp.shared_experts." in name:
-        return "shared_experts"
-    if ".mlp.gate." in name:
-        return "router"
-    if ".self_attn.indexer." in name:
-        return "indexer"
-    if ".self_attn." in name:
-        return "attention"
-    if ".mlp." in name:
-        return "dense_mlp"
-    if "embed_tokens" in name:
-        return "embed"
-    if name.startswith("lm_head"):
-        return "lm_head"
-    return "norms"
-
-
-def model_info(path: str | os.PathLike[str], *, mtp_loaded: bool = True) -> dict[str, Any]:
-    """Describe the model directory ``path`` without loading it for compute.
-
-    Returns a dict with ``config`` (family, layers, experts, ...), ``tensors`` (for each
-    role: ``{format: bytes}``, a weight's scales counted with it), and ``memory``:
-    ``dense_bytes`` (resident in RAM: everything but the routed experts, the MTP layer only
-    when ``mtp_loaded``), ``expert_bytes`` (routed experts, streamed from disk),
-    ``kv_bytes_per_token`` (the KV cache: the normed latent and the roped key per layer,
-    float32, the GLM DSA indexer key per full layer, plus the MTP layer's row when loaded).
-    """
-    c = _core.Container(os.fspath(path))
-    cfg = json.loads((Path(c.dir) / "config.json").read_text(encoding="utf-8"))
-    n_layers = int(cfg["num_hidden_layers"])
-    names = c.names()
-    fmt_of: dict[str, str] = {}
-    infos: dict[str, dict[str, Any]] = {name: c.info(name) for name in names}
-    for name, t in infos.items():
-        fmt_of[name] = str(t["format"] or t["dtype"]).lower()
-    tensors: dict[str, dict[str, int]] = {}
-    for name, t in infos.items():
-        size = int(t["end"]) - int(t["start"])
-        base = name.removesuffix(".qs")
-        fmt = fmt_of.get(base, fmt_of[name])
-        role = tensor_role(name, n_layers)
-        by_fmt = tensors.setdefault(role, {})
-        by_fmt[fmt] = by_fmt.get(fmt, 0) + size
-    tensors = {r: tensors[r] for r in ROLES if r in tensors}
-    total = {r: sum(v.values()) for r, v in tensors.items()}
-    has_mtp = "mtp" in total
-    expert_roles = ["routed_experts"] + (["mtp_routed_experts"] if mtp_loaded else [])
-    dense_roles = [r for r in total if r not in ("routed_experts", "mtp_routed_experts")]
-    if not mtp_loaded:
-        dense_roles = [r for r in dense_roles if r != "mtp"]
-    summary = {
-        "model_type": cfg.get("model_type"),
-        "hidden_size": cfg.get("hidden_size"),
-        "num_hidden_layers": n_layers,
-        "first_k_dense_replace": cfg.get("first_k_dense_replace"),
-        "vocab_size": cfg.get("vocab_size"),
-        "n_routed_experts": cfg.get("n_routed_experts"),
-        "num_experts_per_tok": cfg.get("num_experts_per_tok"),
-        "n_shared_experts": cfg.get("n_shared_experts"),
-        "moe_intermediate_size": cfg.get("moe_intermediate_size"),
-        "num_attention_heads": cfg.get("num_attention_heads"),
-        "kv_lora_rank": cfg.get("kv_lora_rank"),
-        "q_lora_rank": cfg.get("q_lora_rank"),
-        "max_position_embeddings": cfg.get("max_position_embeddings"),
-        "mtp_layers": int(cfg.get("num_nextn_predict_layers") or 0),
-    }
-    return {
-        "path": str(c.dir),
-        "config": summary,
-        "tensor_count": len(names),
-        "tensors": tensors,
-        "total_bytes": sum(total.values()),
-        "memory": {
-            "dense_bytes": sum(total[r] for r in dense_roles),
-            "expert_bytes": sum(total.get(r, 0) for r in expert_roles),
-            "kv_bytes_per_token": int(c.kv_bytes_per_token(has_mtp and mtp_loaded)),
-        },
-    }

@@ -13,6 +13,7 @@ use std::sync::atomic::AtomicBool;
 use super::rng::Rng;
 use super::sampling::argmax;
 use super::{Drafter, StepOutput, Target};
+use crate::model::Carried;
 use crate::{Error, Result};
 
 /// Hidden width of the mock: [prev token, token, position, kind] with kind 1 = main, 2 = MTP.
@@ -194,23 +195,24 @@ impl Target for MockTarget {
         self.step_calls += 1;
         self.advance_clock(tokens.len());
         let v = self.cfg.vocab;
-        let mut out = StepOutput {
-            logits: Vec::with_capacity(tokens.len() * v),
-            hidden: Vec::with_capacity(tokens.len() * H),
-        };
+        let mut logits = Vec::with_capacity(tokens.len() * v);
+        let mut hidden = Vec::with_capacity(tokens.len() * H);
         for &t in tokens {
             if t as usize >= v {
                 return Err(Error::Internal(format!("mock: token {t} out of range")));
             }
             let p = self.kv_tokens.len();
             let prev = self.kv_tokens.last().copied();
-            out.logits.extend_from_slice(self.logits(prev, t));
+            logits.extend_from_slice(self.logits(prev, t));
             let hid = [prev.map_or(-1.0, |x| x as f32), t as f32, p as f32, MAIN];
-            out.hidden.extend_from_slice(&hid);
+            hidden.extend_from_slice(&hid);
             self.kv_tokens.push(t);
             self.kv_hidden.push(hid);
         }
-        Ok(out)
+        Ok(StepOutput {
+            logits,
+            hidden: Carried::for_test(hidden, H),
+        })
     }
 
     fn kv_len(&self) -> usize {
@@ -235,13 +237,19 @@ impl Target for MockTarget {
     fn mtp_step_last(
         &mut self,
         tokens: &[u32],
-        hidden: &[f32],
+        hidden: &Carried,
         start_pos: usize,
     ) -> Result<StepOutput> {
         let out = self.mtp_step(tokens, hidden, start_pos);
         out.map(|o| last_row_only(o, self.cfg.vocab))
     }
-    fn mtp_step(&mut self, tokens: &[u32], hidden: &[f32], start_pos: usize) -> Result<StepOutput> {
+    fn mtp_step(
+        &mut self,
+        tokens: &[u32],
+        hidden: &Carried,
+        start_pos: usize,
+    ) -> Result<StepOutput> {
+        let hidden = hidden.values();
         if !self.cfg.has_mtp {
             return Err(Error::Internal("mock: mtp_step without an MTP head".into()));
         }
@@ -257,10 +265,8 @@ impl Target for MockTarget {
         self.check_mtp_rows(false)?;
         self.mtp_calls += 1;
         let v = self.cfg.vocab;
-        let mut out = StepOutput {
-            logits: Vec::with_capacity(tokens.len() * v),
-            hidden: Vec::with_capacity(tokens.len() * H),
-        };
+        let mut out_logits = Vec::with_capacity(tokens.len() * v);
+        let mut out_hidden = Vec::with_capacity(tokens.len() * H);
         for (j, (&t, hrow)) in tokens.iter().zip(hidden.chunks_exact(H)).enumerate() {
             let q = start_pos + j;
             let hid: [f32; H] = [hrow[0], hrow[1], hrow[2], hrow[3]];
@@ -283,12 +289,15 @@ impl Target for MockTarget {
             let pred = self.mtp_predict(cur, t, q)?;
             let mut logits = vec![0.0f32; v];
             logits[pred as usize] = 1.0;
-            out.logits.extend_from_slice(&logits);
+            out_logits.extend_from_slice(&logits);
             let z = [cur as f32, t as f32, q as f32 + 1.0, MTP];
-            out.hidden.extend_from_slice(&z);
+            out_hidden.extend_from_slice(&z);
             self.mtp_kv.push((t, hid));
         }
-        Ok(out)
+        Ok(StepOutput {
+            logits: out_logits,
+            hidden: Carried::for_test(out_hidden, H),
+        })
     }
 
     fn mtp_kv_len(&self) -> usize {

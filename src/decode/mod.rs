@@ -30,6 +30,7 @@ mod tests_real;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use crate::model::Carried;
 use crate::{Error, Result};
 
 pub use constraint::{Grammar, GrammarSpec, Vocabulary};
@@ -48,8 +49,9 @@ pub struct StepOutput {
     pub logits: Vec<f32>,
     /// [S, H]: the state the MTP head carries from each row — for the main model
     /// `model.norm(h)` of its final residual (post-norm, what transformers' MTP consumes), for
-    /// the MTP head its own normed output. Not the raw residual.
-    pub hidden: Vec<f32>,
+    /// the MTP head its own normed output. Not the raw residual: a [`Carried`] only the model
+    /// builds, which the loop holds and passes back but cannot make up.
+    pub hidden: Carried,
 }
 
 pub trait Target {
@@ -66,7 +68,12 @@ pub trait Target {
     /// chaining); appends MTP KV rows at `start_pos..` (== `mtp_kv_len()`); returns the head's
     /// logits (predicting the token after `tokens[j]`) and the MTP layer's output hidden (to chain
     /// the next depth).
-    fn mtp_step(&mut self, tokens: &[u32], hidden: &[f32], start_pos: usize) -> Result<StepOutput>;
+    fn mtp_step(
+        &mut self,
+        tokens: &[u32],
+        hidden: &Carried,
+        start_pos: usize,
+    ) -> Result<StepOutput>;
     /// [`step_all`](Self::step_all) for a caller that reads only the last row's logits
     /// (prefill): `logits` may hold that row alone (`vocab` values), which spares the LM head
     /// every other row (at GLM-5 size, ~1.9 GFLOP per row). Every row's hidden is returned.
@@ -95,7 +102,7 @@ pub trait Target {
     fn mtp_step_last(
         &mut self,
         tokens: &[u32],
-        hidden: &[f32],
+        hidden: &Carried,
         start_pos: usize,
     ) -> Result<StepOutput> {
         self.mtp_step(tokens, hidden, start_pos)
@@ -112,7 +119,7 @@ pub trait Drafter {
     /// The main model kept new KV rows (prefill, or the accepted rows of a verify) whose
     /// carried states (`StepOutput::hidden`: `model.norm(h)`) are `hidden` ([rows, H], in
     /// position order).
-    fn observe(&mut self, _hidden: &[f32]) {}
+    fn observe(&mut self, _hidden: &Carried) {}
 
     /// Up to `max` (≥ 1) draft tokens to follow `context`. May return fewer, or none.
     /// Must leave the target's main KV untouched.
@@ -141,14 +148,14 @@ pub trait Drafter {
 
     /// What the drafter holds for the next generation on the same caches (the MTP drafter:
     /// the main hidden states its layer has not absorbed), taken out of it.
-    fn take_pending(&mut self) -> Vec<f32> {
-        Vec::new()
+    fn take_pending(&mut self) -> Carried {
+        Carried::default()
     }
 }
 
 /// A borrowed drafter drafts as the drafter (tests hand the loop their forced drafters).
 impl<D: Drafter + ?Sized> Drafter for &mut D {
-    fn observe(&mut self, hidden: &[f32]) {
+    fn observe(&mut self, hidden: &Carried) {
         (**self).observe(hidden)
     }
     fn propose(
@@ -171,7 +178,7 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
     fn mtp_forwards(&self) -> u64 {
         (**self).mtp_forwards()
     }
-    fn take_pending(&mut self) -> Vec<f32> {
+    fn take_pending(&mut self) -> Carried {
         (**self).take_pending()
     }
 }
@@ -218,11 +225,11 @@ fn check_step_rows(
     hidden: usize,
     what: &str,
 ) -> Result<()> {
-    if out.logits.len() != logit_rows * vocab || out.hidden.len() != rows * hidden {
+    if out.logits.len() != logit_rows * vocab || out.hidden.values().len() != rows * hidden {
         return Err(Error::Internal(format!(
             "{what} over {rows} rows returned {} logits and {} hidden values; expected {} and {}",
             out.logits.len(),
-            out.hidden.len(),
+            out.hidden.values().len(),
             logit_rows * vocab,
             rows * hidden
         )));

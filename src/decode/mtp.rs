@@ -13,6 +13,7 @@ use std::sync::atomic::AtomicBool;
 
 use super::sampling::argmax;
 use super::{check_cancel, check_step, last_logits, Drafter, Target};
+use crate::model::Carried;
 use crate::{Error, Result};
 
 /// While drafting is off, pending rows are absorbed once this many have piled up, so memory
@@ -23,7 +24,7 @@ pub struct MtpDrafter {
     vocab: usize,
     hidden: usize,
     /// Main hidden states of positions mtp_kv_len().. not yet absorbed: [rows, H].
-    pending: Vec<f32>,
+    pending: Carried,
     /// Rows per absorbing `mtp_step` (0 = all at once).
     chunk: usize,
     forwards: u64,
@@ -34,7 +35,7 @@ impl MtpDrafter {
         MtpDrafter {
             vocab: target.vocab_size(),
             hidden: target.hidden_size(),
-            pending: Vec::new(),
+            pending: Carried::default(),
             chunk,
             forwards: 0,
         }
@@ -42,7 +43,7 @@ impl MtpDrafter {
 
     /// A drafter that resumes an earlier generation's: `pending` holds the main hidden
     /// states of positions `target.mtp_kv_len()..target.kv_len()` ([rows, H]).
-    pub fn resume(target: &dyn Target, chunk: usize, pending: Vec<f32>) -> Self {
+    pub fn resume(target: &dyn Target, chunk: usize, pending: Carried) -> Self {
         MtpDrafter {
             pending,
             ..Self::new(target, chunk)
@@ -50,7 +51,7 @@ impl MtpDrafter {
     }
 
     fn pending_rows(&self) -> usize {
-        self.pending.len() / self.hidden.max(1)
+        self.pending.rows()
     }
 
     /// Run every pending pair through the MTP layer. Returns the head logits and MTP hidden of
@@ -60,7 +61,7 @@ impl MtpDrafter {
         target: &mut dyn Target,
         context: &[u32],
         cancel: &AtomicBool,
-    ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+    ) -> Result<Option<(Vec<f32>, Carried)>> {
         let (v, h) = (self.vocab, self.hidden);
         let rows = self.pending_rows();
         if rows == 0 {
@@ -85,18 +86,18 @@ impl MtpDrafter {
                 // Only the last row's logits are read (they give d1).
                 let out = target.mtp_step_last(
                     &context[pos + 1..pos + 1 + n],
-                    &self.pending[done * h..(done + n) * h],
+                    &self.pending.slice(done..done + n),
                     pos,
                 )?;
                 self.forwards += 1;
                 let logits = last_logits(&out, n, v, h, "mtp_step_last")?.to_vec();
                 done += n;
-                last = Some((logits, out.hidden[(n - 1) * h..].to_vec()));
+                last = Some((logits, out.hidden.slice(n - 1..n)));
             }
             Ok(())
         })();
         // Whatever was absorbed is no longer pending, even when a chunk failed.
-        self.pending.drain(..done * h);
+        self.pending.drop_front(done);
         result.map(|()| last)
     }
 
@@ -105,7 +106,7 @@ impl MtpDrafter {
         &mut self,
         target: &mut dyn Target,
         logits: &[f32],
-        hidden: Vec<f32>,
+        hidden: Carried,
         max: usize,
         cancel: &AtomicBool,
     ) -> Result<Vec<u32>> {
@@ -126,8 +127,8 @@ impl MtpDrafter {
 }
 
 impl Drafter for MtpDrafter {
-    fn observe(&mut self, hidden: &[f32]) {
-        self.pending.extend_from_slice(hidden);
+    fn observe(&mut self, hidden: &Carried) {
+        self.pending.extend(hidden);
     }
 
     fn propose(
@@ -165,7 +166,7 @@ impl Drafter for MtpDrafter {
 
     /// The hidden states not yet absorbed (positions `mtp_kv_len()..kv_len()`), for the
     /// next generation on the same caches.
-    fn take_pending(&mut self) -> Vec<f32> {
+    fn take_pending(&mut self) -> Carried {
         std::mem::take(&mut self.pending)
     }
 }

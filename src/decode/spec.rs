@@ -21,6 +21,7 @@ use super::sampling::{
 };
 use super::stats::{DecodeStats, MAX_DEPTH};
 use super::{check_cancel, check_step, last_logits, Drafter, StepOutput, Target};
+use crate::model::Carried;
 use crate::{Error, Result};
 
 /// Where drafts come from.
@@ -263,20 +264,20 @@ pub struct CacheState {
     /// generation, but its last token).
     pub tokens: Vec<u32>,
     /// [rows, hidden]: main hidden states of positions `mtp_kv_len()..kv_len()`.
-    mtp_pending: Vec<f32>,
+    mtp_pending: Carried,
 }
 
 impl CacheState {
     /// Forget everything (the target's caches were changed behind our back).
     pub fn clear(&mut self) {
         self.tokens.clear();
-        self.mtp_pending.clear();
+        self.mtp_pending = Carried::default();
     }
 
     /// A state restored from what [`mtp_pending`](Self::mtp_pending) and `tokens` were
     /// (a saved context): the caller vouches that the caches it goes with hold
     /// `tokens.len()` main rows and `tokens.len() − pending rows` MTP rows.
-    pub fn from_parts(tokens: Vec<u32>, mtp_pending: Vec<f32>) -> Self {
+    pub fn from_parts(tokens: Vec<u32>, mtp_pending: Carried) -> Self {
         CacheState {
             tokens,
             mtp_pending,
@@ -284,7 +285,7 @@ impl CacheState {
     }
 
     /// [rows, hidden]: the main hidden states the MTP layer has not absorbed yet.
-    pub fn mtp_pending(&self) -> &[f32] {
+    pub fn mtp_pending(&self) -> &Carried {
         &self.mtp_pending
     }
 }
@@ -330,7 +331,7 @@ fn reusable_prefix(
     previous: CacheState,
     prompt: &[u32],
     source: DraftSource,
-) -> (usize, usize, Vec<f32>) {
+) -> (usize, usize, Carried) {
     let (kv, mtp_len, h) = (target.kv_len(), target.mtp_kv_len(), target.hidden_size());
     let held = previous.tokens.len().min(kv);
     let common = previous.tokens[..held]
@@ -340,16 +341,16 @@ fn reusable_prefix(
         .count();
     let keep = common.min(prompt.len().saturating_sub(1));
     if source != DraftSource::Mtp {
-        return (keep, 0, Vec::new());
+        return (keep, 0, Carried::default());
     }
     let mut pending = previous.mtp_pending;
-    let pending_known = h > 0 && mtp_len + pending.len() / h == kv;
+    let pending_known = h > 0 && mtp_len + pending.rows() == kv;
     if pending_known && mtp_len <= keep && mtp_len < common.max(1) {
-        pending.truncate((keep - mtp_len) * h);
+        pending.truncate(keep - mtp_len);
         (keep, mtp_len, pending)
     } else {
         let rows = mtp_len.min(keep).min(common.saturating_sub(1));
-        (rows, rows, Vec::new())
+        (rows, rows, Carried::default())
     }
 }
 
@@ -743,7 +744,7 @@ impl<'d, 'c> Decoding<'d, 'c> {
         // Keep the rows of the fed token and the accepted drafts; drop rejected ones.
         target.truncate(kv + accepted + 1);
         if let Some(d) = self.drafter.as_mut() {
-            d.observe(&out.hidden[..(accepted + 1) * self.hidden]);
+            d.observe(&out.hidden.slice(0..accepted + 1));
         }
         Ok(self.emit(&burst, on_tokens))
     }

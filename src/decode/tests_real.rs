@@ -183,10 +183,10 @@ fn last_row_forwards_match_the_full_ones() {
     assert_eq!(last.hidden, full.hidden);
 
     let rows = prompt.len() - 1;
-    let hidden = &full.hidden[..rows * m.config().hidden_size];
-    let mtp_full = Target::mtp_step(&mut m, &prompt[1..], hidden, 0).unwrap();
+    let hidden = full.hidden.slice(0..rows);
+    let mtp_full = Target::mtp_step(&mut m, &prompt[1..], &hidden, 0).unwrap();
     m.mtp_truncate(0);
-    let mtp_last = Target::mtp_step_last(&mut m, &prompt[1..], hidden, 0).unwrap();
+    let mtp_last = Target::mtp_step_last(&mut m, &prompt[1..], &hidden, 0).unwrap();
     assert_eq!(mtp_last.logits.len(), v);
     assert_eq!(mtp_last.logits, mtp_full.logits[(rows - 1) * v..]);
     assert_eq!(mtp_last.hidden, mtp_full.hidden);

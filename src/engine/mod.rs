@@ -430,7 +430,10 @@ impl Engine {
             &st.cache,
         )?;
         st.caches.release();
-        st.cache = decode::CacheState::from_parts(std::mem::take(&mut st.cache.tokens), Vec::new());
+        st.cache = decode::CacheState::from_parts(
+            std::mem::take(&mut st.cache.tokens),
+            Default::default(),
+        );
         st.evicted = true;
         Ok(())
     }

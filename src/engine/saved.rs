@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::decode::CacheState;
-use crate::model::KvCaches;
+use crate::model::{Carried, KvCaches};
 use crate::{Error, Result};
 
 const MAGIC: &[u8; 16] = b"colibri-context\0";
@@ -77,7 +77,7 @@ pub fn save(
     state: &CacheState,
 ) -> Result<u64> {
     let widths: Vec<[usize; 3]> = caches.all().map(|kv| kv.widths()).collect();
-    let pending = state.mtp_pending();
+    let pending = state.mtp_pending().values();
     let pending_rows = pending.len() / hidden_size.max(1);
     let (main_rows, mtp_rows) = (caches.len(), caches.mtp_len());
     if state.tokens.len() != main_rows {
@@ -272,5 +272,8 @@ pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<C
         caches.release();
         return Err(e);
     }
-    Ok(CacheState::from_parts(h.tokens, pending))
+    Ok(CacheState::from_parts(
+        h.tokens,
+        Carried::from_saved(pending, h.hidden_size),
+    ))
 }

@@ -4,6 +4,7 @@
 use crate::decode::{StepOutput, Target};
 use crate::error::Result;
 use crate::model::forward::{Model, MtpForward};
+use crate::model::Carried;
 
 /// An MTP step: its hidden is already post-norm (the head's `shared_head.norm`).
 fn out(f: MtpForward) -> StepOutput {
@@ -64,13 +65,13 @@ impl Target for Model {
     fn has_mtp(&self) -> bool {
         Model::has_mtp(self)
     }
-    fn mtp_step(&mut self, tokens: &[u32], hidden: &[f32], start_pos: usize) -> Result<StepOutput> {
-        Model::mtp_step(self, tokens, hidden, start_pos, true).map(out)
+    fn mtp_step(&mut self, tokens: &[u32], hidden: &Carried, start: usize) -> Result<StepOutput> {
+        Model::mtp_step(self, tokens, hidden, start, true).map(out)
     }
     fn mtp_step_last(
         &mut self,
         tokens: &[u32],
-        hidden: &[f32],
+        hidden: &Carried,
         start_pos: usize,
     ) -> Result<StepOutput> {
         Model::mtp_step(self, tokens, hidden, start_pos, false).map(out)

@@ -77,7 +77,9 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The three matrices of one expert, borrowed from the store for the duration of a callback.
+/// The three matrices of one routed expert, borrowed for the duration of a callback: from the
+/// store, or from the resident copies (`model::moe::ResidentExperts`); the one type every
+/// `model::moe::ExpertProvider` hands the MoE.
 #[derive(Debug, Clone, Copy)]
 pub struct ExpertView<'a> {
     /// [moe_intermediate, hidden]

@@ -16,6 +16,7 @@ use crate::config::{ModelConfig, ModelFamily};
 use crate::container::{Container, Weight};
 use crate::error::{Error, Result};
 use crate::model::attention::{Attention, LayerKv};
+use crate::model::carried::Carried;
 use crate::model::indexer::{Indexer, Selection};
 use crate::model::linear;
 use crate::model::moe::{ExpertProvider, Mlp, Moe, ResidentExperts};
@@ -265,7 +266,7 @@ pub struct MtpForward {
     pub logits: Vec<f32>,
     /// [s, hidden]: the MTP head's output *after* its `shared_head.norm`: what the next
     /// draft step carries (and what the head computed its logits from).
-    pub post_norm_hidden: Vec<f32>,
+    pub post_norm_hidden: Carried,
     /// (layer, selection) of the MTP layer's indexer, when tracing (see [`Forward`]).
     pub selections: Vec<(usize, Selection)>,
 }
@@ -727,14 +728,14 @@ impl Model {
     pub fn step_batch(
         &mut self,
         seqs: &mut [(&mut KvCaches, &[u32])],
-    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+    ) -> Result<Vec<(Vec<f32>, Carried)>> {
         self.on_pool(|m| m.step_batch_here(seqs))
     }
 
     fn step_batch_here(
         &mut self,
         seqs: &mut [(&mut KvCaches, &[u32])],
-    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+    ) -> Result<Vec<(Vec<f32>, Carried)>> {
         let h = self.cfg.hidden_size;
         let eps = self.cfg.rms_norm_eps;
         let mut spans = Vec::with_capacity(seqs.len());
@@ -812,15 +813,17 @@ impl Model {
             .map(|&(at, n, _)| {
                 (
                     logits[at * vocab..(at + n) * vocab].to_vec(),
-                    xn[at * h..(at + n) * h].to_vec(),
+                    Carried::new(xn[at * h..(at + n) * h].to_vec(), h),
                 )
             })
             .collect())
     }
 
-    /// The state the MTP head consumes for main-model hidden states: `model.norm(hidden)`.
-    pub fn final_norm(&self, hidden: &[f32]) -> Vec<f32> {
-        rmsnorm(hidden, &self.norm, self.cfg.rms_norm_eps)
+    /// The state the MTP head consumes for main-model hidden states: `model.norm(hidden)`
+    /// of [`Forward::pre_norm_hidden`] rows.
+    pub fn final_norm(&self, hidden: &[f32]) -> Carried {
+        let normed = rmsnorm(hidden, &self.norm, self.cfg.rms_norm_eps);
+        Carried::new(normed, self.cfg.hidden_size)
     }
 
     /// The MTP head over `s` rows: row j takes token `tokens[j]` and the carried state
@@ -837,7 +840,7 @@ impl Model {
     pub fn mtp_step(
         &mut self,
         tokens: &[u32],
-        carried: &[f32],
+        carried: &Carried,
         start: usize,
         all_logits: bool,
     ) -> Result<MtpForward> {
@@ -847,7 +850,7 @@ impl Model {
     fn mtp_step_here(
         &mut self,
         tokens: &[u32],
-        carried: &[f32],
+        carried: &Carried,
         start: usize,
         all_logits: bool,
     ) -> Result<MtpForward> {
@@ -861,6 +864,7 @@ impl Model {
                 "this model has no MTP head (or it was disabled); use draft='ngram' or 'off'",
             ));
         };
+        let carried = carried.values();
         if carried.len() != s * h {
             return Err(Error::invalid(
                 "hidden",
@@ -915,7 +919,7 @@ impl Model {
         };
         Ok(MtpForward {
             logits,
-            post_norm_hidden: out,
+            post_norm_hidden: Carried::new(out, h),
             selections,
         })
     }

@@ -2,6 +2,7 @@
 //! GLM-5's DSA lightning indexer, the MTP head, and the KV caches.
 
 pub mod attention;
+mod carried;
 pub mod context;
 pub mod forward;
 pub mod indexer;
@@ -11,4 +12,5 @@ pub mod norm;
 pub mod rope;
 pub mod store_source;
 
+pub use carried::Carried;
 pub use forward::{Forward, KvCaches, Model, ModelOptions, MtpForward};

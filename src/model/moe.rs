@@ -4,6 +4,7 @@
 use crate::config::ModelConfig;
 use crate::container::{Container, Weight};
 use crate::error::{Error, Result};
+use crate::experts::ExpertView;
 use crate::model::linear;
 use crate::quant::kernels;
 use crate::quant::QMatrix;
@@ -56,13 +57,6 @@ impl Mlp {
     }
 }
 
-/// One routed expert's three matrices, borrowed from wherever the store keeps them.
-pub struct ExpertWeights<'a> {
-    pub gate: QMatrix<'a>,
-    pub up: QMatrix<'a>,
-    pub down: QMatrix<'a>,
-}
-
 /// Where routed experts come from: all resident (tiny models, tests) or the streaming store.
 pub trait ExpertProvider: Send + Sync {
     /// Make experts `ids` of `layer` available and call `f` for each (in any order).
@@ -70,7 +64,7 @@ pub trait ExpertProvider: Send + Sync {
         &self,
         layer: usize,
         ids: &[usize],
-        f: &mut dyn FnMut(usize, &ExpertWeights<'_>) -> Result<()>,
+        f: &mut dyn FnMut(usize, &ExpertView<'_>) -> Result<()>,
     ) -> Result<()>;
 
     /// Predicted experts of `layer` (router lookahead): bring them in early if possible.
@@ -115,7 +109,7 @@ impl ExpertProvider for ResidentExperts {
         &self,
         layer: usize,
         ids: &[usize],
-        f: &mut dyn FnMut(usize, &ExpertWeights<'_>) -> Result<()>,
+        f: &mut dyn FnMut(usize, &ExpertView<'_>) -> Result<()>,
     ) -> Result<()> {
         let experts = self
             .layers
@@ -127,7 +121,7 @@ impl ExpertProvider for ResidentExperts {
                 .ok_or_else(|| Error::Internal(format!("expert {id} of layer {layer}")))?;
             f(
                 id,
-                &ExpertWeights {
+                &ExpertView {
                     gate: g.view(),
                     up: u.view(),
                     down: d.view(),

@@ -1,26 +1,17 @@
 //! The streaming expert store as the MoE's source of routed experts.
 
 use crate::error::Result;
-use crate::experts::ExpertStore;
-use crate::model::moe::{ExpertProvider, ExpertWeights};
+use crate::experts::{ExpertStore, ExpertView};
+use crate::model::moe::ExpertProvider;
 
 impl ExpertProvider for ExpertStore {
     fn with_experts(
         &self,
         layer: usize,
         ids: &[usize],
-        f: &mut dyn FnMut(usize, &ExpertWeights<'_>) -> Result<()>,
+        f: &mut dyn FnMut(usize, &ExpertView<'_>) -> Result<()>,
     ) -> Result<()> {
-        ExpertStore::with_experts(self, layer, ids, &mut |id, v| {
-            f(
-                id,
-                &ExpertWeights {
-                    gate: v.gate,
-                    up: v.up,
-                    down: v.down,
-                },
-            )
-        })
+        ExpertStore::with_experts(self, layer, ids, f)
     }
 
     fn prefetch(&self, layer: usize, ids: &[usize]) {

@@ -1,5 +1,6 @@
-//! Bindings for the container reader (`Container`), the converter (`ConvertJob`) and the
-//! FP8 decoder (for tests against an independent numpy implementation).
+//! Bindings for the container reader (`Container`), the parsed config (`model_config`), the
+//! converter (`ConvertJob`) and the FP8 decoder (for tests against an independent numpy
+//! implementation).
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -9,6 +10,7 @@ use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1, PyReadonlyArray2}
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use crate::config::ModelConfig;
 use crate::container::{expected_shape, Container};
 use crate::convert::{fp8, plan, ConvertOptions, Plan};
 use crate::error::Error;
@@ -281,10 +283,48 @@ fn dequant_fp8_blocks<'py>(
     Ok(arr.into_pyarray(py))
 }
 
+/// The model's `config.json` as the engine reads it (`ModelConfig`: aliases resolved, family
+/// defaults filled in, validated): the fields the Python package reads, by their
+/// transformers names, so that no field is read from the JSON a second way.
+#[pyfunction]
+fn model_config(py: Python<'_>, dir: PathBuf) -> PyResult<Bound<'_, PyDict>> {
+    let c = run(py, move || ModelConfig::from_file(dir.join("config.json")))?;
+    let sizes = [
+        ("vocab_size", c.vocab_size),
+        ("hidden_size", c.hidden_size),
+        ("intermediate_size", c.intermediate_size),
+        ("moe_intermediate_size", c.moe_intermediate_size),
+        ("num_hidden_layers", c.num_hidden_layers),
+        ("num_attention_heads", c.num_attention_heads),
+        ("kv_lora_rank", c.kv_lora_rank),
+        ("qk_nope_head_dim", c.qk_nope_head_dim),
+        ("qk_rope_head_dim", c.qk_rope_head_dim),
+        ("v_head_dim", c.v_head_dim),
+        ("n_routed_experts", c.n_routed_experts),
+        ("num_experts_per_tok", c.num_experts_per_tok),
+        ("n_shared_experts", c.n_shared_experts),
+        ("first_k_dense_replace", c.first_k_dense_replace),
+        ("max_position_embeddings", c.max_position_embeddings),
+        ("num_nextn_predict_layers", c.num_nextn_predict_layers),
+    ];
+    let d = PyDict::new(py);
+    d.set_item("model_type", c.family.model_type())?;
+    for (name, value) in sizes {
+        d.set_item(name, value)?;
+    }
+    for (name, value) in [("q_lora_rank", c.q_lora_rank), ("index_topk", c.index_topk)] {
+        d.set_item(name, value)?;
+    }
+    d.set_item("tie_word_embeddings", c.tie_word_embeddings)?;
+    d.set_item("eos_token_ids", c.eos_token_ids)?;
+    Ok(d)
+}
+
 /// Register this module's classes and functions in `colibri._core`.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyContainer>()?;
     m.add_class::<PyConvertJob>()?;
+    m.add_function(wrap_pyfunction!(model_config, m)?)?;
     m.add_function(wrap_pyfunction!(decode_fp8_e4m3, m)?)?;
     m.add_function(wrap_pyfunction!(dequant_fp8_blocks, m)?)?;
     Ok(())

@@ -14,20 +14,31 @@ use pyo3::types::PyType;
 
 use crate::error::Error;
 
-/// The `colibri.errors` classes the engine raises.
-struct Classes {
-    io: Py<PyType>,
-    file_not_found: Py<PyType>,
-    permission: Py<PyType>,
-    config: Py<PyType>,
-    unsupported: Py<PyType>,
-    container: Py<PyType>,
-    missing_tensor: Py<PyType>,
-    invalid_argument: Py<PyType>,
-    non_finite_weight: Py<PyType>,
-    saved_context: Py<PyType>,
-    forked_process: Py<PyType>,
-    internal: Py<PyType>,
+/// The `colibri.errors` classes the engine raises, by name; [`class_name`] says which one an
+/// error is raised as.
+const CLASS_NAMES: [&str; 12] = [
+    "ColibriIOError",
+    "ColibriFileNotFoundError",
+    "ColibriPermissionError",
+    "ConfigError",
+    "UnsupportedModelError",
+    "ContainerError",
+    "MissingTensorError",
+    "InvalidArgumentError",
+    "NonFiniteWeightError",
+    "SavedContextError",
+    "ForkedProcessError",
+    "InternalError",
+];
+
+/// The classes of [`CLASS_NAMES`], in that order.
+struct Classes(Vec<Py<PyType>>);
+
+impl Classes {
+    fn get(&self, name: &str) -> Option<&Py<PyType>> {
+        let i = CLASS_NAMES.iter().position(|n| *n == name)?;
+        Some(&self.0[i])
+    }
 }
 
 static CLASSES: PyOnceLock<Classes> = PyOnceLock::new();
@@ -48,23 +59,11 @@ fn queue_warning(msg: &str) {
 /// module's init.
 pub(crate) fn init(py: Python<'_>) -> PyResult<()> {
     let m = py.import("colibri.errors")?;
-    let class = |name: &str| -> PyResult<Py<PyType>> {
-        Ok(m.getattr(name)?.cast_into::<PyType>()?.unbind())
-    };
-    let classes = Classes {
-        io: class("ColibriIOError")?,
-        file_not_found: class("ColibriFileNotFoundError")?,
-        permission: class("ColibriPermissionError")?,
-        config: class("ConfigError")?,
-        unsupported: class("UnsupportedModelError")?,
-        container: class("ContainerError")?,
-        missing_tensor: class("MissingTensorError")?,
-        invalid_argument: class("InvalidArgumentError")?,
-        non_finite_weight: class("NonFiniteWeightError")?,
-        saved_context: class("SavedContextError")?,
-        forked_process: class("ForkedProcessError")?,
-        internal: class("InternalError")?,
-    };
+    let classes = CLASS_NAMES
+        .iter()
+        .map(|name| Ok(m.getattr(*name)?.cast_into::<PyType>()?.unbind()))
+        .collect::<PyResult<Vec<_>>>()?;
+    let classes = Classes(classes);
     // A second init (a subinterpreter, a reload) keeps the first set.
     let _ = CLASSES.set(py, classes);
     crate::diagnostics::set_sink(queue_warning);
@@ -115,6 +114,29 @@ fn fields(err: &Error) -> (Option<String>, Option<i32>, Option<&str>, Option<&st
     }
 }
 
+/// The `colibri.errors` class `err` is raised as (`Cancelled`, raised as `KeyboardInterrupt`,
+/// aside): one of [`CLASS_NAMES`].
+fn class_name(err: &Error) -> &'static str {
+    match err {
+        Error::Io { source, .. } => match source.kind() {
+            std::io::ErrorKind::NotFound => "ColibriFileNotFoundError",
+            std::io::ErrorKind::PermissionDenied => "ColibriPermissionError",
+            _ => "ColibriIOError",
+        },
+        Error::Config { .. } => "ConfigError",
+        Error::Unsupported(_) => "UnsupportedModelError",
+        Error::Container { .. } => "ContainerError",
+        Error::MissingTensor { .. } => "MissingTensorError",
+        Error::InvalidArgument { .. } => "InvalidArgumentError",
+        Error::NonFinite { .. } | Error::NonFiniteWeight { .. } | Error::NonFiniteOutput(_) => {
+            "NonFiniteWeightError"
+        }
+        Error::SavedContext { .. } => "SavedContextError",
+        Error::ForkedProcess { .. } => "ForkedProcessError",
+        Error::Cancelled | Error::Internal(_) => "InternalError",
+    }
+}
+
 /// Build the Python exception for an engine error, as a `colibri.errors` class with the
 /// error's fields as attributes (`Cancelled` is a `KeyboardInterrupt`).
 pub(crate) fn to_py_err(err: Error) -> PyErr {
@@ -122,28 +144,10 @@ pub(crate) fn to_py_err(err: Error) -> PyErr {
         return PyKeyboardInterrupt::new_err(err.to_string());
     }
     Python::attach(|py| {
-        let Some(c) = CLASSES.get(py) else {
+        let Some(class) = CLASSES.get(py).and_then(|c| c.get(class_name(&err))) else {
             return PySystemError::new_err(format!(
                 "colibri._core raised before its module init imported colibri.errors: {err}"
             ));
-        };
-        let class = match &err {
-            Error::Io { source, .. } => match source.kind() {
-                std::io::ErrorKind::NotFound => &c.file_not_found,
-                std::io::ErrorKind::PermissionDenied => &c.permission,
-                _ => &c.io,
-            },
-            Error::Config { .. } => &c.config,
-            Error::Unsupported(_) => &c.unsupported,
-            Error::Container { .. } => &c.container,
-            Error::MissingTensor { .. } => &c.missing_tensor,
-            Error::InvalidArgument { .. } => &c.invalid_argument,
-            Error::NonFinite { .. } | Error::NonFiniteWeight { .. } | Error::NonFiniteOutput(_) => {
-                &c.non_finite_weight
-            }
-            Error::SavedContext { .. } => &c.saved_context,
-            Error::ForkedProcess { .. } => &c.forked_process,
-            Error::Cancelled | Error::Internal(_) => &c.internal,
         };
         let (filename, errno, param, tensor) = fields(&err);
         let built = class.bind(py).call1((err.to_string(),)).and_then(|exc| {
@@ -159,4 +163,121 @@ pub(crate) fn to_py_err(err: Error) -> PyErr {
             Err(e) => e,
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn io(kind: std::io::ErrorKind) -> Error {
+        Error::io("/nonexistent", std::io::Error::from(kind))
+    }
+
+    /// Every variant is raised as a class the module init looks up (a name missing from
+    /// `CLASS_NAMES` would raise `SystemError` instead), and as the one its docs promise.
+    #[test]
+    fn every_error_maps_to_its_class() {
+        let cases = [
+            (io(std::io::ErrorKind::NotFound), "ColibriFileNotFoundError"),
+            (
+                io(std::io::ErrorKind::PermissionDenied),
+                "ColibriPermissionError",
+            ),
+            (io(std::io::ErrorKind::UnexpectedEof), "ColibriIOError"),
+            (
+                Error::Config {
+                    path: "config.json".into(),
+                    msg: "bad".into(),
+                },
+                "ConfigError",
+            ),
+            (Error::Unsupported("x".into()), "UnsupportedModelError"),
+            (
+                Error::container("a.safetensors", Some("w"), "truncated"),
+                "ContainerError",
+            ),
+            (
+                Error::MissingTensor {
+                    tensor: "w".into(),
+                    dir: "/m".into(),
+                    family: "deepseek_v3".into(),
+                },
+                "MissingTensorError",
+            ),
+            (
+                Error::invalid("temperature", "must be >= 0"),
+                "InvalidArgumentError",
+            ),
+            (
+                Error::NonFinite {
+                    tensor: "w".into(),
+                    what: "NaN",
+                    index: 0,
+                },
+                "NonFiniteWeightError",
+            ),
+            (
+                Error::NonFiniteWeight {
+                    file: "a.safetensors".into(),
+                    tensor: "w".into(),
+                    what: "NaN".into(),
+                    index: 0,
+                },
+                "NonFiniteWeightError",
+            ),
+            (Error::NonFiniteOutput("x".into()), "NonFiniteWeightError"),
+            (
+                Error::SavedContext {
+                    path: "s.ctx".into(),
+                    msg: "bad".into(),
+                },
+                "SavedContextError",
+            ),
+            (
+                Error::ForkedProcess {
+                    created_in: 1,
+                    current: 2,
+                },
+                "ForkedProcessError",
+            ),
+            (Error::Internal("x".into()), "InternalError"),
+        ];
+        for (err, want) in &cases {
+            assert_eq!(class_name(err), *want, "{err}");
+            assert!(CLASS_NAMES.contains(want), "{want}");
+        }
+        let mapped: std::collections::BTreeSet<_> =
+            cases.iter().map(|(e, _)| class_name(e)).collect();
+        let declared: std::collections::BTreeSet<_> = CLASS_NAMES.into_iter().collect();
+        assert_eq!(mapped, declared, "a class no error is raised as");
+    }
+
+    #[test]
+    fn errors_carry_their_fields() {
+        let enoent = Error::io(
+            "/nonexistent",
+            std::io::Error::from_raw_os_error(libc::ENOENT),
+        );
+        assert_eq!(
+            fields(&enoent),
+            (Some("/nonexistent".into()), Some(libc::ENOENT), None, None)
+        );
+        let config = Error::Config {
+            path: "config.json".into(),
+            msg: "bad".into(),
+        };
+        assert_eq!(
+            fields(&config),
+            (Some("config.json".into()), None, None, None)
+        );
+        let container = Error::container("a.safetensors", Some("w"), "truncated");
+        assert_eq!(
+            fields(&container),
+            (Some("a.safetensors".into()), None, None, Some("w"))
+        );
+        let invalid = Error::invalid("temperature", "must be >= 0");
+        assert_eq!(fields(&invalid), (None, None, Some("temperature"), None));
+        let internal = Error::Internal("x".into());
+        assert_eq!(fields(&internal), (None, None, None, None));
+    }
 }

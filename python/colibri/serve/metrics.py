@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from colibri.model import GenerationResult, Model
+from colibri.model import Model
+from colibri.results import GenerationResult
 
 #: Generations kept for the dashboard's charts and heat map.
 HISTORY = 120

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from colibri.model import BatchEntry, GenerationResult, Model, Session
+from colibri.model import BatchEntry, Model, Session
+from colibri.results import GenerationResult
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,0 +1,271 @@
+"""Argument checking for :class:`colibri.Model`: the option vocabulary (from the engine),
+numbers, byte sizes, draft depths, chat templates, JSON schemas, and the logit-processing
+keywords of a generation. Every failure is an :class:`InvalidArgumentError` that names the
+argument."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from colibri import _core
+from colibri.errors import ConfigError, InvalidArgumentError
+from colibri.sampling import SamplingParams
+
+DraftMode = Literal["auto", "mtp", "ngram", "off"]
+IoMode = Literal["auto", "mmap", "pread", "direct"]
+PrefetchMode = Literal["auto", "off", "hint", "real"]
+
+# The vocabulary of the string options comes from the Rust engine (crate::engine::CHOICES);
+# the Literal types above repeat it for type checkers, and a test keeps them equal.
+_CHOICES: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in _core.choices().items()}
+_LIMITS: dict[str, int] = dict(_core.limits())
+_DRAFT_MODES = _CHOICES["draft"]
+_IO_MODES = _CHOICES["io"]
+_PREFETCH_MODES = _CHOICES["prefetch"]
+
+
+def _check_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise InvalidArgumentError(
+            f"invalid value for '{name}': {value!r}; expected one of {', '.join(choices)}"
+        )
+    return value
+
+
+#: Largest integer any parameter takes (the engine's 64-bit sizes and counts).
+_MAX_INT = 2**63 - 1
+#: Most compute threads a model accepts.
+MAX_THREADS = 4096
+#: Text bytes one token may stand for, at least: the bound on a prompt's size before it is
+#: tokenised is ``max_context`` times this or the vocabulary's longest token, whichever is
+#: larger (a normaliser may also drop characters; 32 leaves room for that).
+MIN_BYTES_PER_TOKEN = 32
+
+
+def _check_int(
+    name: str, value: object, *, minimum: int | None = None, maximum: int = _MAX_INT
+) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgumentError(f"invalid value for '{name}': {value!r}; expected an integer")
+    v = int(value)
+    if minimum is not None and v < minimum:
+        raise InvalidArgumentError(f"invalid value for '{name}': {v}; must be >= {minimum}")
+    if v > maximum:
+        raise InvalidArgumentError(f"invalid value for '{name}': {v}; must be <= {maximum}")
+    return v
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentError(f"invalid value for '{name}': {value!r}; expected a number")
+    v = float(value)
+    if not np.isfinite(v):
+        raise InvalidArgumentError(f"invalid value for '{name}': {v}; must be a finite number")
+    return v
+
+
+_SIZE_UNITS = {
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
+
+
+def parse_size(name: str, text: str) -> int:
+    """Parse a byte size such as ``"4GiB"``, ``"500MB"`` or ``"1048576"`` for parameter
+    ``name``; anything else is an :class:`InvalidArgumentError`."""
+    t = text.strip().lower().removesuffix("b")
+    try:
+        for suffix in sorted(_SIZE_UNITS, key=len, reverse=True):
+            if t.endswith(suffix):
+                value = int(float(t[: -len(suffix)]) * _SIZE_UNITS[suffix])
+                break
+        else:
+            value = int(t)
+    except (ValueError, OverflowError):  # "abc", "nanGB", "infGB"
+        raise InvalidArgumentError(
+            f"invalid value for '{name}': {text!r}; use bytes or a unit, e.g. '8GB', '512MiB'"
+        ) from None
+    if value < 0:
+        raise InvalidArgumentError(f"invalid value for '{name}': {text!r}; must be >= 0")
+    if value > _MAX_INT:
+        raise InvalidArgumentError(f"invalid value for '{name}': {text!r}; must be < 2**63")
+    return value
+
+
+def _parse_bytes(name: str, value: int | str | None) -> int | None:
+    """``None``, an int of bytes, or a string like ``"8GB"`` / ``"512MiB"``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return parse_size(name, value)
+    return _check_int(name, value, minimum=0)
+
+
+def _check_depth(depth: object) -> int:
+    if depth == "auto":
+        return 0
+    d = _check_int("draft_depth", depth, minimum=1)
+    cap = _LIMITS["max_draft_depth"]
+    if d > cap:
+        raise InvalidArgumentError(
+            f"invalid value for 'draft_depth': {d}; must be 1..{cap} or 'auto'"
+        )
+    return d
+
+
+def _template_text(value: str | os.PathLike[str] | None) -> str | None:
+    """A chat template given as text, or as the path of a file holding it."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike) or (
+        isinstance(value, str) and "{" not in value and Path(value).is_file()
+    ):
+        path = Path(value)
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidArgumentError(
+                f"invalid value for 'chat_template': cannot read {path}: {e}"
+            ) from e
+    if not isinstance(value, str) or not value:
+        raise InvalidArgumentError(
+            f"invalid value for 'chat_template': {value!r}; expected template text or a file"
+        )
+    return value
+
+
+def _schema_text(value: object) -> str:
+    """``guided_json`` as JSON text: a dict, JSON text, or a pydantic model class."""
+    to_schema = getattr(value, "model_json_schema", None)
+    if callable(to_schema):
+        value = to_schema()
+    if isinstance(value, str):
+        if not value.strip():
+            raise InvalidArgumentError("invalid value for 'guided_json': the schema is empty")
+        return value
+    if isinstance(value, (Mapping, bool)):
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(
+                f"invalid value for 'guided_json': the schema is not JSON-serialisable: {e}"
+            ) from None
+    raise InvalidArgumentError(
+        f"invalid value for 'guided_json': {value!r}; expected a JSON schema (a dict or its "
+        "JSON text)"
+    )
+
+
+def _is_batch(prompt: object) -> bool:
+    """A list of prompts (texts, or token-id lists), as opposed to one prompt's token ids."""
+    return (
+        isinstance(prompt, (list, tuple))
+        and len(prompt) > 0
+        and all(isinstance(p, (str, list, tuple)) for p in prompt)
+    )
+
+
+def _choices(n: object, sampling_params: object) -> int:
+    """How many completions a call asks for (``n``, as a keyword or in ``sampling_params``)."""
+    in_params = sampling_params.n if isinstance(sampling_params, SamplingParams) else None
+    if n is not None and in_params is not None:
+        raise InvalidArgumentError("'n' is given both as a keyword and in sampling_params")
+    value = n if n is not None else in_params
+    if value is None:
+        return 1
+    return _check_int("n", value, minimum=1, maximum=_MAX_CHOICES)
+
+
+#: Most completions one call may ask for (each decodes in the same batch, on its own KV).
+_MAX_CHOICES = 64
+
+
+def _default_max_new_tokens(gc: Mapping[str, Any], path: Path) -> int:
+    """``max_new_tokens`` of ``generation_config.json`` (the model author's default length),
+    else 128."""
+    value = gc.get("max_new_tokens")
+    if value is None:
+        return 128
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"{path}: 'max_new_tokens' must be a positive integer, not {value!r}; fix or remove it"
+        )
+    return value
+
+
+def _check_alternatives(name: str, value: object) -> int | None:
+    """``logprobs`` / ``prompt_logprobs``: how many most likely alternatives to report
+    (``None``: no log-probabilities at all)."""
+    if value is None:
+        return None
+    cap = _LIMITS["max_top_logprobs"]
+    k = _check_int(name, value, minimum=0)
+    if k > cap:
+        raise InvalidArgumentError(f"invalid value for '{name}': {k} alternatives; at most {cap}")
+    return k
+
+
+def _check_processing(
+    given: Mapping[str, Any], check_token: Callable[[str, object], int]
+) -> dict[str, Any]:
+    """The logit-processing, logprobs and progress arguments of a generation (``given``:
+    the call's keywords), validated; ``check_token`` checks a token id against the
+    vocabulary."""
+    out: dict[str, Any] = {}
+    min_p = _check_float("min_p", given.get("min_p", 0.0))
+    if not 0.0 <= min_p <= 1.0:
+        raise InvalidArgumentError(f"invalid value for 'min_p': {min_p}; must be in [0, 1]")
+    out["min_p"] = min_p
+    rep = _check_float("repetition_penalty", given.get("repetition_penalty", 1.0))
+    if rep <= 0:
+        raise InvalidArgumentError(
+            f"invalid value for 'repetition_penalty': {rep}; must be > 0 (1 = off)"
+        )
+    out["repetition_penalty"] = rep
+    for name in ("presence_penalty", "frequency_penalty"):
+        out[name] = _check_float(name, given.get(name, 0.0))
+    bias = given.get("logit_bias") or {}
+    if not isinstance(bias, Mapping):
+        raise InvalidArgumentError(
+            f"invalid value for 'logit_bias': {bias!r}; expected a mapping of token id to a number"
+        )
+    pairs: list[tuple[int, float]] = []
+    for tok, value in bias.items():
+        t = check_token("logit_bias", tok)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgumentError(
+                f"invalid value for 'logit_bias': token {t}: {value!r} is not a number"
+            )
+        v = float(value)
+        if v != v or v == float("inf"):
+            raise InvalidArgumentError(
+                f"invalid value for 'logit_bias': token {t}: {v}; use a finite number, or "
+                "-inf to ban the token"
+            )
+        pairs.append((t, v))
+    out["logit_bias"] = pairs
+    out["min_tokens"] = _check_int("min_tokens", given.get("min_tokens", 0), minimum=0)
+    if out["min_tokens"] >= 1 << 63:
+        raise InvalidArgumentError("invalid value for 'min_tokens': too large")
+    for name in ("logprobs", "prompt_logprobs"):
+        out[name] = _check_alternatives(name, given.get(name))
+    progress = given.get("prefill_progress")
+    if progress is not None and not callable(progress):
+        raise InvalidArgumentError(
+            f"invalid value for 'prefill_progress': {progress!r}; expected a callable "
+            "taking (done, total)"
+        )
+    out["prefill_progress"] = progress
+    return out

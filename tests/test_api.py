@@ -1374,6 +1374,7 @@ def test_option_vocabulary_and_stats_names_come_from_the_engine() -> None:
         ("io", validation.IoMode),
         ("prefetch", validation.PrefetchMode),
         ("draft", validation.DraftMode),
+        ("prefill", validation.PrefillMode),
     ]:
         assert list(typing.get_args(alias)) == choices[name], name
     py_fields = set(colibri.GenerationStats.__dataclass_fields__) - {"extra"}
@@ -1679,3 +1680,33 @@ def test_load_progress_reports_the_resident_bytes_and_its_errors_stop_the_load()
         colibri.Model(threads=2, load_progress=stop)
     with pytest.raises(colibri.InvalidArgumentError, match="'load_progress'"):
         colibri.Model(load_progress=3)  # type: ignore[arg-type]
+
+
+def test_prefill_arithmetic_option_is_chosen_reported_and_keeps_drafting_lossless() -> None:
+    """``prefill="int8"`` changes the prompt's forward only: the first token's logprob moves a
+    little against the exact prefill, drafting after it still equals plain decoding after
+    the same prefill, and ``info()`` reports what "auto" chose."""
+    prompt = (
+        "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n"
+        "    while i < len(a) and j < len(b):\n"
+    )
+    exact = colibri.Model(threads=1, prefill="exact")
+    int8 = colibri.Model(threads=1, prefill="int8")
+    auto = colibri.Model(threads=1)
+    assert exact.info()["prefill"] == "exact"
+    assert int8.info()["prefill"] == "int8"
+    vnni = {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= set(_core.cpu_features())
+    assert auto.info()["prefill"] == ("int8" if vnni else "exact")
+    assert len(exact.encode(prompt)) >= 16
+    kw: dict[str, Any] = {"max_new_tokens": 24, "temperature": 0, "logprobs": 0}
+    a = exact.generate(prompt, draft="off", **kw)
+    b = int8.generate(prompt, draft="off", **kw)
+    assert a.logprobs is not None and b.logprobs is not None
+    # The first token comes from the prefill's last row: int8 moves its logprob a little.
+    assert a.logprobs[0] != b.logprobs[0]
+    assert abs(a.logprobs[0] - b.logprobs[0]) < 0.1
+    for draft, depth in [("mtp", 2), ("mtp", "auto"), ("ngram", 3)]:
+        out = int8.generate(prompt, draft=draft, draft_depth=depth, **kw)
+        assert out.token_ids == b.token_ids, (draft, depth)
+    with pytest.raises(colibri.InvalidArgumentError, match="prefill"):
+        colibri.Model(prefill="fast")  # type: ignore[arg-type]

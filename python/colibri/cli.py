@@ -121,6 +121,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         help="router-lookahead prefetch of experts (default auto)",
     )
     g.add_argument(
+        "--prefill",
+        default="auto",
+        choices=_core.choices()["prefill"],
+        help="arithmetic of prompts of 16+ tokens: exact, or int8 activations (faster, "
+        "approximate; decoding stays exact); auto = int8 where the CPU has AVX-512 VNNI",
+    )
+    g.add_argument(
         "--ram-budget",
         default=None,
         help="bytes the expert cache may hold, e.g. 8GB (default: from available memory)",
@@ -228,6 +235,7 @@ def _load(args: argparse.Namespace) -> Any:
         revision=args.revision,
         ram_budget=args.ram_budget,
         io=args.io,
+        prefill=args.prefill,
         prefetch=args.prefetch,
         draft=getattr(args, "draft", "auto"),
         draft_depth=_depth(getattr(args, "draft_depth", "auto")),

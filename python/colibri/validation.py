@@ -20,6 +20,7 @@ from colibri.sampling import SamplingParams
 DraftMode = Literal["auto", "mtp", "ngram", "off"]
 IoMode = Literal["auto", "mmap", "pread", "direct"]
 PrefetchMode = Literal["auto", "off", "hint", "real"]
+PrefillMode = Literal["auto", "exact", "int8"]
 
 # The vocabulary of the string options comes from the Rust engine (crate::engine::CHOICES);
 # the Literal types above repeat it for type checkers, and a test keeps them equal.
@@ -28,6 +29,7 @@ _LIMITS: dict[str, int] = dict(_core.limits())
 _DRAFT_MODES = _CHOICES["draft"]
 _IO_MODES = _CHOICES["io"]
 _PREFETCH_MODES = _CHOICES["prefetch"]
+_PREFILL_MODES = _CHOICES["prefill"]
 
 
 def _check_choice(name: str, value: object, choices: Sequence[str]) -> str:

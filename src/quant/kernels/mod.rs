@@ -280,7 +280,7 @@ pub fn matmul_in(
         return matmul(w, x, s, y, pool);
     }
     check_shapes(w, x.len(), s, y.len())?;
-    let q = int8act::QuantizedActs::new(x, s, w.cols());
+    let q = int8act::QuantizedActs::new(x, s, w.cols(), pool);
     int8act::matmul_quantized(w, &q, y, int8_on_simd()?, pool)
 }
 
@@ -309,7 +309,7 @@ pub fn expert_ffn_in(
     check_shapes(gate, x.len(), s, hidden_len)?;
     check_shapes(down, hidden_len, s, out.len())?;
     let simd = int8_on_simd()?;
-    let q = int8act::QuantizedActs::new(x, s, h);
+    let q = int8act::QuantizedActs::new(x, s, h, pool);
     let mut g = vec![0.0f32; hidden_len];
     let mut u = vec![0.0f32; hidden_len];
     int8act::matmul_quantized(gate, &q, &mut g, simd, pool)?;
@@ -317,7 +317,7 @@ pub fn expert_ffn_in(
     for (g, u) in g.iter_mut().zip(&u) {
         *g = silu(*g) * u;
     }
-    let qh = int8act::QuantizedActs::new(&g, s, f);
+    let qh = int8act::QuantizedActs::new(&g, s, f, pool);
     int8act::matmul_quantized(down, &qh, out, simd, pool)
 }
 

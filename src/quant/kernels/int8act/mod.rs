@@ -98,28 +98,47 @@ pub struct QuantizedActs {
 }
 
 impl QuantizedActs {
-    /// Quantise `x` ([rows, cols] row-major).
-    pub fn new(x: &[f32], rows: usize, cols: usize) -> Self {
+    /// Quantise `x` ([rows, cols] row-major), rows in parallel on `pool` when given (each
+    /// row's values do not depend on how rows are split).
+    pub fn new(x: &[f32], rows: usize, cols: usize, pool: Option<&rayon::ThreadPool>) -> Self {
         let chunks = chunks_for(cols);
         let blocks = chunks * LANES;
         let mut q = vec![Line([0; 64]); rows * blocks];
         let mut scales = vec![0.0f32; rows * blocks];
         let mut sums = vec![0i32; rows * blocks];
-        let mut xq = [0i8; BLOCK];
-        for r in 0..rows {
-            let row = &x[r * cols..(r + 1) * cols];
-            let lines = &mut q[r * blocks..(r + 1) * blocks];
-            for (b, src) in row.chunks(BLOCK).enumerate() {
-                let (scale, sum) = quantize_block(src, &mut xq);
-                scales[r * blocks + b] = scale;
-                sums[r * blocks + b] = sum;
-                let (c, j) = (b / LANES, b % LANES);
-                for k in 0..BLOCK / 4 {
-                    let dst = &mut lines[c * LANES + k].0[4 * j..4 * j + 4];
-                    for (d, v) in dst.iter_mut().zip(&xq[4 * k..4 * k + 4]) {
-                        *d = *v as u8;
+        let one_row =
+            |r: usize, (lines, (scales, sums)): (&mut [Line], (&mut [f32], &mut [i32]))| {
+                let mut xq = [0i8; BLOCK];
+                for (b, src) in x[r * cols..(r + 1) * cols].chunks(BLOCK).enumerate() {
+                    let (scale, sum) = quantize_block(src, &mut xq);
+                    scales[b] = scale;
+                    sums[b] = sum;
+                    let (c, j) = (b / LANES, b % LANES);
+                    for k in 0..BLOCK / 4 {
+                        let dst = &mut lines[c * LANES + k].0[4 * j..4 * j + 4];
+                        for (d, v) in dst.iter_mut().zip(&xq[4 * k..4 * k + 4]) {
+                            *d = *v as u8;
+                        }
                     }
                 }
+            };
+        if cols > 0 {
+            match pool {
+                Some(pool) if rows > 1 => pool.install(|| {
+                    q.par_chunks_mut(blocks)
+                        .zip(
+                            scales
+                                .par_chunks_mut(blocks)
+                                .zip(sums.par_chunks_mut(blocks)),
+                        )
+                        .enumerate()
+                        .for_each(|(r, row)| one_row(r, row))
+                }),
+                _ => q
+                    .chunks_mut(blocks)
+                    .zip(scales.chunks_mut(blocks).zip(sums.chunks_mut(blocks)))
+                    .enumerate()
+                    .for_each(|(r, row)| one_row(r, row)),
             }
         }
         QuantizedActs {
@@ -275,9 +294,10 @@ fn check(w: &QMatrix<'_>, x: &QuantizedActs, y_len: usize) -> Result<()> {
 }
 
 /// Activation rows per pass over the weights: the quantised rows of a pass stay in L2
-/// (256 KiB), and every weight row is decoded once per pass.
+/// (1 MiB of them; L2 is 1–2 MiB per core on the VNNI CPUs), and every weight row is decoded
+/// once per pass.
 fn rows_per_pass(cols: usize) -> usize {
-    ((256 << 10) / (chunks_for(cols) * LANES * 64)).max(8)
+    ((1 << 20) / (chunks_for(cols) * LANES * 64)).max(8)
 }
 
 /// `y ≈ x · Wᵀ` by the int8 arithmetic, for activations already quantised: on the VNNI kernel

@@ -41,7 +41,7 @@ fn only_formats_with_block_constant_scales_have_an_int8_form() {
     assert!(!supports(QuantFormat::Int4Grouped { group_size: 96 }));
     assert!(!supports(QuantFormat::Bf16));
     let p = quantize(QuantFormat::Bf16, "w", &values(64, 1), 1, 64).unwrap();
-    let x = QuantizedActs::new(&values(64, 2), 1, 64);
+    let x = QuantizedActs::new(&values(64, 2), 1, 64, None);
     let err = reference_matmul(&p.view(), &x, &mut [0.0]).unwrap_err();
     assert!(err.to_string().contains("no int8-activation form"), "{err}");
 }
@@ -50,7 +50,7 @@ fn only_formats_with_block_constant_scales_have_an_int8_form() {
 fn activations_round_to_127_steps_of_their_block_maximum() {
     let mut x = values(200, 3);
     x[64..128].fill(0.0); // an all-zero block
-    let q = QuantizedActs::new(&x, 1, 200);
+    let q = QuantizedActs::new(&x, 1, 200, None);
     assert_eq!(q.chunks, 1);
     for b in 0..4 {
         let src = &x[b * 64..((b + 1) * 64).min(200)];
@@ -77,7 +77,7 @@ fn reference_is_the_blockwise_integer_dot_product() {
         let (o, i, s) = (5, 300, 3);
         let p = quantize(format, "w", &values(o * i, 4), o, i).unwrap();
         let x = values(s * i, 5);
-        let q = QuantizedActs::new(&x, s, i);
+        let q = QuantizedActs::new(&x, s, i, None);
         let mut y = vec![0.0f32; s * o];
         reference_matmul(&p.view(), &q, &mut y).unwrap();
         let mut wrow = vec![0.0f32; i];
@@ -114,7 +114,7 @@ fn int8_activations_stay_close_to_the_exact_product() {
         let mut exact = vec![0.0f32; s * o];
         scalar::matmul(&p.view(), &x, s, &mut exact);
         let mut approx = vec![0.0f32; s * o];
-        let q = QuantizedActs::new(&x, s, i);
+        let q = QuantizedActs::new(&x, s, i, None);
         reference_matmul(&p.view(), &q, &mut approx).unwrap();
         let rms = (exact.iter().map(|v| v * v).sum::<f32>() / exact.len() as f32).sqrt();
         let worst = exact
@@ -133,9 +133,9 @@ fn int8_activations_stay_close_to_the_exact_product() {
 #[test]
 fn shape_mismatches_are_errors() {
     let p = quantize(QuantFormat::Int8PerRow, "w", &values(4 * 64, 8), 4, 64).unwrap();
-    let q = QuantizedActs::new(&values(2 * 65, 9), 2, 65);
+    let q = QuantizedActs::new(&values(2 * 65, 9), 2, 65, None);
     assert!(reference_matmul(&p.view(), &q, &mut [0.0; 8]).is_err());
-    let q = QuantizedActs::new(&values(2 * 64, 9), 2, 64);
+    let q = QuantizedActs::new(&values(2 * 64, 9), 2, 64, None);
     assert!(reference_matmul(&p.view(), &q, &mut [0.0; 7]).is_err());
 }
 
@@ -195,7 +195,10 @@ fn vnni_kernel_equals_the_reference_bit_for_bit() {
             for &(o, s) in &[(1usize, 1usize), (3, 5), (4, 4), (9, 7), (17, 11), (6, 40)] {
                 let p = quantize(format, "w", &values(o * i, (o * i) as u64), o, i).unwrap();
                 let x = values(s * i, (s + i) as u64);
-                let q = QuantizedActs::new(&x, s, i);
+                let q = QuantizedActs::new(&x, s, i, None);
+                let qp = QuantizedActs::new(&x, s, i, Some(&pool));
+                assert!(q.q.iter().zip(&qp.q).all(|(a, b)| a.0 == b.0));
+                assert_eq!((&q.scales, &q.sums), (&qp.scales, &qp.sums));
                 let mut want = vec![0.0f32; s * o];
                 reference_matmul(&p.view(), &q, &mut want).unwrap();
                 let mut got = vec![0.0f32; s * o];
@@ -223,7 +226,7 @@ fn vnni_kernel_equals_the_reference_bit_for_bit() {
         i,
     )
     .unwrap();
-    let q = QuantizedActs::new(&values(s * i, 12), s, i);
+    let q = QuantizedActs::new(&values(s * i, 12), s, i, None);
     let mut whole = vec![0.0f32; o * s];
     let mut passes = vec![0.0f32; o * s];
     // SAFETY: VNNI checked above; the shapes agree and the chunk is the whole matrix.

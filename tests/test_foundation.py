@@ -101,6 +101,12 @@ def test_engine_errors_map_to_the_hierarchy_with_their_fields(
     assert not str(info.value).startswith("[Errno")
 
 
+def test_the_shipped_module_has_no_test_hooks() -> None:
+    """The tests run against the binary that ships, and it carries no test-only entry points
+    (docs/development.md: what the API cannot reach is tested in Rust)."""
+    assert [n for n in dir(_core) if n.startswith("_") and not n.startswith("__")] == []
+
+
 def test_engine_warnings_reach_the_colibri_logger(
     tmp_path: Path, test_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

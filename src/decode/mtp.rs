@@ -83,10 +83,12 @@ impl MtpDrafter {
                 let n = chunk.min(rows - done);
                 check_cancel(cancel)?;
                 let pos = start + done;
+                // One chunk of all the rows (the usual case) passes them without a copy.
+                let part = (n < rows).then(|| self.pending.slice(done..done + n));
                 // Only the last row's logits are read (they give d1).
                 let out = target.mtp_step_last(
                     &context[pos + 1..pos + 1 + n],
-                    &self.pending.slice(done..done + n),
+                    part.as_ref().unwrap_or(&self.pending),
                     pos,
                 )?;
                 self.forwards += 1;

@@ -7,7 +7,8 @@
 //! [`MtpForward::post_norm_hidden`](super::MtpForward::post_norm_hidden) and
 //! `Model::step_batch`, plus the saved-context loader restoring rows the model built. The
 //! decode loop holds, slices, joins and passes them back to `Model::mtp_step`; it cannot make
-//! one up from arbitrary numbers, so a pre-norm state can never reach the head.
+//! one itself, so whatever reaches the head went through the norm the model applies (a
+//! pre-norm residual passed by mistake does not type-check).
 
 use std::ops::Range;
 

@@ -229,10 +229,16 @@ fn vnni_kernel_equals_the_reference_bit_for_bit() {
     let q = QuantizedActs::new(&values(s * i, 12), s, i, None);
     let mut whole = vec![0.0f32; o * s];
     let mut passes = vec![0.0f32; o * s];
-    // SAFETY: VNNI checked above; the shapes agree and the chunk is the whole matrix.
+    // SAFETY: VNNI checked above; the shapes agree, the outputs are [S, O] and one call
+    // writes every column.
     unsafe {
-        vnni::rows(&p.view(), 0, &q, s, &mut whole);
-        vnni::rows(&p.view(), 0, &q, 5, &mut passes);
+        let into = |y: &mut [f32]| OutColumns {
+            ptr: y.as_mut_ptr(),
+            s,
+            o,
+        };
+        vnni::rows(&p.view(), 0, o, &q, s, into(&mut whole));
+        vnni::rows(&p.view(), 0, o, &q, 5, into(&mut passes));
     }
     assert_eq!(whole, passes);
 }

@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{block_scales, offset_shift, sum_lanes, Line, QuantizedActs, BLOCK, LANES};
+use super::{block_scales, offset_shift, sum_lanes, Line, OutColumns, QuantizedActs, BLOCK, LANES};
 use crate::quant::format::{QMatrix, QuantFormat};
 
 /// Weight rows decoded per pass.
@@ -191,8 +191,8 @@ unsafe fn tile<const NW: usize, const NA: usize>(
     }
 }
 
-/// [`tile`] for run-time sizes (1..=4 each), results into `out` ([n, s] transposed) at weight
-/// row `i0` and activation row `t0`.
+/// [`tile`] for run-time sizes (1..=4 each), results into `out` at weight row `o` (its
+/// column) and activation row `t0`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_into(
@@ -203,16 +203,19 @@ unsafe fn tile_into(
     x: &QuantizedActs,
     t0: usize,
     shift: u32,
-    i0: usize,
-    out: &mut [f32],
+    o: usize,
+    out: OutColumns,
 ) {
-    let s = x.rows;
     macro_rules! run {
         ($nw:literal, $na:literal) => {{
             // SAFETY: forwarded from the caller.
             let v = unsafe { tile::<$nw, $na>(wl, ws, x, t0, shift) };
             for (r, row) in v.iter().enumerate() {
-                out[(i0 + r) * s + t0..(i0 + r) * s + t0 + $na].copy_from_slice(row);
+                for (a, value) in row.iter().enumerate() {
+                    // SAFETY: the caller's contract: columns `o..o + nw` are this task's and
+                    // `t0 + na <= S`.
+                    unsafe { out.set(t0 + a, o + r, *value) };
+                }
             }
         }};
     }
@@ -236,22 +239,23 @@ unsafe fn tile_into(
     }
 }
 
-/// `out[i·S + t] ≈ W[o0 + i] · x_t` by the int8 arithmetic, for the rows of one chunk (`out`
-/// is [n, S]), the activations in passes of `pass` rows.
+/// `y[t, o0 + i] ≈ W[o0 + i] · x_t` by the int8 arithmetic for `i < n`, every t, the
+/// activations in passes of `pass` rows.
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW, VL and VNNI; `x.cols == w.cols()`, `w`'s format is one
-/// [`super::supports`] accepts, and `o0 + out.len() / x.rows <= w.rows()`.
+/// [`super::supports`] accepts, `o0 + n <= w.rows()`, `out` is [x.rows, w.rows()], and no
+/// other task writes its columns `o0..o0 + n`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn rows(
     w: &QMatrix<'_>,
     o0: usize,
+    n: usize,
     x: &QuantizedActs,
     pass: usize,
-    out: &mut [f32],
+    out: OutColumns,
 ) {
     let s = x.rows;
-    let n = out.len() / s;
     let blocks = x.chunks * LANES;
     let shift = offset_shift(w.format());
     let mut wl = vec![Line([0; 64]); WR * blocks];
@@ -269,8 +273,8 @@ pub(super) unsafe fn rows(
             while t < p1 {
                 let na = AR.min(p1 - t);
                 // SAFETY: the features are enabled here; rows `0..nw` of `wl`/`ws` were decoded
-                // above and `t + na <= s`.
-                unsafe { tile_into(nw, na, &wl, &ws, x, t, shift, i0, out) };
+                // above, `t + na <= s`, and columns `o0 + i0..o0 + i0 + nw` are this call's.
+                unsafe { tile_into(nw, na, &wl, &ws, x, t, shift, o0 + i0, out) };
                 t += na;
             }
         }

@@ -101,6 +101,18 @@ impl QuantizedActs {
     /// Quantise `x` ([rows, cols] row-major), rows in parallel on `pool` when given (each
     /// row's values do not depend on how rows are split).
     pub fn new(x: &[f32], rows: usize, cols: usize, pool: Option<&rayon::ThreadPool>) -> Self {
+        Self::new_on(x, rows, cols, pool, simd_available())
+    }
+
+    /// [`QuantizedActs::new`] by the AVX-512 quantiser (`simd`, which must be available) or
+    /// the scalar one: the same bytes, scales and sums for finite `x`.
+    fn new_on(
+        x: &[f32],
+        rows: usize,
+        cols: usize,
+        pool: Option<&rayon::ThreadPool>,
+        simd: bool,
+    ) -> Self {
         let chunks = chunks_for(cols);
         let blocks = chunks * LANES;
         let mut q = vec![Line([0; 64]); rows * blocks];
@@ -108,6 +120,16 @@ impl QuantizedActs {
         let mut sums = vec![0i32; rows * blocks];
         let one_row =
             |r: usize, (lines, (scales, sums)): (&mut [Line], (&mut [f32], &mut [i32]))| {
+                #[cfg(target_arch = "x86_64")]
+                if simd {
+                    // SAFETY: the caller says the CPU has AVX-512 VNNI (and F, BW, VL); the
+                    // row's lines, scales and sums are `blocks` long.
+                    unsafe {
+                        vnni::quantize_row(&x[r * cols..(r + 1) * cols], lines, scales, sums)
+                    };
+                    return;
+                }
+                let _ = simd;
                 let mut xq = [0i8; BLOCK];
                 for (b, src) in x[r * cols..(r + 1) * cols].chunks(BLOCK).enumerate() {
                     let (scale, sum) = quantize_block(src, &mut xq);

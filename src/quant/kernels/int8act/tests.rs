@@ -242,3 +242,27 @@ fn vnni_kernel_equals_the_reference_bit_for_bit() {
     }
     assert_eq!(whole, passes);
 }
+
+/// The AVX-512 quantiser gives the scalar one's bytes, scales and sums: blocks with
+/// outliers, all-zero blocks, partial last blocks and chunks, many rows on a pool.
+#[test]
+fn vector_quantiser_equals_the_scalar_one() {
+    if !simd_available() {
+        eprintln!("skipping: no AVX-512 VNNI on this CPU");
+        return;
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    for &cols in &[1usize, 17, 64, 100, 1024, 1025, 3000] {
+        let rows = 5;
+        let mut x = values(rows * cols, cols as u64);
+        x[..cols.min(64)].fill(0.0);
+        let a = QuantizedActs::new_on(&x, rows, cols, None, false);
+        let b = QuantizedActs::new_on(&x, rows, cols, Some(&pool), true);
+        assert!(a.q.iter().zip(&b.q).all(|(p, q)| p.0 == q.0), "cols {cols}");
+        assert_eq!(a.scales, b.scales, "cols {cols}");
+        assert_eq!(a.sums, b.sums, "cols {cols}");
+    }
+}

@@ -49,6 +49,7 @@ CMAKE_ARGS = "-DGGML_NATIVE=ON -DGGML_OPENMP=ON -DCMAKE_BUILD_TYPE=Release"
 CTX = 4096
 WARMUP_PROMPT = 128
 WARMUP_GEN = 8
+_KEEP: list[Any] = []
 
 
 # ------------------------------------------------------------------------------ the model
@@ -487,7 +488,8 @@ def worker_llama(a: argparse.Namespace) -> dict[str, Any]:
     import llama_cpp as L
     import numpy as np
 
-    L.llama_log_set(L.llama_log_callback(lambda *_: None), ctypes.c_void_p())
+    _KEEP.append(L.llama_log_callback(lambda *_: None))  # alive while llama.cpp may call it
+    L.llama_log_set(_KEEP[-1], ctypes.c_void_p())
     L.llama_backend_init()
     t0 = time.perf_counter()
     mp = L.llama_model_default_params()
@@ -1122,6 +1124,11 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "host": platform.node(),
         "cpu": _lscpu("Model name"),
+        "cpu_flags": sorted(
+            f
+            for f in (_lscpu("Flags") or "").split()
+            if f.startswith(("avx512", "avx_vnni", "amx", "fma", "avx2"))
+        ),
         "cpus": os.cpu_count(),
         "threads": args.threads,
         "loadavg_start": os.getloadavg(),

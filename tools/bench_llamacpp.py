@@ -761,6 +761,8 @@ def snapshot_colibri(py: str, cache: Path) -> tuple[Path, dict[str, Any]]:
         "print(json.dumps({'file': colibri.__file__, "
         "'prefill': 'prefill' in inspect.signature(colibri.Model.__init__).parameters or "
         "'prefill' in inspect.signature(colibri.Model.generate).parameters, "
+        "'prefill_modes': list(getattr(getattr(colibri, 'validation', None), "
+        "'_PREFILL_MODES', None) or ['fast', 'exact']), "
         "'version': getattr(colibri, '__version__', None)}))"
     )
     out = subprocess.run([py, "-c", code], check=True, capture_output=True, text=True)
@@ -1065,7 +1067,9 @@ def main() -> None:
     }
     col = colibri_info(args.colibri_python, snap, col_dir, cfg)
     variants: list[dict[str, Any]] = []
-    modes = ["fast", "exact"] if col_facts["prefill"] else [None]
+    # Every prefill arithmetic colibri offers ("auto" picks one of them), else its only one.
+    modes = [m for m in col_facts["prefill_modes"] if m != "auto"] if col_facts["prefill"] else []
+    modes = modes or [None]
     for mode in modes:
         variants.append(
             {
@@ -1089,7 +1093,7 @@ def main() -> None:
             "python": args.colibri_python,
             "worker": "_colibri",
             "model": str(col_dir),
-            "prefill": modes[0],
+            "prefill": None,
             "draft": "auto",
             "env": col_env,
             "kinds": ["d8", "p512"],

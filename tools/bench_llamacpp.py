@@ -774,6 +774,11 @@ def snapshot_colibri(py: str, cache: Path) -> tuple[Path, dict[str, Any]]:
     shutil.copytree(pkg, snap / "colibri", ignore=shutil.ignore_patterns("__pycache__"))
     facts["source"] = str(pkg)
     facts.update(provenance(pkg))
+    ext = sorted(pkg.glob("_core*.so"))
+    if ext:  # when the extension was built: a checkout's HEAD may have moved on since
+        facts["extension_built"] = time.strftime(
+            "%Y-%m-%dT%H:%M:%SZ", time.gmtime(ext[0].stat().st_mtime)
+        )
     return snap, facts
 
 

@@ -872,14 +872,33 @@ def run_one(variant: dict[str, Any], kind: str, args: argparse.Namespace) -> dic
     if variant.get("draft"):
         cmd += ["--draft", variant["draft"]]
     env = dict(os.environ, **variant.get("env", {}))
+    busy0, mine0 = cpu_busy(), children_cpu()
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    wall = time.perf_counter() - t0
+    # CPU the rest of the machine used meanwhile, in cores (the measurement's own excluded).
+    others = (cpu_busy() - busy0 - (children_cpu() - mine0)) / wall
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             r = json.loads(line[7:])
-            r.update(kind=kind, prompt=prompt, gen=gen, process_s=time.perf_counter() - t0)
+            r.update(kind=kind, prompt=prompt, gen=gen, process_s=wall, others_cores=others)
+            r["loadavg"] = os.getloadavg()[0]
             return r
     raise RuntimeError(f"{variant['name']} {kind} failed (rc {p.returncode}):\n{p.stderr[-3000:]}")
+
+
+def cpu_busy() -> float:
+    """CPU seconds every process on the machine has used (all cores), from /proc/stat."""
+    f = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    idle = int(f[3]) + int(f[4])
+    return (sum(int(x) for x in f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def med(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -896,8 +915,8 @@ def report(res: dict[str, Any]) -> str:
     lines = [
         "| engine | bytes/token MB | decode tok/s after 8 | decode tok/s after 512 | "
         "prefill tok/s 512 | prefill tok/s 2048 | decode % of BW | prefill % of FMA | "
-        "peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "peak RSS MiB | others' CPU (cores) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in res["variants"]:
         s = v["summary"]
@@ -914,7 +933,8 @@ def report(res: dict[str, Any]) -> str:
         pct_fma = None if best_p is None else 100 * best_p * fpt / fma
         lines.append(
             f"| {v['name']} | {bpt / 1e6:.0f} | {f(d8)} | {f(d512)} | {f(p512)} | {f(p2048)} | "
-            f"{f(pct_bw, '{:.0f}%')} | {f(pct_fma, '{:.0f}%')} | {f(s.get('peak_rss'), '{:.0f}')} |"
+            f"{f(pct_bw, '{:.0f}%')} | {f(pct_fma, '{:.0f}%')} | "
+            f"{f(s.get('peak_rss'), '{:.0f}')} | {f(s.get('others_cores'), '{:.2f}')} |"
         )
     lines.append("")
     lines.append(
@@ -1165,6 +1185,7 @@ def main() -> None:
                 log(
                     f"round {rnd} {v['name']:<28} {kind:<6} prefill {r['prefill_tok_s']:7.1f} "
                     f"decode {r['decode_tok_s'] or 0:6.1f} tok/s  RSS {r['VmHWM'] / 2**20:6.0f} MiB"
+                    f"  others {r['others_cores']:.2f} cores"
                 )
     probes.append(probe(cache, args.threads, args.probe_gib))
     log(f"  {probes[1]}")
@@ -1185,6 +1206,7 @@ def main() -> None:
             "prefill_512": med(by["p512"], "prefill_tok_s"),
             "prefill_2048": med(by["p2048"], "prefill_tok_s"),
             "peak_rss": max((r["VmHWM"] for r in mine), default=0) / 2**20,
+            "others_cores": med(mine, "others_cores"),
             "n": {k: len(x) for k, x in by.items()},
         }
         v.pop("env", None)

@@ -887,6 +887,40 @@ def run_one(variant: dict[str, Any], kind: str, args: argparse.Namespace) -> dic
     raise RuntimeError(f"{variant['name']} {kind} failed (rc {p.returncode}):\n{p.stderr[-3000:]}")
 
 
+def quiet(max_others: float, timeout: float) -> float:
+    """Wait (up to ``timeout`` s) until the rest of the machine uses at most ``max_others``
+    cores over a 1-s sample; return the last sample."""
+    end = time.monotonic() + timeout
+    while True:
+        b0, t0 = cpu_busy(), time.perf_counter()
+        time.sleep(1.0)
+        others = (cpu_busy() - b0) / (time.perf_counter() - t0)
+        if others <= max_others or time.monotonic() > end:
+            return others
+
+
+def measure(v: dict[str, Any], kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One measurement on a machine others share: wait for a quiet moment, warm the page
+    cache, run; when other processes took more than ``--max-others`` cores meanwhile, run it
+    again (``--attempts`` in all) and keep the least disturbed attempt."""
+    best: dict[str, Any] | None = None
+    tried = []
+    for _ in range(args.attempts):
+        before = quiet(args.max_others, args.quiet_wait)
+        warm([Path(v["model"])])
+        r = run_one(v, kind, args)
+        r["others_before"] = before
+        tried.append(r["others_cores"])
+        if best is None or r["others_cores"] < best["others_cores"]:
+            best = r
+        if r["others_cores"] <= args.max_others:
+            break
+        log(f"  {v['name']} {kind}: others used {r['others_cores']:.2f} cores, again")
+    assert best is not None
+    best["attempts_others"] = tried
+    return best
+
+
 def cpu_busy() -> float:
     """CPU seconds every process on the machine has used (all cores), from /proc/stat."""
     f = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
@@ -1028,6 +1062,14 @@ def main() -> None:
     ap.add_argument("--probe-gib", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per measurement")
     ap.add_argument("--keep-bf16-gguf", action="store_true")
+    ap.add_argument(
+        "--max-others",
+        type=float,
+        default=0.3,
+        help="cores other processes may use during a measurement before it is repeated",
+    )
+    ap.add_argument("--attempts", type=int, default=3, help="tries per measurement")
+    ap.add_argument("--quiet-wait", type=float, default=120, help="seconds to wait for quiet")
     ap.add_argument("--json", type=Path, default=None, help="default: CACHE/results-<time>.json")
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
@@ -1172,14 +1214,14 @@ def main() -> None:
     probes = [probe(cache, args.threads, args.probe_gib)]
     log(f"  {probes[0]}")
     rows: list[dict[str, Any]] = []
+    out = args.json or cache / f"results-{tag}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     for rnd in range(rounds):
         order = variants if rnd % 2 == 0 else variants[::-1]
         for kind in KINDS:
             for v in order:
                 if kind not in v["kinds"]:
                     continue
-                warm([Path(v["model"])])
-                r = run_one(v, kind, args)
+                r = measure(v, kind, args)
                 r.update(variant=v["name"], round=rnd)
                 rows.append(r)
                 log(
@@ -1187,9 +1229,26 @@ def main() -> None:
                     f"decode {r['decode_tok_s'] or 0:6.1f} tok/s  RSS {r['VmHWM'] / 2**20:6.0f} MiB"
                     f"  others {r['others_cores']:.2f} cores"
                 )
+            partial = results(facts, model, col, probes, variants, rows)
+            out.write_text(json.dumps(partial, indent=1))
     probes.append(probe(cache, args.threads, args.probe_gib))
-    log(f"  {probes[1]}")
+    log(f"  {probes[-1]}")
     facts["loadavg_end"] = os.getloadavg()
+    res = results(facts, model, col, probes, variants, rows)
+    out.write_text(json.dumps(res, indent=1))
+    print(report(res))
+    print(f"\nJSON: {out}")
+
+
+def results(
+    facts: dict[str, Any],
+    model: dict[str, Any],
+    col: dict[str, Any],
+    probes: list[dict[str, Any]],
+    variants: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """Everything measured so far, with each variant's medians and the goals' ratios."""
     ceilings = {
         "read_GBps": max(p["read_GBps"] for p in probes),
         "fma_f32_GFLOPs": max(p["fma_f32_GFLOPs"] for p in probes),
@@ -1197,9 +1256,11 @@ def main() -> None:
         "probes": probes,
         "method": "rustc-compiled probe (benches/probes.rs method), before and after; max",
     }
+    out = []
     for v in variants:
         mine = [r for r in rows if r["variant"] == v["name"]]
         by = {k: [r for r in mine if r["kind"] == k] for k in KINDS}
+        v = {k: x for k, x in v.items() if k != "env"}
         v["summary"] = {
             "decode_8": med(by["d8"], "decode_tok_s"),
             "decode_512": med(by["p512"], "decode_tok_s"),
@@ -1209,20 +1270,17 @@ def main() -> None:
             "others_cores": med(mine, "others_cores"),
             "n": {k: len(x) for k, x in by.items()},
         }
-        v.pop("env", None)
+        out.append(v)
     res = {
         "facts": facts,
         "model": model,
         "colibri_bytes": col,
         "ceilings": ceilings,
-        "variants": variants,
+        "variants": out,
         "rows": rows,
     }
     res["ratios"] = ratios(res)
-    out = args.json or cache / f"results-{tag}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(res, indent=1))
-    print(report(res))
-    print(f"\nJSON: {out}")
+    return res
 
 
 def _lscpu(field: str) -> str | None:

@@ -725,9 +725,11 @@ def llama_venv(cache: Path, cmake_args: str) -> Path:
     pip = [str(py), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, "-U", "pip"], check=True)
     env = dict(os.environ, CMAKE_ARGS=cmake_args, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count()))
+    nice = ["nice", "-n", "10"] if shutil.which("nice") else []  # a long build, others first
     with open(cache / "llama-build.log", "w") as logf:
         subprocess.run(
             [
+                *nice,
                 *pip,
                 "-v",
                 "--no-binary",

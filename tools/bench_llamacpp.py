@@ -477,6 +477,7 @@ def worker_colibri(a: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_forward": st.tokens_per_forward,
         "generated": st.generated_tokens,
         "expert_misses": st.expert_misses,
+        "prefill_resolved": m.info().get("prefill"),  # the arithmetic "auto" chose
         "tokens": list(out.token_ids[:16]),
         **vm_status(),
     }

@@ -1,0 +1,90 @@
+"""tools/bench_llamacpp.py's arithmetic and the model it builds, without llama.cpp.
+
+The side-by-side benchmark itself needs a llama-cpp-python build (minutes) and is not run
+here; these check what its ratios rest on: the flops per token, the bytes per token colibri
+reports for the synthetic model, and the shared tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "bench_llamacpp.py"
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("bench_llamacpp", TOOL)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_matmuls_cover_every_weight(tool, quick):
+    """With every expert active, the per-token matrices are exactly the checkpoint's 2-D
+    weights less the embedding: the flops formula misses and double-counts nothing."""
+    cfg = tool.bench_config(quick)
+    every = dict(cfg, num_experts_per_tok=cfg["n_routed_experts"])
+    embed = cfg["vocab_size"] * cfg["hidden_size"]
+    total, active = tool.params(every)
+    assert active == total - embed
+    assert tool.flops_per_token(every) == 2 * active
+
+
+def test_full_size_model(tool):
+    """The documented model: 14 layers, 8 of 64 experts, ~5.56 G parameters, 1.824 GFLOP
+    per token."""
+    cfg = tool.bench_config(False)
+    assert (cfg["num_hidden_layers"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]) == (
+        14,
+        64,
+        8,
+    )
+    total, active = tool.params(cfg)
+    assert total == 5_557_714_944
+    assert tool.flops_per_token(cfg) == 2 * active == 1_823_997_952
+
+
+def test_vocab_is_a_valid_bpe(tool, tmp_path):
+    from tokenizers import Tokenizer
+
+    tokens, merges = tool.vocab(4096)
+    assert len(tokens) == 4096 and len(set(tokens)) == 4096
+    assert len(merges) == 4096 - 258
+    tool.write_tokenizer(tmp_path, 4096)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() == 4096
+    text = "def f(x):\n    return 'héllo' * 2"
+    assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_colibri_bytes_per_token(tool, tmp_path):
+    """The quick model converts with colibri's defaults, loads with the generated tokenizer,
+    and the bytes per token read from Model.info() match int4-g64 matrices, an int8 LM head
+    and f32 routers."""
+    from colibri.convert import convert
+
+    cfg = tool.bench_config(True)
+    tool.make_checkpoint(tmp_path / "hf", cfg)
+    convert(str(tmp_path / "hf"), str(tmp_path / "col"))
+    got = tool.colibri_info(sys.executable, tmp_path, tmp_path / "col", cfg)
+    want = 0
+    for role, rows, cols, n in tool.matmuls(cfg):
+        if role == "lm_head":
+            per = rows * (cols + 4)
+        elif role == "router":
+            per = rows * cols * 4
+        else:
+            per = rows * (cols // 2 + cols // 64 * 4)
+        want += per * n
+    assert abs(got["bytes_per_token"] - want) / want < 0.01
+    assert json.loads((tmp_path / "col" / "config.json").read_text())["num_experts_per_tok"] == 4

@@ -369,7 +369,6 @@ fn top1_agreement(a: &[f32], b: &[f32], v: usize) -> f64 {
 /// (`golden_int4.safetensors`), teacher-forced over prompt + greedy continuation.
 #[test]
 fn default_quantized_container_matches_transformers_on_dequantized_weights() {
-    use colibri::convert::{convert, ConvertOptions};
     for name in FIXTURES {
         let g = Golden::load(name);
         let q = Golden::load_file(name, "golden_int4.safetensors");
@@ -382,14 +381,7 @@ fn default_quantized_container_matches_transformers_on_dequantized_weights() {
         assert_eq!(ids, forced, "{name}: golden_int4 ids");
         assert_eq!(shape, [ids.len(), shape[1]]);
 
-        let tmp = tempfile::tempdir().unwrap();
-        let (src, dst) = (tmp.path().join("src"), tmp.path().join("dst"));
-        std::fs::create_dir(&src).unwrap();
-        for f in ["config.json", "model.safetensors"] {
-            std::fs::copy(fixture_dir(name).join(f), src.join(f)).unwrap();
-        }
-        convert(&src, &dst, &ConvertOptions::default()).unwrap();
-        let c = Arc::new(Container::open(&dst).unwrap());
+        let (_tmp, c) = default_container(name);
         let mut m = Model::load(c, &ModelOptions::default()).unwrap();
         let got = m.step(&ids, 0, true).unwrap().logits;
         let v = m.config().vocab_size;

@@ -5,6 +5,8 @@
 //! folded into the query (q_lat = W_UKᵀ q_nope), scores are q_lat·c + q_rope·k_rope, and the
 //! value half of kv_b is applied after the weighted sum of latents. That is the same function
 //! transformers computes by expanding K and V, with far less work per decoded token.
+//! Long prefills in the fast arithmetic expand K and V instead, where that costs fewer
+//! multiply-adds (`mla_decompressed`).
 
 use rayon::prelude::*;
 
@@ -13,10 +15,11 @@ use crate::container::{Container, Weight};
 use crate::error::{Error, Result};
 use crate::model::indexer::{Indexer, Selection};
 use crate::model::linear;
+use crate::model::mla_decompressed;
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
 use crate::model::rope::{self, Rope};
-use crate::quant::kernels;
 use crate::quant::kernels::vecops::{VecOps, BATCH};
+use crate::quant::kernels::{self, Arithmetic};
 
 /// Query projection: low-rank with its own norm, or one plain matrix.
 enum QProj {
@@ -144,6 +147,20 @@ pub struct Attention {
     keys: KeyChoice,
 }
 
+/// How the attention product is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+// Outside the tests every forward runs `Auto`; the tests force each form to compare them.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) enum Form {
+    /// Absorbed (every decode, verify and exact forward): S-invariant, the reference form.
+    Absorbed,
+    /// Keys and values expanded per head (dense layers only; DSA layers stay absorbed).
+    Decompressed,
+    /// Decompressed in the fast prefill arithmetic where it costs fewer multiply-adds
+    /// (`mla_decompressed::pays`), absorbed otherwise.
+    Auto,
+}
+
 /// Keys per block of the attention's passes: 64 latent rows (128 KiB at kv_lora 512) stay in
 /// L2 while every group of a task's heads uses them. A multiple of BATCH.
 const KEY_BLOCK: usize = 64;
@@ -240,6 +257,25 @@ impl Attention {
         pool: Option<&rayon::ThreadPool>,
         shared: Option<&Selection>,
     ) -> Result<(Vec<f32>, Option<Selection>)> {
+        self.forward_as(xn, s, start, rope_start, kv, rope, pool, shared, Form::Auto)
+    }
+
+    /// [`forward`](Self::forward) in a chosen form of the attention product.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_as(
+        &self,
+        xn: &[f32],
+        s: usize,
+        start: usize,
+        rope_start: usize,
+        kv: &mut LayerKv,
+        rope: &Rope,
+        pool: Option<&rayon::ThreadPool>,
+        shared: Option<&Selection>,
+        form: Form,
+    ) -> Result<(Vec<f32>, Option<Selection>)> {
+        // Read on the calling thread: the pool's workers do not carry the caller's arithmetic.
+        let fast_prefill = linear::arithmetic() == Arithmetic::Int8;
         let (heads, nope, rd, vd, kl) = (
             self.heads,
             self.nope,
@@ -308,6 +344,36 @@ impl Attention {
                 let off = r * heads * qd + hh * qd + nope;
                 rope.apply(&mut q[off..off + rd], rope_start + r);
             }
+        }
+
+        let dims = mla_decompressed::Dims {
+            heads,
+            nope,
+            rope: rd,
+            v: vd,
+            kv_lora: kl,
+        };
+        let decompress = match form {
+            Form::Absorbed => false,
+            Form::Decompressed => selection.is_none(),
+            Form::Auto => {
+                fast_prefill && selection.is_none() && mla_decompressed::pays(dims, s, start)
+            }
+        };
+        if decompress {
+            let kvb = self.kv_b_proj.view();
+            let inputs = mla_decompressed::Inputs {
+                dims,
+                q: &q,
+                s,
+                start,
+                latent: &kv.latent,
+                rope_key: &kv.rope_key,
+                kv_b: &kvb,
+                scale: self.scale,
+            };
+            let o = mla_decompressed::attend(&inputs, pool)?;
+            return Ok((linear::apply(&self.o_proj, &o, s, pool)?, selected));
         }
 
         // q_lat[s, head, kv_lora] = W_UK(head)ᵀ · q_nope(s, head): stream the key rows of kv_b,

@@ -7,6 +7,7 @@ pub mod context;
 pub mod forward;
 pub mod indexer;
 pub mod linear;
+mod mla_decompressed;
 pub mod moe;
 pub mod norm;
 pub mod rope;

@@ -178,6 +178,44 @@ fn transpose16_swaps_rows_and_words() {
     }
 }
 
+/// The 16-at-once lane sum adds in `sum_lanes`' order: values whose float sum depends on the
+/// order (large and small magnitudes, cancellations) give the same bits, cell by cell.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn sum_lanes16_adds_in_the_order_of_sum_lanes() {
+    if !simd_available() {
+        eprintln!("skipping: no AVX-512 VNNI on this CPU");
+        return;
+    }
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn run(m: &[[f32; 16]; 16]) -> [f32; 16] {
+        use std::arch::x86_64::*;
+        // SAFETY: the features were checked by the caller; each row is 16 f32.
+        unsafe {
+            let v = std::array::from_fn(|c| _mm512_loadu_ps(m[c].as_ptr()));
+            vnni::sum_lanes16_for_tests(v)
+        }
+    }
+    let mut m = [[0.0f32; 16]; 16];
+    let big = values(256, 3);
+    for (c, row) in m.iter_mut().enumerate() {
+        for (i, v) in row.iter_mut().enumerate() {
+            // Magnitudes from 1e-4 to 1e8: reordering changes the rounding.
+            *v = big[c * 16 + i] * 10f32.powi(((c + 3 * i) % 13) as i32 - 4);
+        }
+    }
+    // SAFETY: checked above.
+    let got = unsafe { run(&m) };
+    let mut reordered_differs = false;
+    for c in 0..16 {
+        assert_eq!(got[c].to_bits(), sum_lanes(&m[c]).to_bits(), "cell {c}");
+        let sequential: f32 = m[c].iter().sum();
+        reordered_differs |= sequential.to_bits() != got[c].to_bits();
+    }
+    // The control: another order gives other bits for some cell, so the test can fail.
+    assert!(reordered_differs);
+}
+
 /// The VNNI kernel equals the reference bit for bit: every supported format, column counts
 /// around the block and chunk edges, every tile shape, passes of several rows, and a pool.
 #[test]

@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{block_scales, offset_shift, sum_lanes, Line, OutColumns, QuantizedActs, BLOCK, LANES};
+use super::{block_scales, offset_shift, Line, OutColumns, QuantizedActs, BLOCK, LANES};
 use crate::quant::format::{QMatrix, QuantFormat};
 
 /// Weight rows decoded per pass.
@@ -198,6 +198,10 @@ unsafe fn decode_row(w: &QMatrix<'_>, o: usize, out: &mut [Line]) {
 
 /// One tile: rows `0..NW` of the decoded weights (`wl`, `ws`: [NW][blocks]) against activation
 /// rows `t0..t0 + NA`; returns `[w][a]`.
+///
+/// # Safety
+/// The CPU has AVX-512 F and VNNI; `wl` and `ws` hold `NW · blocks` elements and `x` has at
+/// least `t0 + NA` rows.
 #[inline(always)]
 unsafe fn tile<const NW: usize, const NA: usize>(
     wl: &[Line],
@@ -207,10 +211,30 @@ unsafe fn tile<const NW: usize, const NA: usize>(
     shift: u32,
 ) -> [[f32; NA]; NW] {
     let blocks = x.chunks * LANES;
-    // SAFETY: AVX-512 F and VNNI are enabled by the caller. Every line index is below
-    // `NW · blocks` (weights) or `(t0 + NA) · blocks ≤ rows · blocks` (activations), and every
-    // 16-float load starts at a multiple of 16 below the slice's length.
+    debug_assert!(wl.len() >= NW * blocks && ws.len() >= NW * blocks);
+    debug_assert!((t0 + NA) * blocks <= x.q.len());
+    // SAFETY: AVX-512 F and VNNI are enabled by the caller. The row pointers start inside
+    // `wl` (row r < NW: `r · blocks < wl.len()`) and `x.q`/`x.sums`/`x.scales` (row
+    // `t0 + a < x.rows`), and every offset added below is `base + k < blocks` lines or
+    // `base + 16 <= blocks` values into the row, so each load is in bounds; lines are
+    // 64-byte aligned.
     unsafe {
+        // Plain loops, not `array::from_fn`: a closure does not inherit this function's
+        // target features, and the intrinsics it calls then run as out-of-line calls.
+        let mut w_rows = [wl.as_ptr(); NW];
+        let mut w_scales = [ws.as_ptr(); NW];
+        for r in 0..NW {
+            w_rows[r] = wl.as_ptr().add(r * blocks);
+            w_scales[r] = ws.as_ptr().add(r * blocks);
+        }
+        let mut x_rows = [x.q.as_ptr(); NA];
+        let mut x_sums = [x.sums.as_ptr(); NA];
+        let mut x_scales = [x.scales.as_ptr(); NA];
+        for a in 0..NA {
+            x_rows[a] = x.q.as_ptr().add((t0 + a) * blocks);
+            x_sums[a] = x.sums.as_ptr().add((t0 + a) * blocks);
+            x_scales[a] = x.scales.as_ptr().add((t0 + a) * blocks);
+        }
         let mut sums = [[_mm512_setzero_ps(); NA]; NW];
         let shift = _mm512_set1_epi32(shift as i32);
         for c in 0..x.chunks {
@@ -218,30 +242,29 @@ unsafe fn tile<const NW: usize, const NA: usize>(
             // Each lane starts at −o · Σxq of its block, so the sum ends at Σ q · xq.
             let mut acc = [[_mm512_setzero_si512(); NA]; NW];
             for a in 0..NA {
-                let sums_x =
-                    _mm512_loadu_si512(x.sums.as_ptr().add((t0 + a) * blocks + base).cast());
+                let sums_x = _mm512_loadu_si512(x_sums[a].add(base).cast());
                 let init =
                     _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_sllv_epi32(sums_x, shift));
                 for row in acc.iter_mut() {
                     row[a] = init;
                 }
             }
-            for k in 0..LANES {
+            for k in base..base + LANES {
                 let mut wv = [_mm512_setzero_si512(); NW];
-                for (r, v) in wv.iter_mut().enumerate() {
-                    *v = _mm512_load_si512(wl[r * blocks + base + k].0.as_ptr().cast());
+                for r in 0..NW {
+                    wv[r] = _mm512_load_si512(w_rows[r].add(k).cast());
                 }
                 for a in 0..NA {
-                    let xv = _mm512_load_si512(x.q[(t0 + a) * blocks + base + k].0.as_ptr().cast());
+                    let xv = _mm512_load_si512(x_rows[a].add(k).cast());
                     for (row, w) in acc.iter_mut().zip(&wv) {
                         row[a] = _mm512_dpbusd_epi32(row[a], *w, xv);
                     }
                 }
             }
             for a in 0..NA {
-                let sx = _mm512_loadu_ps(x.scales.as_ptr().add((t0 + a) * blocks + base));
+                let sx = _mm512_loadu_ps(x_scales[a].add(base));
                 for r in 0..NW {
-                    let sw = _mm512_loadu_ps(ws.as_ptr().add(r * blocks + base));
+                    let sw = _mm512_loadu_ps(w_scales[r].add(base));
                     sums[r][a] = _mm512_fmadd_ps(
                         _mm512_cvtepi32_ps(acc[r][a]),
                         _mm512_mul_ps(sw, sx),
@@ -250,16 +273,69 @@ unsafe fn tile<const NW: usize, const NA: usize>(
                 }
             }
         }
-        let mut out = [[0.0f32; NA]; NW];
-        let mut lanes = [0.0f32; LANES];
+        let mut cells = [_mm512_setzero_ps(); 16];
         for r in 0..NW {
             for a in 0..NA {
-                _mm512_storeu_ps(lanes.as_mut_ptr(), sums[r][a]);
-                out[r][a] = sum_lanes(&lanes);
+                cells[r * NA + a] = sums[r][a];
+            }
+        }
+        let mut lanes = [0.0f32; 16];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), sum_lanes16(cells));
+        let mut out = [[0.0f32; NA]; NW];
+        for (r, row) in out.iter_mut().enumerate() {
+            for (a, v) in row.iter_mut().enumerate() {
+                *v = lanes[sum_lanes16_index(r * NA + a)];
             }
         }
         out
     }
+}
+
+/// Each vector's 16 lanes summed by [`super::sum_lanes`]' tree (lane i + lane i + 8, then + 4, + 2,
+/// + 1), 16 vectors at once: cell c's sum lands in lane [`sum_lanes16_index`]`(c)`.
+#[inline(always)]
+unsafe fn sum_lanes16(v: [__m512; 16]) -> __m512 {
+    // SAFETY: AVX-512 F is enabled by the caller.
+    unsafe {
+        // u[m]: lanes 0–7 = cell 2m's i + (i + 8), lanes 8–15 = cell 2m + 1's.
+        let mut u = [_mm512_setzero_ps(); 8];
+        for (m, u) in u.iter_mut().enumerate() {
+            let (a, b) = (v[2 * m], v[2 * m + 1]);
+            *u = _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+            );
+        }
+        // w[m]: 128-bit lane q = cell 4m + q's i + (i + 4).
+        let mut w = [_mm512_setzero_ps(); 4];
+        for (m, w) in w.iter_mut().enumerate() {
+            let (c, d) = (u[2 * m], u[2 * m + 1]);
+            *w = _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(c, d),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(c, d),
+            );
+        }
+        // y[m]: 128-bit lane q = cells 8m + q and 8m + 4 + q, two partials each: i + (i + 2).
+        let mut y = [_mm512_setzero_ps(); 2];
+        for (m, y) in y.iter_mut().enumerate() {
+            let (e, f) = (_mm512_castps_pd(w[2 * m]), _mm512_castps_pd(w[2 * m + 1]));
+            *y = _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(e, f)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(e, f)),
+            );
+        }
+        // 128-bit lane q = cells q, 4 + q, 8 + q, 12 + q: partial 0 + partial 1.
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0b10_00_10_00>(y[0], y[1]),
+            _mm512_shuffle_ps::<0b11_01_11_01>(y[0], y[1]),
+        )
+    }
+}
+
+/// The lane of [`sum_lanes16`]'s result that holds cell `c`'s sum.
+#[inline(always)]
+fn sum_lanes16_index(c: usize) -> usize {
+    4 * (c % 4) + c / 4
 }
 
 /// [`tile`] for run-time sizes (1..=4 each), results into `out` at weight row `o` (its
@@ -350,6 +426,16 @@ pub(super) unsafe fn rows(
             }
         }
     }
+}
+
+/// [`sum_lanes16`] for the tests: the sums of 16 vectors, in cell order.
+#[cfg(test)]
+#[inline(always)]
+pub(super) unsafe fn sum_lanes16_for_tests(v: [__m512; 16]) -> [f32; 16] {
+    let mut lanes = [0.0f32; 16];
+    // SAFETY: forwarded: the caller enables AVX-512 F.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), sum_lanes16(v)) };
+    std::array::from_fn(|c| lanes[sum_lanes16_index(c)])
 }
 
 /// [`transpose16`] for the tests.

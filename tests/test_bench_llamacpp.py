@@ -88,3 +88,16 @@ def test_colibri_bytes_per_token(tool, tmp_path):
         want += per * n
     assert abs(got["bytes_per_token"] - want) / want < 0.01
     assert json.loads((tmp_path / "col" / "config.json").read_text())["num_experts_per_tok"] == 4
+
+
+def test_llama_cpp_builds_natively_except_where_amx_would_abort_it(tool) -> None:
+    """Native flags by default; on an AMX CPU the native features are named one by one,
+    AMX left out (its buffer type aborts MUL_MAT_ID on the MoE model)."""
+    assert tool.default_cmake_args({"avx2", "fma", "avx512f"}) == tool.CMAKE_ARGS
+    amx = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "amx_int8", "amx_tile"}
+    args = tool.default_cmake_args(amx).split()
+    assert "-DGGML_NATIVE=OFF" in args
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX2=ON"} <= set(args)
+    # Only what the CPU has, and nothing of AMX.
+    assert "-DGGML_AVX512_BF16=ON" not in args
+    assert not [a for a in args if "AMX" in a]

@@ -46,6 +46,19 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP_PYTHON = "0.3.36"
 GGUF = "0.19.0"
 CMAKE_ARGS = "-DGGML_NATIVE=ON -DGGML_OPENMP=ON -DCMAKE_BUILD_TYPE=Release"
+# CPU flags (/proc/cpuinfo) -> the ggml option that compiles for them.
+GGML_FEATURES = [
+    ("avx", "GGML_AVX"),
+    ("avx2", "GGML_AVX2"),
+    ("bmi2", "GGML_BMI2"),
+    ("fma", "GGML_FMA"),
+    ("f16c", "GGML_F16C"),
+    ("avx_vnni", "GGML_AVX_VNNI"),
+    ("avx512f", "GGML_AVX512"),
+    ("avx512vbmi", "GGML_AVX512_VBMI"),
+    ("avx512_vnni", "GGML_AVX512_VNNI"),
+    ("avx512_bf16", "GGML_AVX512_BF16"),
+]
 CTX = 4096
 WARMUP_PROMPT = 128
 WARMUP_GEN = 8
@@ -714,13 +727,49 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def default_cmake_args(flags: set[str]) -> str:
+    """llama.cpp's build: native (``-march=native``), except on CPUs with AMX.
+
+    There ``GGML_NATIVE`` compiles ggml's AMX extra buffer type, which takes the Q4_0 expert
+    tensors of this MoE model, and then no backend can run their ``MUL_MAT_ID``: every
+    measurement aborts with ``GGML_ASSERT(*cur_backend_id != -1)`` (ggml-backend.cpp:1294,
+    llama-cpp-python 0.3.36, seen 2026-12-03). On such CPUs the build names the CPU's other
+    features itself (the same kernels a native build picks on an AVX-512 CPU without AMX).
+    """
+    if "amx_int8" not in flags:
+        return CMAKE_ARGS
+    on = " ".join(f"-D{opt}=ON" for flag, opt in GGML_FEATURES if flag in flags)
+    return f"-DGGML_NATIVE=OFF {on} -DGGML_OPENMP=ON -DCMAKE_BUILD_TYPE=Release"
+
+
 def llama_venv(cache: Path, cmake_args: str) -> Path:
-    """The venv with llama-cpp-python built from the sdist (made once, then reused)."""
+    """The venv with llama-cpp-python built from the sdist (made once per build options, then
+    reused)."""
     venv = cache / "venv"
     py = venv / "bin" / "python"
     check = f"import llama_cpp, gguf; assert llama_cpp.__version__ == '{LLAMA_CPP_PYTHON}'"
-    if py.exists() and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0:
+    record = cache / "llama-build.json"
+    built_with = json.loads(record.read_text()).get("CMAKE_ARGS") if record.exists() else None
+    if (
+        built_with == cmake_args
+        and py.exists()
+        and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0
+    ):
         return py
+    if venv.exists():
+        log(f"{venv} was built with {built_with!r}; rebuilding with {cmake_args!r}")
+        shutil.rmtree(venv)
     log(f"building llama-cpp-python {LLAMA_CPP_PYTHON} from the sdist in {venv} (minutes)")
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(py), "-m", "pip", "install", "-q"]
@@ -1061,7 +1110,11 @@ def main() -> None:
         action="store_true",
         help="run the installed colibri package instead of a copy of it",
     )
-    ap.add_argument("--cmake-args", default=CMAKE_ARGS)
+    ap.add_argument(
+        "--cmake-args",
+        default=default_cmake_args(cpu_flags()),
+        help="llama.cpp's build options (default: native; AMX left out where the CPU has it)",
+    )
     ap.add_argument("--probe-gib", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per measurement")
     ap.add_argument("--keep-bf16-gguf", action="store_true")

@@ -782,6 +782,8 @@ def llama_venv(cache: Path, cmake_args: str) -> Path:
                 *nice,
                 *pip,
                 "-v",
+                # Not pip's wheel cache: a wheel built with other CMAKE_ARGS would be reused.
+                "--no-cache-dir",
                 "--no-binary",
                 "llama-cpp-python",
                 f"llama-cpp-python=={LLAMA_CPP_PYTHON}",

@@ -241,28 +241,12 @@ impl Attention {
     }
 
     /// Attention over `s` rows of normed input `xn` ([s, hidden]) at cache rows
-    /// `start..start+s` (rope positions `rope_start..`); appends their KV rows to `kv` (which
-    /// must hold exactly `start` rows). Returns [s, hidden] and, on a DSA full layer, the
-    /// keys its indexer selected; a shared layer attends to `shared` (the previous full
-    /// layer's selection for these rows).
+    /// `start..start+s` (rope positions `rope_start..`), its product in `form` (the model
+    /// passes [`Form::Auto`]); appends their KV rows to `kv` (which must hold exactly `start`
+    /// rows). Returns [s, hidden] and, on a DSA full layer, the keys its indexer selected; a
+    /// shared layer attends to `shared` (the previous full layer's selection for these rows).
     #[allow(clippy::too_many_arguments)]
-    pub fn forward(
-        &self,
-        xn: &[f32],
-        s: usize,
-        start: usize,
-        rope_start: usize,
-        kv: &mut LayerKv,
-        rope: &Rope,
-        pool: Option<&rayon::ThreadPool>,
-        shared: Option<&Selection>,
-    ) -> Result<(Vec<f32>, Option<Selection>)> {
-        self.forward_as(xn, s, start, rope_start, kv, rope, pool, shared, Form::Auto)
-    }
-
-    /// [`forward`](Self::forward) in a chosen form of the attention product.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn forward_as(
+    pub(crate) fn forward(
         &self,
         xn: &[f32],
         s: usize,

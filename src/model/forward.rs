@@ -15,7 +15,7 @@ use std::sync::Arc;
 use crate::config::{ModelConfig, ModelFamily};
 use crate::container::{Container, Weight};
 use crate::error::{Error, Result};
-use crate::model::attention::{Attention, LayerKv};
+use crate::model::attention::{Attention, Form, LayerKv};
 use crate::model::carried::Carried;
 use crate::model::indexer::{Indexer, Selection};
 use crate::model::linear;
@@ -77,9 +77,17 @@ impl Layer {
         shared: Option<&Selection>,
     ) -> Result<Option<Selection>> {
         let xn = rmsnorm(x, &self.input_layernorm, eps);
-        let (a, selected) = self
-            .self_attn
-            .forward(&xn, s, start, rope_start, kv, rope, pool, shared)?;
+        let (a, selected) = self.self_attn.forward(
+            &xn,
+            s,
+            start,
+            rope_start,
+            kv,
+            rope,
+            pool,
+            shared,
+            Form::Auto,
+        )?;
         for (v, d) in x.iter_mut().zip(&a) {
             *v += d;
         }

@@ -242,11 +242,11 @@ mod tests {
             let run = |kv: &LayerKv, x: &[f32], form: Form| {
                 let mut kv = kv.clone();
                 let (y, _) = attn
-                    .forward_as(x, s, start, start, &mut kv, &rope, None, None, form)
+                    .forward(x, s, start, start, &mut kv, &rope, None, None, form)
                     .unwrap();
                 (y, kv)
             };
-            attn.forward_as(
+            attn.forward(
                 &prefix,
                 start,
                 0,

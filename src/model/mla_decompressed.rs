@@ -22,7 +22,8 @@ use crate::quant::kernels;
 /// its last row sees, so at most this many rows' worth of masked scores are wasted per block.
 const ROW_BLOCK: usize = 64;
 
-/// Floats of expanded keys and values held at once; heads are expanded in groups below it.
+/// Floats of expanded keys and values held at once; heads are expanded in groups below it
+/// (but never fewer heads than the pool has threads).
 const EXPANDED_FLOATS: usize = 16 << 20;
 
 /// The head dimensions of one layer.
@@ -75,10 +76,24 @@ pub(super) struct Inputs<'a> {
 
 /// Causal attention of the `s` rows, decompressed: [s, heads, v].
 pub(super) fn attend(x: &Inputs<'_>, pool: Option<&rayon::ThreadPool>) -> Result<Vec<f32>> {
+    attend_within(x, pool, EXPANDED_FLOATS)
+}
+
+/// [`attend`] expanding at most `max_floats` of keys and values at once (beyond one head per
+/// thread): the values do not depend on it.
+fn attend_within(
+    x: &Inputs<'_>,
+    pool: Option<&rayon::ThreadPool>,
+    max_floats: usize,
+) -> Result<Vec<f32>> {
     let d = x.dims;
     let t = x.start + x.s;
     let per_head = d.nope + d.v;
-    let group = (EXPANDED_FLOATS / (t * per_head).max(1)).clamp(1, d.heads);
+    // At least one head per thread, or a long context would leave the other threads idle.
+    let threads = pool.map_or(1, |p| p.current_num_threads());
+    let group = (max_floats / (t * per_head).max(1))
+        .max(threads)
+        .clamp(1, d.heads);
     let mut out = vec![0.0f32; x.s * d.heads * d.v];
     for h0 in (0..d.heads).step_by(group) {
         let n = group.min(d.heads - h0);
@@ -273,6 +288,63 @@ mod tests {
             // The tolerance tells attention apart: the next rows' input, one row later.
             let (shifted, _) = run(&kv, &xn[h..], Form::Decompressed);
             assert!(err(&shifted) > 1e-2, "{dir}: control {}", err(&shifted));
+        }
+    }
+
+    /// Heads expanded one per group, or all at once, on one thread or a pool of two: the same
+    /// bits (each head's values never depend on its group or thread).
+    #[test]
+    fn grouping_and_threads_do_not_change_a_value() {
+        let d = Dims {
+            heads: 5,
+            nope: 8,
+            rope: 4,
+            v: 6,
+            kv_lora: 16,
+        };
+        let (s, start) = (70, 9);
+        let t = start + s;
+        let mut state = 0x1234_5678u32;
+        let mut next = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 17;
+                    state ^= state << 5;
+                    (state as f32 / u32::MAX as f32) * 2.0 - 1.0
+                })
+                .collect()
+        };
+        let q = next(s * d.heads * d.qd());
+        let latent = next(t * d.kv_lora);
+        let rope_key = next(t * d.rope);
+        let w = next(d.heads * (d.nope + d.v) * d.kv_lora);
+        let kv_b = f32_matrix(&w, d.heads * (d.nope + d.v), d.kv_lora).unwrap();
+        let x = Inputs {
+            dims: d,
+            q: &q,
+            s,
+            start,
+            latent: &latent,
+            rope_key: &rope_key,
+            kv_b: &kv_b,
+            scale: 0.3,
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let reference = attend_within(&x, None, usize::MAX).unwrap();
+        assert!(reference.iter().any(|v| *v != 0.0));
+        for (p, max) in [(None, 1), (Some(&pool), 1), (Some(&pool), usize::MAX)] {
+            let got = attend_within(&x, p, max).unwrap();
+            assert!(
+                got.iter()
+                    .zip(&reference)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "max {max}, pool {}",
+                p.is_some()
+            );
         }
     }
 

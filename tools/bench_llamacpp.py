@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP_PYTHON = "0.3.36"
 GGUF = "0.19.0"
 CMAKE_ARGS = "-DGGML_NATIVE=ON -DGGML_OPENMP=ON -DCMAKE_BUILD_TYPE=Release"
-# CPU flags (/proc/cpuinfo) -> the ggml option that compiles for them.
+# CPU flags (lscpu, /proc/cpuinfo's names) -> the ggml option that compiles for them.
 GGML_FEATURES = [
     ("avx", "GGML_AVX"),
     ("avx2", "GGML_AVX2"),
@@ -728,14 +728,8 @@ def log(msg: str) -> None:
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    """The CPU's feature flags as lscpu names them (empty where it cannot tell)."""
+    return set((_lscpu("Flags") or "").split())
 
 
 def default_cmake_args(flags: set[str]) -> str:

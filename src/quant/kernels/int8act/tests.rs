@@ -192,7 +192,11 @@ fn sum_lanes16_adds_in_the_order_of_sum_lanes() {
         use std::arch::x86_64::*;
         // SAFETY: the features were checked by the caller; each row is 16 f32.
         unsafe {
-            let v = std::array::from_fn(|c| _mm512_loadu_ps(m[c].as_ptr()));
+            // A loop, not `array::from_fn`: a closure would not inherit the target features.
+            let mut v = [_mm512_setzero_ps(); 16];
+            for (v, row) in v.iter_mut().zip(m) {
+                *v = _mm512_loadu_ps(row.as_ptr());
+            }
             vnni::sum_lanes16_for_tests(v)
         }
     }

@@ -6,6 +6,7 @@
 
 use std::hint::black_box;
 
+use colibri::quant::kernels::int8act::Int8Kernel;
 use criterion::{criterion_group, Criterion, Throughput};
 use rayon::prelude::*;
 
@@ -76,12 +77,14 @@ fn fma_peak(c: &mut Criterion) {
     g.finish();
 }
 
-/// The int8 ceiling of the prefill's VNNI kernel, 2 threads (`compute/vnni_peak_2threads`,
-/// "elem/s" = integer ops/s, a multiply-add counted as two).
-fn vnni_peak(c: &mut Criterion) {
+/// The int8 ceiling of the prefill's int8 kernel on this CPU (VNNI or AVX2), 2 threads
+/// (`compute/int8_peak_2threads/<kernel>`, "elem/s" = integer ops/s, a multiply-add counted
+/// as two).
+fn int8_peak(c: &mut Criterion) {
     const ITERS: usize = 1 << 20;
-    let Some((ops, _)) = crate::probes::vnni_peak(1, 1) else {
-        eprintln!("compute: no AVX-512 VNNI, no int8 probe");
+    let kernel = Int8Kernel::best();
+    let Some((ops, _)) = crate::probes::int8_peak(kernel, 1, 1) else {
+        eprintln!("compute: no SIMD int8 kernel on this CPU, no int8 probe");
         return;
     };
     let pool = rayon::ThreadPoolBuilder::new()
@@ -91,12 +94,12 @@ fn vnni_peak(c: &mut Criterion) {
     let mut g = c.benchmark_group("compute");
     g.throughput(Throughput::Elements((2 * ops * ITERS) as u64));
     g.sample_size(10);
-    g.bench_function("vnni_peak_2threads", |b| {
+    g.bench_function(format!("int8_peak_2threads/{}", kernel.name()), |b| {
         b.iter(|| {
             let (x, y) = pool.install(|| {
                 rayon::join(
-                    || crate::probes::vnni_peak(ITERS, black_box(1)),
-                    || crate::probes::vnni_peak(ITERS, black_box(2)),
+                    || crate::probes::int8_peak(kernel, ITERS, black_box(1)),
+                    || crate::probes::int8_peak(kernel, ITERS, black_box(2)),
                 )
             });
             black_box((x, y))
@@ -105,4 +108,4 @@ fn vnni_peak(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, streaming_read, fma_peak, vnni_peak);
+criterion_group!(benches, streaming_read, fma_peak, int8_peak);

@@ -354,7 +354,7 @@ fn prefill(c: &mut Criterion) {
             })
         });
         // The same call with int8 activations (the `prefill` option's fast arithmetic; the
-        // VNNI kernel where the CPU has it, else the scalar reference, so skipped there).
+        // VNNI or AVX2 kernel where the CPU has one, else the scalar reference, so skipped there).
         if kernels::int8act::simd_available() {
             g.bench_function(format!("{format}/{name}_{rows}x{cols}/S{s}/int8"), |b| {
                 iter_on_pool(b, &pool, || {

@@ -2,6 +2,7 @@
 //! kernels are held against) and the f32 FMA ceiling of a kernel path (the compute limit).
 //! They live here rather than in the library because nothing but the benches runs them.
 
+use colibri::quant::kernels::int8act::Int8Kernel;
 use colibri::quant::kernels::KernelPath;
 
 /// XOR of `words`, read with software prefetch 8 KiB ahead (one per cache line) where the
@@ -69,25 +70,31 @@ pub fn fma_peak(path: KernelPath, iters: usize, seed: f32) -> Option<(usize, f32
     }
 }
 
-/// The int8 ceiling of the VNNI kernel (`kernels::int8act`) on this thread: `iters` rounds of
-/// independent 512-bit `vpdpbusd` (64 multiply-adds each) and returns (integer ops done,
-/// counting a multiply-add as two like the FMA probe, and a value to keep the work alive).
-/// `None` without AVX-512 VNNI.
-pub fn vnni_peak(iters: usize, seed: i32) -> Option<(usize, i32)> {
-    if !colibri::quant::kernels::int8act::simd_available() {
+/// The int8 ceiling of `kernel` (`kernels::int8act`) on this thread: `iters` rounds of the
+/// kernel's multiply-add instruction in independent chains — 512-bit `vpdpbusd` (64
+/// multiply-adds) for VNNI, 256-bit `vpmaddubsw` plus the 16-bit add that accumulates it (32
+/// multiply-adds) for AVX2 — and returns (integer ops done, counting a multiply-add as two
+/// like the FMA probe, and a value to keep the work alive). `None` for the scalar reference
+/// or a kernel this CPU cannot run.
+pub fn int8_peak(kernel: Int8Kernel, iters: usize, seed: i32) -> Option<(usize, i32)> {
+    if !kernel.available() {
         return None;
     }
-    #[cfg(target_arch = "x86_64")]
-    {
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512 F and VNNI are present (checked above).
-        Some((iters * x86::OPS_PER_ITER_VNNI, unsafe {
+        Int8Kernel::Vnni => Some((iters * x86::OPS_PER_ITER_VNNI, unsafe {
             x86::vnni_peak(iters, seed)
-        }))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (iters, seed);
-        None
+        })),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 is present (checked above).
+        Int8Kernel::Avx2 => Some((iters * x86::OPS_PER_ITER_MADDUBS, unsafe {
+            x86::maddubs_peak(iters, seed)
+        })),
+        _ => {
+            let _ = (iters, seed);
+            None
+        }
     }
 }
 
@@ -103,6 +110,32 @@ mod x86 {
     pub const FLOPS_PER_ITER_512: usize = CHAINS * 2 * 16;
     /// Integer ops per iteration of [`vnni_peak`] (64 multiply-adds per instruction).
     pub const OPS_PER_ITER_VNNI: usize = CHAINS * 2 * 64;
+    /// Integer ops per iteration of [`maddubs_peak`] (32 multiply-adds per instruction).
+    pub const OPS_PER_ITER_MADDUBS: usize = CHAINS * 2 * 32;
+
+    /// `iters` rounds of [`CHAINS`] independent 256-bit `vpmaddubsw` + `vpaddw` (the AVX2
+    /// int8 kernel's inner pair; the 16-bit sums wrap, which the ceiling does not care about).
+    ///
+    /// # Safety
+    /// The CPU supports AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn maddubs_peak(iters: usize, seed: i32) -> i32 {
+        let mut acc = [_mm256_set1_epi16(seed as i16); CHAINS];
+        let (a, b) = (_mm256_set1_epi8(3), _mm256_set1_epi8(-2));
+        for _ in 0..iters {
+            for c in acc.iter_mut() {
+                *c = _mm256_add_epi16(*c, _mm256_maddubs_epi16(a, b));
+            }
+        }
+        let mut sum = _mm256_setzero_si256();
+        for c in acc {
+            sum = _mm256_add_epi16(sum, c);
+        }
+        let mut out = [0i16; 16];
+        // SAFETY: `out` holds 16 i16 lanes.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, sum) };
+        out.iter().map(|&v| v as i32).sum()
+    }
 
     /// `iters` rounds of [`CHAINS`] independent 512-bit `vpdpbusd`.
     ///

@@ -150,7 +150,7 @@ impl EngineOptions {
     /// (AVX-512 VNNI; 1.5–2× the exact prefill, docs/benchmarks.md), exact elsewhere (the
     /// int8 arithmetic's scalar reference would be slower than the exact kernels).
     pub fn default_prefill() -> Arithmetic {
-        if int8act::simd_available() {
+        if int8act::Int8Kernel::Vnni.available() {
             Arithmetic::Int8
         } else {
             Arithmetic::Exact

@@ -259,10 +259,21 @@ impl Arithmetic {
     }
 }
 
-/// Whether int8 calls run the VNNI kernel (the AVX-512 path is active and the CPU has VNNI)
-/// rather than the scalar reference.
-fn int8_on_simd() -> Result<bool> {
-    Ok(active_path()? == KernelPath::Avx512 && int8act::simd_available())
+/// The int8 kernel that goes with the active exact path: VNNI under the AVX-512 path where the
+/// CPU has it, AVX2 under the AVX2 path (and under AVX-512 without VNNI), the scalar reference
+/// under the scalar and NEON paths (so forcing the scalar path forces it for int8 too).
+pub fn int8_kernel() -> Result<int8act::Int8Kernel> {
+    use int8act::Int8Kernel;
+    let wanted: &[Int8Kernel] = match active_path()? {
+        KernelPath::Avx512 => &[Int8Kernel::Vnni, Int8Kernel::Avx2],
+        KernelPath::Avx2 => &[Int8Kernel::Avx2],
+        KernelPath::Scalar | KernelPath::Neon => &[],
+    };
+    Ok(wanted
+        .iter()
+        .copied()
+        .find(|k| k.available())
+        .unwrap_or(Int8Kernel::Reference))
 }
 
 /// [`matmul`] in `arith`: int8 activations when asked and `w`'s format has that form, else
@@ -281,7 +292,7 @@ pub fn matmul_in(
     }
     check_shapes(w, x.len(), s, y.len())?;
     let q = int8act::QuantizedActs::new(x, s, w.cols(), pool);
-    int8act::matmul_quantized(w, &q, y, int8_on_simd()?, pool)
+    int8act::matmul_quantized(w, &q, y, int8_kernel()?, pool)
 }
 
 /// [`expert_ffn`] in `arith` (see [`matmul_in`]): gate and up share one quantisation of `x`,
@@ -308,17 +319,17 @@ pub fn expert_ffn_in(
     let hidden_len = s.saturating_mul(f);
     check_shapes(gate, x.len(), s, hidden_len)?;
     check_shapes(down, hidden_len, s, out.len())?;
-    let simd = int8_on_simd()?;
+    let kernel = int8_kernel()?;
     let q = int8act::QuantizedActs::new(x, s, h, pool);
     let mut g = vec![0.0f32; hidden_len];
     let mut u = vec![0.0f32; hidden_len];
-    int8act::matmul_quantized(gate, &q, &mut g, simd, pool)?;
-    int8act::matmul_quantized(up, &q, &mut u, simd, pool)?;
+    int8act::matmul_quantized(gate, &q, &mut g, kernel, pool)?;
+    int8act::matmul_quantized(up, &q, &mut u, kernel, pool)?;
     for (g, u) in g.iter_mut().zip(&u) {
         *g = silu(*g) * u;
     }
     let qh = int8act::QuantizedActs::new(&g, s, f, pool);
-    int8act::matmul_quantized(down, &qh, out, simd, pool)
+    int8act::matmul_quantized(down, &qh, out, kernel, pool)
 }
 
 /// Columns a matrix may have (the SIMD paths index scale groups with a 64-bit multiply-shift,

@@ -24,6 +24,8 @@
 //! and the caller runs the exact kernel for them.
 
 #[cfg(target_arch = "x86_64")]
+pub(super) mod avx2;
+#[cfg(target_arch = "x86_64")]
 pub(super) mod vnni;
 
 use rayon::prelude::*;
@@ -62,11 +64,52 @@ pub fn supports(format: QuantFormat) -> bool {
     }
 }
 
-/// Whether this CPU runs the VNNI kernel (AVX-512 F, BW and VNNI); elsewhere the int8
+/// The code that computes the int8 arithmetic: every one gives the reference's bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Int8Kernel {
+    /// [`reference_matmul`]'s scalar loops: correct everywhere, far slower than the exact
+    /// kernels.
+    Reference,
+    /// AVX2 `vpmaddubsw` (`avx2.rs`): x86-64 CPUs without AVX-512 VNNI.
+    Avx2,
+    /// AVX-512 VNNI `vpdpbusd` (`vnni.rs`).
+    Vnni,
+}
+
+impl Int8Kernel {
+    /// Whether this CPU can run the kernel.
+    pub fn available(self) -> bool {
+        let f = crate::cpu::features();
+        let x86 = cfg!(target_arch = "x86_64");
+        match self {
+            Int8Kernel::Reference => true,
+            Int8Kernel::Avx2 => x86 && f.avx2 && f.fma,
+            Int8Kernel::Vnni => x86 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni,
+        }
+    }
+
+    /// The fastest kernel this CPU runs.
+    pub fn best() -> Int8Kernel {
+        [Int8Kernel::Vnni, Int8Kernel::Avx2]
+            .into_iter()
+            .find(|k| k.available())
+            .unwrap_or(Int8Kernel::Reference)
+    }
+
+    /// The name reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Int8Kernel::Reference => "reference",
+            Int8Kernel::Avx2 => "avx2",
+            Int8Kernel::Vnni => "avx512-vnni",
+        }
+    }
+}
+
+/// Whether this CPU runs a SIMD int8 kernel (AVX-512 VNNI or AVX2); elsewhere the int8
 /// arithmetic runs as the scalar reference, correct but slow.
 pub fn simd_available() -> bool {
-    let f = crate::cpu::features();
-    cfg!(target_arch = "x86_64") && f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni
+    Int8Kernel::best() != Int8Kernel::Reference
 }
 
 /// `u = q + offset` for a format: the shift with `offset = 1 << shift`.
@@ -101,17 +144,17 @@ impl QuantizedActs {
     /// Quantise `x` ([rows, cols] row-major), rows in parallel on `pool` when given (each
     /// row's values do not depend on how rows are split).
     pub fn new(x: &[f32], rows: usize, cols: usize, pool: Option<&rayon::ThreadPool>) -> Self {
-        Self::new_on(x, rows, cols, pool, simd_available())
+        Self::new_on(x, rows, cols, pool, Int8Kernel::best())
     }
 
-    /// [`QuantizedActs::new`] by the AVX-512 quantiser (`simd`, which must be available) or
-    /// the scalar one: the same bytes, scales and sums for finite `x`.
+    /// [`QuantizedActs::new`] by `kernel`'s quantiser (which must be available): every one
+    /// gives the same bytes, scales and sums for finite `x`.
     fn new_on(
         x: &[f32],
         rows: usize,
         cols: usize,
         pool: Option<&rayon::ThreadPool>,
-        simd: bool,
+        kernel: Int8Kernel,
     ) -> Self {
         let chunks = chunks_for(cols);
         let blocks = chunks * LANES;
@@ -120,18 +163,22 @@ impl QuantizedActs {
         let mut sums = vec![0i32; rows * blocks];
         let one_row =
             |r: usize, (lines, (scales, sums)): (&mut [Line], (&mut [f32], &mut [i32]))| {
+                let src = &x[r * cols..(r + 1) * cols];
                 #[cfg(target_arch = "x86_64")]
-                if simd {
-                    // SAFETY: the caller says the CPU has AVX-512 VNNI (and F, BW, VL); the
-                    // row's lines, scales and sums are `blocks` long.
-                    unsafe {
-                        vnni::quantize_row(&x[r * cols..(r + 1) * cols], lines, scales, sums)
-                    };
-                    return;
+                match kernel {
+                    // SAFETY (both): the caller says the CPU runs `kernel`; the row's lines,
+                    // scales and sums are `blocks` long.
+                    Int8Kernel::Vnni => {
+                        return unsafe { vnni::quantize_row(src, lines, scales, sums) };
+                    }
+                    Int8Kernel::Avx2 => {
+                        return unsafe { avx2::quantize_row(src, lines, scales, sums) };
+                    }
+                    Int8Kernel::Reference => {}
                 }
-                let _ = simd;
+                let _ = kernel;
                 let mut xq = [0i8; BLOCK];
-                for (b, src) in x[r * cols..(r + 1) * cols].chunks(BLOCK).enumerate() {
+                for (b, src) in src.chunks(BLOCK).enumerate() {
                     let (scale, sum) = quantize_block(src, &mut xq);
                     scales[b] = scale;
                     sums[b] = sum;
@@ -328,21 +375,21 @@ fn rows_per_pass(cols: usize) -> usize {
     ((1 << 20) / (chunks_for(cols) * LANES * 64)).max(8)
 }
 
-/// `y ≈ x · Wᵀ` by the int8 arithmetic, for activations already quantised: on the VNNI kernel
-/// when `simd` (an error if this CPU lacks it), else the scalar reference. `pool`
-/// parallelises over weight rows. The result does not depend on the pool or its threads.
+/// `y ≈ x · Wᵀ` by the int8 arithmetic, for activations already quantised, on `kernel` (an
+/// error if this CPU cannot run it). `pool` parallelises over weight rows. The result does
+/// not depend on the kernel, the pool or its threads.
 pub fn matmul_quantized(
     w: &QMatrix<'_>,
     x: &QuantizedActs,
     y: &mut [f32],
-    simd: bool,
+    kernel: Int8Kernel,
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
     check(w, x, y.len())?;
-    if simd && !simd_available() {
+    if !kernel.available() {
         return Err(Error::invalid(
             "int8 matmul",
-            "the VNNI kernel needs AVX-512 F, BW, VL and VNNI, which this CPU lacks",
+            format!("this CPU cannot run the {} int8 kernel", kernel.name()),
         ));
     }
     let (o, s) = (w.rows(), x.rows);
@@ -357,21 +404,22 @@ pub fn matmul_quantized(
     let row_bytes = w.format().row_bytes(w.cols());
     // Weight rows `o0..o0 + n` into their columns of `y`.
     let work = |o0: usize, n: usize| {
-        if simd {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `simd_available()` was checked above; `check` made the shapes agree;
-            // rows `o0..o0 + n` are in `w`, and no other task writes their columns.
-            unsafe {
-                vnni::rows(w, o0, n, x, rows_per_pass(w.cols()), out)
-            }
-        } else {
-            let mut chunk = vec![0.0f32; n * s];
-            reference_rows(w, o0, x, &mut chunk);
-            for (i, row) in chunk.chunks_exact(s).enumerate() {
-                for (t, v) in row.iter().enumerate() {
-                    // SAFETY: t < s and o0 + i < o; this task alone writes column o0 + i.
-                    unsafe { out.set(t, o0 + i, *v) };
-                }
+        let pass = rows_per_pass(w.cols());
+        // SAFETY (both): the kernel's availability was checked above; `check` made the shapes
+        // agree; rows `o0..o0 + n` are in `w`, and no other task writes their columns.
+        #[cfg(target_arch = "x86_64")]
+        match kernel {
+            Int8Kernel::Vnni => return unsafe { vnni::rows(w, o0, n, x, pass, out) },
+            Int8Kernel::Avx2 => return unsafe { avx2::rows(w, o0, n, x, pass, out) },
+            Int8Kernel::Reference => {}
+        }
+        let _ = (kernel, pass);
+        let mut chunk = vec![0.0f32; n * s];
+        reference_rows(w, o0, x, &mut chunk);
+        for (i, row) in chunk.chunks_exact(s).enumerate() {
+            for (t, v) in row.iter().enumerate() {
+                // SAFETY: t < s and o0 + i < o; this task alone writes column o0 + i.
+                unsafe { out.set(t, o0 + i, *v) };
             }
         }
     };

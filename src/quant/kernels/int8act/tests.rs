@@ -142,7 +142,7 @@ fn shape_mismatches_are_errors() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn transpose16_swaps_rows_and_words() {
-    if !simd_available() {
+    if !Int8Kernel::Vnni.available() {
         eprintln!("skipping: no AVX-512 VNNI on this CPU");
         return;
     }
@@ -178,12 +178,51 @@ fn transpose16_swaps_rows_and_words() {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn transpose8_swaps_rows_and_words() {
+    if !Int8Kernel::Avx2.available() {
+        eprintln!("skipping: no AVX2 on this CPU");
+        return;
+    }
+    #[target_feature(enable = "avx2")]
+    unsafe fn run(m: &[[u32; 8]; 8]) -> [[u32; 8]; 8] {
+        use std::arch::x86_64::*;
+        // SAFETY: the features were checked by the caller; each row is 8 u32.
+        unsafe {
+            let mut r = [_mm256_setzero_si256(); 8];
+            for (v, row) in r.iter_mut().zip(m) {
+                *v = _mm256_loadu_si256(row.as_ptr().cast());
+            }
+            let t = avx2::transpose8_for_tests(r);
+            let mut out = [[0u32; 8]; 8];
+            for (row, v) in out.iter_mut().zip(t) {
+                _mm256_storeu_si256(row.as_mut_ptr().cast(), v);
+            }
+            out
+        }
+    }
+    let mut m = [[0u32; 8]; 8];
+    for (j, row) in m.iter_mut().enumerate() {
+        for (k, v) in row.iter_mut().enumerate() {
+            *v = (j * 100 + k) as u32;
+        }
+    }
+    // SAFETY: checked above.
+    let t = unsafe { run(&m) };
+    for k in 0..8 {
+        for j in 0..8 {
+            assert_eq!(t[k][j], m[j][k]);
+        }
+    }
+}
+
 /// The 16-at-once lane sum adds in `sum_lanes`' order: values whose float sum depends on the
 /// order (large and small magnitudes, cancellations) give the same bits, cell by cell.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn sum_lanes16_adds_in_the_order_of_sum_lanes() {
-    if !simd_available() {
+    if !Int8Kernel::Vnni.available() {
         eprintln!("skipping: no AVX-512 VNNI on this CPU");
         return;
     }
@@ -220,79 +259,133 @@ fn sum_lanes16_adds_in_the_order_of_sum_lanes() {
     assert!(reordered_differs);
 }
 
-/// The VNNI kernel equals the reference bit for bit: every supported format, column counts
+/// The SIMD kernels this CPU runs (none: the bit-for-bit tests have nothing to compare).
+fn simd_kernels() -> Vec<Int8Kernel> {
+    let kernels: Vec<Int8Kernel> = [Int8Kernel::Avx2, Int8Kernel::Vnni]
+        .into_iter()
+        .filter(|k| k.available())
+        .collect();
+    if kernels.is_empty() {
+        eprintln!("skipping: no SIMD int8 kernel runs on this CPU");
+    }
+    kernels
+}
+
+/// Every SIMD kernel equals the reference bit for bit: every supported format, column counts
 /// around the block and chunk edges, every tile shape, passes of several rows, and a pool.
 #[test]
-fn vnni_kernel_equals_the_reference_bit_for_bit() {
-    if !simd_available() {
-        eprintln!("skipping: no AVX-512 VNNI on this CPU");
-        return;
-    }
+fn simd_kernels_equal_the_reference_bit_for_bit() {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(2)
         .build()
         .unwrap();
-    for format in formats() {
-        for &i in &[1usize, 63, 64, 65, 127, 128, 1000, 1024, 1025, 2048 + 64] {
-            for &(o, s) in &[(1usize, 1usize), (3, 5), (4, 4), (9, 7), (17, 11), (6, 40)] {
-                let p = quantize(format, "w", &values(o * i, (o * i) as u64), o, i).unwrap();
-                let x = values(s * i, (s + i) as u64);
-                let q = QuantizedActs::new(&x, s, i, None);
-                let qp = QuantizedActs::new(&x, s, i, Some(&pool));
-                assert!(q.q.iter().zip(&qp.q).all(|(a, b)| a.0 == b.0));
-                assert_eq!((&q.scales, &q.sums), (&qp.scales, &qp.sums));
-                let mut want = vec![0.0f32; s * o];
-                reference_matmul(&p.view(), &q, &mut want).unwrap();
-                let mut got = vec![0.0f32; s * o];
-                matmul_quantized(&p.view(), &q, &mut got, true, None).unwrap();
-                let mut pooled = vec![0.0f32; s * o];
-                matmul_quantized(&p.view(), &q, &mut pooled, true, Some(&pool)).unwrap();
-                for (k, ((a, b), c)) in want.iter().zip(&got).zip(&pooled).enumerate() {
-                    assert_eq!(
-                        a.to_bits(),
-                        b.to_bits(),
-                        "{format} I={i} O={o} S={s} at {k}"
-                    );
-                    assert_eq!(a.to_bits(), c.to_bits(), "{format} pooled at {k}");
+    for kernel in simd_kernels() {
+        for format in formats() {
+            for &i in &[1usize, 63, 64, 65, 127, 128, 1000, 1024, 1025, 2048 + 64] {
+                for &(o, s) in &[(1usize, 1usize), (3, 5), (4, 4), (9, 7), (17, 11), (6, 40)] {
+                    let p = quantize(format, "w", &values(o * i, (o * i) as u64), o, i).unwrap();
+                    let x = values(s * i, (s + i) as u64);
+                    let q = QuantizedActs::new_on(&x, s, i, None, kernel);
+                    let qp = QuantizedActs::new_on(&x, s, i, Some(&pool), kernel);
+                    assert!(q.q.iter().zip(&qp.q).all(|(a, b)| a.0 == b.0));
+                    assert_eq!((&q.scales, &q.sums), (&qp.scales, &qp.sums));
+                    let mut want = vec![0.0f32; s * o];
+                    reference_matmul(&p.view(), &q, &mut want).unwrap();
+                    let mut got = vec![0.0f32; s * o];
+                    matmul_quantized(&p.view(), &q, &mut got, kernel, None).unwrap();
+                    let mut pooled = vec![0.0f32; s * o];
+                    matmul_quantized(&p.view(), &q, &mut pooled, kernel, Some(&pool)).unwrap();
+                    for (k, ((a, b), c)) in want.iter().zip(&got).zip(&pooled).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{kernel:?} {format} I={i} O={o} S={s} at {k}"
+                        );
+                        assert_eq!(
+                            a.to_bits(),
+                            c.to_bits(),
+                            "{kernel:?} {format} pooled at {k}"
+                        );
+                    }
                 }
             }
         }
-    }
-    // Passes of fewer rows than S decode each weight row again and give the same values.
-    let (o, i, s) = (8, 640, 21);
-    let p = quantize(
-        QuantFormat::Int4Grouped { group_size: 64 },
-        "w",
-        &values(o * i, 11),
-        o,
-        i,
-    )
-    .unwrap();
-    let q = QuantizedActs::new(&values(s * i, 12), s, i, None);
-    let mut whole = vec![0.0f32; o * s];
-    let mut passes = vec![0.0f32; o * s];
-    // SAFETY: VNNI checked above; the shapes agree, the outputs are [S, O] and one call
-    // writes every column.
-    unsafe {
-        let into = |y: &mut [f32]| OutColumns {
-            ptr: y.as_mut_ptr(),
-            s,
+        // Passes of fewer rows than S decode each weight row again and give the same values.
+        let (o, i, s) = (8, 640, 21);
+        let p = quantize(
+            QuantFormat::Int4Grouped { group_size: 64 },
+            "w",
+            &values(o * i, 11),
             o,
-        };
-        vnni::rows(&p.view(), 0, o, &q, s, into(&mut whole));
-        vnni::rows(&p.view(), 0, o, &q, 5, into(&mut passes));
+            i,
+        )
+        .unwrap();
+        let q = QuantizedActs::new_on(&values(s * i, 12), s, i, None, kernel);
+        let mut whole = vec![0.0f32; o * s];
+        let mut passes = vec![0.0f32; o * s];
+        // SAFETY: the kernel is available (checked by `simd_kernels`); the shapes agree, the
+        // outputs are [S, O] and one call writes every column.
+        unsafe {
+            let into = |y: &mut [f32]| OutColumns {
+                ptr: y.as_mut_ptr(),
+                s,
+                o,
+            };
+            match kernel {
+                Int8Kernel::Vnni => {
+                    vnni::rows(&p.view(), 0, o, &q, s, into(&mut whole));
+                    vnni::rows(&p.view(), 0, o, &q, 5, into(&mut passes));
+                }
+                _ => {
+                    avx2::rows(&p.view(), 0, o, &q, s, into(&mut whole));
+                    avx2::rows(&p.view(), 0, o, &q, 5, into(&mut passes));
+                }
+            }
+        }
+        assert_eq!(whole, passes, "{kernel:?}");
     }
-    assert_eq!(whole, passes);
+}
+
+/// Weights at the int8 extremes (−128 and 127, where AVX2's sign trick and the 16-bit pair
+/// sums are closest to overflowing) against activations at ±127 give the reference's bits.
+#[test]
+fn simd_kernels_are_exact_at_the_extremes() {
+    let (o, i, s) = (5, 256, 3);
+    for kernel in simd_kernels() {
+        for format in formats() {
+            let mut w = vec![0.0f32; o * i];
+            for (k, v) in w.iter_mut().enumerate() {
+                // Each row's largest magnitude on its negative side, so the quantiser uses the
+                // format's most negative integer; neighbours of equal sign (the pair sums).
+                *v = if (k / 2) % 3 == 0 { -1.0 } else { 0.99 };
+            }
+            let p = quantize(format, "w", &w, o, i).unwrap();
+            let x: Vec<f32> = (0..s * i)
+                .map(|k| if (k / 2) % 3 == 0 { -2.0 } else { 2.0 })
+                .collect();
+            let q = QuantizedActs::new_on(&x, s, i, None, kernel);
+            let mut want = vec![0.0f32; s * o];
+            reference_matmul(&p.view(), &q, &mut want).unwrap();
+            let mut got = vec![0.0f32; s * o];
+            matmul_quantized(&p.view(), &q, &mut got, kernel, None).unwrap();
+            assert_eq!(want, got, "{kernel:?} {format}");
+            // The control: the exact float product, which the int8 result must be near.
+            let mut exact = vec![0.0f32; s * o];
+            scalar::matmul(&p.view(), &x, s, &mut exact);
+            for (a, b) in got.iter().zip(&exact) {
+                assert!(
+                    (a - b).abs() <= 1e-3 * b.abs().max(1.0),
+                    "{kernel:?} {format}: {a} vs {b}"
+                );
+            }
+        }
+    }
 }
 
 /// The AVX-512 quantiser gives the scalar one's bytes, scales and sums: blocks with
 /// outliers, all-zero blocks, partial last blocks and chunks, many rows on a pool.
 #[test]
-fn vector_quantiser_equals_the_scalar_one() {
-    if !simd_available() {
-        eprintln!("skipping: no AVX-512 VNNI on this CPU");
-        return;
-    }
+fn vector_quantisers_equal_the_scalar_one() {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(2)
         .build()
@@ -301,10 +394,15 @@ fn vector_quantiser_equals_the_scalar_one() {
         let rows = 5;
         let mut x = values(rows * cols, cols as u64);
         x[..cols.min(64)].fill(0.0);
-        let a = QuantizedActs::new_on(&x, rows, cols, None, false);
-        let b = QuantizedActs::new_on(&x, rows, cols, Some(&pool), true);
-        assert!(a.q.iter().zip(&b.q).all(|(p, q)| p.0 == q.0), "cols {cols}");
-        assert_eq!(a.scales, b.scales, "cols {cols}");
-        assert_eq!(a.sums, b.sums, "cols {cols}");
+        let a = QuantizedActs::new_on(&x, rows, cols, None, Int8Kernel::Reference);
+        for kernel in simd_kernels() {
+            let b = QuantizedActs::new_on(&x, rows, cols, Some(&pool), kernel);
+            assert!(
+                a.q.iter().zip(&b.q).all(|(p, q)| p.0 == q.0),
+                "{kernel:?} cols {cols}"
+            );
+            assert_eq!(a.scales, b.scales, "{kernel:?} cols {cols}");
+            assert_eq!(a.sums, b.sums, "{kernel:?} cols {cols}");
+        }
     }
 }

@@ -163,7 +163,7 @@ class Engine:
         directory defaults to ``sessions/`` in the cache directory); ``prefill``: the
         arithmetic of prompt forwards of 16 rows or more, ``"exact"`` or ``"int8"``
         (activations rounded to int8 per 64-element block; "auto": int8 where the CPU has
-        AVX-512 VNNI); ``load_progress(done,
+        AVX-512 VNNI or AVX2); ``load_progress(done,
         total)``: called after each resident tensor is read (bytes; the last call has both
         equal), where Ctrl-C is also checked."""
     def config_json(self) -> str:

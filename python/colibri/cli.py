@@ -125,7 +125,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=_core.choices()["prefill"],
         help="arithmetic of prompts of 16+ tokens: exact, or int8 activations (faster, "
-        "approximate; decoding stays exact); auto = int8 where the CPU has AVX-512 VNNI",
+        "approximate; decoding stays exact); auto = int8 where the CPU has AVX-512 VNNI or AVX2",
     )
     g.add_argument(
         "--ram-budget",

@@ -108,10 +108,10 @@ class Model:
         threads: compute threads, 0 for all cores.
         prefill: the arithmetic of prompt forwards of 16 tokens or more: ``"exact"`` (the
             exact f32 kernels, as every decode step uses), ``"int8"`` (activations rounded
-            to int8 per block of 64 and summed as integers: 1.5-2x faster prefill on CPUs with
-            AVX-512 VNNI, logits within a small tolerance of the exact ones), or ``"auto"``
-            (int8 where the CPU has AVX-512 VNNI, else exact; ``info()["prefill"]`` says
-            which). Decoding after the prompt is exact either way, so drafting never changes
+            to int8 per block of 64 and summed as integers: 1.5-3x faster prefill on CPUs with
+            AVX-512 VNNI or AVX2, logits within a small tolerance of the exact ones), or
+            ``"auto"`` (int8 where the CPU has AVX-512 VNNI or AVX2, else exact;
+            ``info()["prefill"]`` says which). Decoding after the prompt is exact either way, so drafting never changes
             the output; see docs/architecture.md, "Prefill arithmetic".
         mtp: load the MTP head when the checkpoint has one.
         pin_mtp: keep every routed expert of the MTP layer in RAM (loaded at start, on top

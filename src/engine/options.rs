@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use crate::container::Container;
 use crate::experts::{IoMode, PinPolicy, PrefetchMode, StoreOptions};
 use crate::model::ModelOptions;
-use crate::quant::kernels::{int8act, Arithmetic};
+use crate::quant::kernels::{self, int8act, Arithmetic};
 use crate::{Error, Result};
 
 /// The accepted values of each string option, "auto" first where it exists. Front ends list
@@ -146,14 +146,14 @@ impl EngineOptions {
         })
     }
 
-    /// What "auto" means for `prefill`: int8 activations where the CPU runs their VNNI kernel
-    /// (AVX-512 VNNI; 1.5–2× the exact prefill, docs/benchmarks.md), exact elsewhere (the
-    /// int8 arithmetic's scalar reference would be slower than the exact kernels).
+    /// What "auto" means for `prefill`: int8 activations where the active kernel path runs a
+    /// SIMD int8 kernel (AVX-512 VNNI: 1.5–2× the exact prefill; AVX2: about 3×; both in
+    /// docs/benchmarks.md), exact elsewhere (the int8 arithmetic's scalar reference would be
+    /// slower than the exact kernels).
     pub fn default_prefill() -> Arithmetic {
-        if int8act::Int8Kernel::Vnni.available() {
-            Arithmetic::Int8
-        } else {
-            Arithmetic::Exact
+        match kernels::int8_kernel() {
+            Ok(int8act::Int8Kernel::Vnni | int8act::Int8Kernel::Avx2) => Arithmetic::Int8,
+            _ => Arithmetic::Exact,
         }
     }
 

@@ -111,8 +111,9 @@ class Model:
             to int8 per block of 64 and summed as integers: 1.5-3x faster prefill on CPUs with
             AVX-512 VNNI or AVX2, logits within a small tolerance of the exact ones), or
             ``"auto"`` (int8 where the CPU has AVX-512 VNNI or AVX2, else exact;
-            ``info()["prefill"]`` says which). Decoding after the prompt is exact either way, so drafting never changes
-            the output; see docs/architecture.md, "Prefill arithmetic".
+            ``info()["prefill"]`` says which). Decoding after the prompt is exact either
+            way, so drafting never changes the output; see docs/architecture.md, "Prefill
+            arithmetic".
         mtp: load the MTP head when the checkpoint has one.
         pin_mtp: keep every routed expert of the MTP layer in RAM (loaded at start, on top
             of ``ram_budget``), so a draft step reads nothing from disk. Worth it when the

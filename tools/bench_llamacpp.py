@@ -60,7 +60,10 @@ GGML_FEATURES = [
     ("avx512_bf16", "GGML_AVX512_BF16"),
 ]
 CTX = 4096
-WARMUP_PROMPT = 128
+# Long enough that the warm-up routes tokens to every expert (64 experts, top 8: a 128-token
+# warm-up left ~170 MB of experts for colibri to read inside the measured 512-token prefill,
+# where llama.cpp's mapped file was already warm).
+WARMUP_PROMPT = 512
 WARMUP_GEN = 8
 _KEEP: list[Any] = []
 
@@ -490,6 +493,7 @@ def worker_colibri(a: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_forward": st.tokens_per_forward,
         "generated": st.generated_tokens,
         "expert_misses": st.expert_misses,
+        "expert_bytes_read": st.expert_bytes_read,
         "prefill_resolved": m.info().get("prefill"),  # the arithmetic "auto" chose
         "tokens": list(out.token_ids[:16]),
         **vm_status(),

@@ -19,13 +19,8 @@
 
 use std::arch::x86_64::*;
 
-use super::{block_scales, Line, OutColumns, QuantizedActs, BLOCK, LANES};
+use super::{Line, OutColumns, QuantizedActs, BLOCK, LANES};
 use crate::quant::format::{QMatrix, QuantFormat};
-
-/// Weight rows decoded per pass (and per tile).
-const WR: usize = 4;
-/// Activation rows per tile.
-const AR: usize = 2;
 
 /// 8 × 8 transpose of 32-bit words: `out[k]` word j = `r[j]` word k.
 #[inline(always)]
@@ -378,53 +373,43 @@ unsafe fn tile<const NW: usize, const NA: usize>(
     }
 }
 
-/// [`tile`] for run-time sizes (1..=WR weight rows, 1..=AR activation rows), results into
-/// `out` at weight row `o` (its column) and activation row `t0`.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_into(
-    nw: usize,
-    na: usize,
-    wl: &[Line],
-    ws: &[f32],
-    x: &QuantizedActs,
-    t0: usize,
-    int8: bool,
-    o: usize,
-    out: OutColumns,
-) {
-    macro_rules! run {
-        ($nw:literal, $na:literal) => {{
-            // SAFETY: forwarded from the caller.
-            let v = unsafe { tile::<$nw, $na>(wl, ws, x, t0, int8) };
-            for (r, row) in v.iter().enumerate() {
-                for (a, value) in row.iter().enumerate() {
-                    // SAFETY: the caller's contract: columns `o..o + nw` are this task's and
-                    // `t0 + na <= S`.
-                    unsafe { out.set(t0 + a, o + r, *value) };
-                }
-            }
-        }};
+/// This kernel's pieces for the shared pass loop (`super::tile_rows`).
+struct Kernel;
+
+impl super::Tiles for Kernel {
+    const WR: usize = 4;
+    const AR: usize = 2;
+    /// Whether the weights are int8 (else int4).
+    type Format = bool;
+
+    fn format(w: &QMatrix<'_>) -> bool {
+        w.format() == QuantFormat::Int8PerRow
     }
-    match (nw, na) {
-        (4, 2) => run!(4, 2),
-        (4, 1) => run!(4, 1),
-        (3, 2) => run!(3, 2),
-        (3, 1) => run!(3, 1),
-        (2, 2) => run!(2, 2),
-        (2, 1) => run!(2, 1),
-        (1, 2) => run!(1, 2),
-        _ => run!(1, 1),
+
+    #[inline(always)]
+    unsafe fn decode_row(w: &QMatrix<'_>, o: usize, out: &mut [Line]) {
+        // SAFETY: forwarded from the caller.
+        unsafe { decode_row(w, o, out) }
+    }
+
+    #[inline(always)]
+    unsafe fn tile<const NW: usize, const NA: usize>(
+        wl: &[Line],
+        ws: &[f32],
+        x: &QuantizedActs,
+        t0: usize,
+        int8: bool,
+    ) -> [[f32; NA]; NW] {
+        // SAFETY: forwarded from the caller.
+        unsafe { tile::<NW, NA>(wl, ws, x, t0, int8) }
     }
 }
 
 /// `y[t, o0 + i] ≈ W[o0 + i] · x_t` by the int8 arithmetic for `i < n`, every t, the
-/// activations in passes of `pass` rows.
+/// activations in passes of `pass` rows (`super::tile_rows` over this kernel).
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `x.cols == w.cols()`, `w`'s format is one [`super::supports`]
-/// accepts, `o0 + n <= w.rows()`, `out` is [x.rows, w.rows()], and no other task writes its
-/// columns `o0..o0 + n`.
+/// The CPU has the features enabled here; `super::tile_rows`' contract.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn rows(
     w: &QMatrix<'_>,
@@ -434,30 +419,9 @@ pub(super) unsafe fn rows(
     pass: usize,
     out: OutColumns,
 ) {
-    let s = x.rows;
-    let blocks = x.chunks * LANES;
-    let int8 = w.format() == QuantFormat::Int8PerRow;
-    let mut wl = vec![Line([0; 64]); WR * blocks];
-    let mut ws = vec![0.0f32; WR * blocks];
-    for p0 in (0..s).step_by(pass.max(1)) {
-        let p1 = (p0 + pass).min(s);
-        for i0 in (0..n).step_by(WR) {
-            let nw = WR.min(n - i0);
-            for r in 0..nw {
-                // SAFETY: AVX2 is enabled here; `o0 + i0 + r < o0 + n <= w.rows()`.
-                unsafe { decode_row(w, o0 + i0 + r, &mut wl[r * blocks..(r + 1) * blocks]) };
-                block_scales(w, o0 + i0 + r, &mut ws[r * blocks..(r + 1) * blocks]);
-            }
-            let mut t = p0;
-            while t < p1 {
-                let na = AR.min(p1 - t);
-                // SAFETY: the features are enabled here; rows `0..nw` of `wl`/`ws` were decoded
-                // above, `t + na <= s`, and columns `o0 + i0..o0 + i0 + nw` are this call's.
-                unsafe { tile_into(nw, na, &wl, &ws, x, t, int8, o0 + i0, out) };
-                t += na;
-            }
-        }
-    }
+    // SAFETY: the caller's contract; the features are enabled here and `tile_rows` is
+    // inlined into this function.
+    unsafe { super::tile_rows::<Kernel>(w, o0, n, x, pass, out) }
 }
 
 /// [`transpose8`] for the tests.

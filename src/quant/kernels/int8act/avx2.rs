@@ -136,33 +136,6 @@ unsafe fn int8_block(data: &[u8], b: usize) -> [__m256i; 2] {
     }
 }
 
-/// Row `o` of `w` in the lane layout (`out.len()` = chunks · 16): int4 as unsigned nibbles,
-/// int8 as its signed bytes.
-#[inline(always)]
-unsafe fn decode_row(w: &QMatrix<'_>, o: usize, out: &mut [Line]) {
-    let data = w.row_data(o);
-    let int8 = w.format() == QuantFormat::Int8PerRow;
-    let blocks = w.cols().div_ceil(BLOCK);
-    // SAFETY: AVX2 is enabled by the caller.
-    unsafe {
-        let z = _mm256_setzero_si256();
-        for (c, lines) in out.chunks_exact_mut(LANES).enumerate() {
-            let mut r = [[z; 2]; 16];
-            for (j, v) in r.iter_mut().enumerate() {
-                let b = c * LANES + j;
-                if b < blocks {
-                    *v = if int8 {
-                        int8_block(data, b)
-                    } else {
-                        int4_block(data, b)
-                    };
-                }
-            }
-            store_chunk(&r, lines);
-        }
-    }
-}
-
 /// One row of activations quantised into the lane layout (`lines`, `scales`, `sums`: this
 /// row's, chunks · 16 each), by the scalar `quantize_block`'s arithmetic vector by vector (the
 /// same bytes for finite `x`).
@@ -246,133 +219,6 @@ pub(super) unsafe fn quantize_row(
     }
 }
 
-/// One tile: rows `0..NW` of the decoded weights (`wl`, `ws`: [NW][blocks]) against activation
-/// rows `t0..t0 + NA`; returns `[w][a]`.
-///
-/// # Safety
-/// The CPU has AVX2 and FMA; `wl` and `ws` hold `NW · blocks` elements and `x` has at least
-/// `t0 + NA` rows.
-#[inline(always)]
-unsafe fn tile<const NW: usize, const NA: usize>(
-    wl: &[Line],
-    ws: &[f32],
-    x: &QuantizedActs,
-    t0: usize,
-    int8: bool,
-) -> [[f32; NA]; NW] {
-    let blocks = x.chunks * LANES;
-    debug_assert!(wl.len() >= NW * blocks && ws.len() >= NW * blocks);
-    debug_assert!((t0 + NA) * blocks <= x.q.len());
-    // SAFETY: AVX2 and FMA are enabled by the caller. The row pointers start inside `wl`
-    // (row r < NW) and `x.q`/`x.sums`/`x.scales` (row `t0 + a < x.rows`), and every offset
-    // added below is `base + k < blocks` lines (plus 32 bytes: the second half of a line) or
-    // `base + 8h + 8 <= blocks` values into its row, so each load is in bounds; lines are
-    // 64-byte aligned.
-    unsafe {
-        // Plain loops, not `array::from_fn`: a closure does not inherit this function's
-        // target features.
-        let mut w_rows = [wl.as_ptr().cast::<u8>(); NW];
-        let mut w_scales = [ws.as_ptr(); NW];
-        for r in 0..NW {
-            w_rows[r] = wl.as_ptr().add(r * blocks).cast();
-            w_scales[r] = ws.as_ptr().add(r * blocks);
-        }
-        let mut x_rows = [x.q.as_ptr().cast::<u8>(); NA];
-        let mut x_sums = [x.sums.as_ptr(); NA];
-        let mut x_scales = [x.scales.as_ptr(); NA];
-        for a in 0..NA {
-            x_rows[a] = x.q.as_ptr().add((t0 + a) * blocks).cast();
-            x_sums[a] = x.sums.as_ptr().add((t0 + a) * blocks);
-            x_scales[a] = x.scales.as_ptr().add((t0 + a) * blocks);
-        }
-        let ones = _mm256_set1_epi16(1);
-        let z = _mm256_setzero_si256();
-        let mut sums = [[[_mm256_setzero_ps(); NA]; NW]; 2];
-        for c in 0..x.chunks {
-            let base = c * LANES;
-            for (h, sums) in sums.iter_mut().enumerate() {
-                // Byte offset of line k's half h.
-                let at = |k: usize| 64 * k + 32 * h;
-                let mut acc = [[z; NA]; NW];
-                if int8 {
-                    for k in base..base + LANES {
-                        let mut wv = [z; NW];
-                        let mut wa = [z; NW];
-                        for r in 0..NW {
-                            wv[r] = _mm256_load_si256(w_rows[r].add(at(k)).cast());
-                            wa[r] = _mm256_abs_epi8(wv[r]);
-                        }
-                        for a in 0..NA {
-                            let xv = _mm256_load_si256(x_rows[a].add(at(k)).cast());
-                            for r in 0..NW {
-                                let p = _mm256_maddubs_epi16(wa[r], _mm256_sign_epi8(xv, wv[r]));
-                                acc[r][a] = _mm256_add_epi32(acc[r][a], _mm256_madd_epi16(p, ones));
-                            }
-                        }
-                    }
-                } else {
-                    // Each lane starts at −8 · Σxq of its block, so the sum ends at Σ q · xq.
-                    for a in 0..NA {
-                        let sx = _mm256_loadu_si256(x_sums[a].add(base + 8 * h).cast());
-                        let init = _mm256_sub_epi32(z, _mm256_slli_epi32::<3>(sx));
-                        for row in acc.iter_mut() {
-                            row[a] = init;
-                        }
-                    }
-                    for g in 0..2 {
-                        let mut acc16 = [[z; NA]; NW];
-                        for k in base + 8 * g..base + 8 * g + 8 {
-                            let mut wv = [z; NW];
-                            for r in 0..NW {
-                                wv[r] = _mm256_load_si256(w_rows[r].add(at(k)).cast());
-                            }
-                            for a in 0..NA {
-                                let xv = _mm256_load_si256(x_rows[a].add(at(k)).cast());
-                                for r in 0..NW {
-                                    acc16[r][a] = _mm256_add_epi16(
-                                        acc16[r][a],
-                                        _mm256_maddubs_epi16(wv[r], xv),
-                                    );
-                                }
-                            }
-                        }
-                        for r in 0..NW {
-                            for a in 0..NA {
-                                acc[r][a] = _mm256_add_epi32(
-                                    acc[r][a],
-                                    _mm256_madd_epi16(acc16[r][a], ones),
-                                );
-                            }
-                        }
-                    }
-                }
-                for a in 0..NA {
-                    let sx = _mm256_loadu_ps(x_scales[a].add(base + 8 * h));
-                    for r in 0..NW {
-                        let sw = _mm256_loadu_ps(w_scales[r].add(base + 8 * h));
-                        sums[r][a] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(acc[r][a]),
-                            _mm256_mul_ps(sw, sx),
-                            sums[r][a],
-                        );
-                    }
-                }
-            }
-        }
-        // `sum_lanes`' tree: lane i + lane i + 8, then + 4, + 2, + 1.
-        let mut out = [[0.0f32; NA]; NW];
-        for r in 0..NW {
-            for a in 0..NA {
-                let v8 = _mm256_add_ps(sums[0][r][a], sums[1][r][a]);
-                let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps::<1>(v8));
-                let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-                out[r][a] = _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)));
-            }
-        }
-        out
-    }
-}
-
 /// This kernel's pieces for the shared pass loop (`super::tile_rows`).
 struct Kernel;
 
@@ -386,12 +232,39 @@ impl super::Tiles for Kernel {
         w.format() == QuantFormat::Int8PerRow
     }
 
+    /// Row `o` of `w` in the lane layout (`out.len()` = chunks · 16): int4 as unsigned nibbles,
+    /// int8 as its signed bytes.
     #[inline(always)]
     unsafe fn decode_row(w: &QMatrix<'_>, o: usize, out: &mut [Line]) {
-        // SAFETY: forwarded from the caller.
-        unsafe { decode_row(w, o, out) }
+        let data = w.row_data(o);
+        let int8 = w.format() == QuantFormat::Int8PerRow;
+        let blocks = w.cols().div_ceil(BLOCK);
+        // SAFETY: AVX2 is enabled by the caller.
+        unsafe {
+            let z = _mm256_setzero_si256();
+            for (c, lines) in out.chunks_exact_mut(LANES).enumerate() {
+                let mut r = [[z; 2]; 16];
+                for (j, v) in r.iter_mut().enumerate() {
+                    let b = c * LANES + j;
+                    if b < blocks {
+                        *v = if int8 {
+                            int8_block(data, b)
+                        } else {
+                            int4_block(data, b)
+                        };
+                    }
+                }
+                store_chunk(&r, lines);
+            }
+        }
     }
 
+    /// One tile: rows `0..NW` of the decoded weights (`wl`, `ws`: [NW][blocks]) against
+    /// activation rows `t0..t0 + NA`; returns `[w][a]`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `wl` and `ws` hold `NW · blocks` elements and `x` has at
+    /// least `t0 + NA` rows.
     #[inline(always)]
     unsafe fn tile<const NW: usize, const NA: usize>(
         wl: &[Line],
@@ -400,8 +273,119 @@ impl super::Tiles for Kernel {
         t0: usize,
         int8: bool,
     ) -> [[f32; NA]; NW] {
-        // SAFETY: forwarded from the caller.
-        unsafe { tile::<NW, NA>(wl, ws, x, t0, int8) }
+        let blocks = x.chunks * LANES;
+        debug_assert!(wl.len() >= NW * blocks && ws.len() >= NW * blocks);
+        debug_assert!((t0 + NA) * blocks <= x.q.len());
+        // SAFETY: AVX2 and FMA are enabled by the caller. The row pointers start inside `wl`
+        // (row r < NW) and `x.q`/`x.sums`/`x.scales` (row `t0 + a < x.rows`), and every offset
+        // added below is `base + k < blocks` lines (plus 32 bytes: the second half of a line) or
+        // `base + 8h + 8 <= blocks` values into its row, so each load is in bounds; lines are
+        // 64-byte aligned.
+        unsafe {
+            // Plain loops, not `array::from_fn`: a closure does not inherit this function's
+            // target features.
+            let mut w_rows = [wl.as_ptr().cast::<u8>(); NW];
+            let mut w_scales = [ws.as_ptr(); NW];
+            for r in 0..NW {
+                w_rows[r] = wl.as_ptr().add(r * blocks).cast();
+                w_scales[r] = ws.as_ptr().add(r * blocks);
+            }
+            let mut x_rows = [x.q.as_ptr().cast::<u8>(); NA];
+            let mut x_sums = [x.sums.as_ptr(); NA];
+            let mut x_scales = [x.scales.as_ptr(); NA];
+            for a in 0..NA {
+                x_rows[a] = x.q.as_ptr().add((t0 + a) * blocks).cast();
+                x_sums[a] = x.sums.as_ptr().add((t0 + a) * blocks);
+                x_scales[a] = x.scales.as_ptr().add((t0 + a) * blocks);
+            }
+            let ones = _mm256_set1_epi16(1);
+            let z = _mm256_setzero_si256();
+            let mut sums = [[[_mm256_setzero_ps(); NA]; NW]; 2];
+            for c in 0..x.chunks {
+                let base = c * LANES;
+                for (h, sums) in sums.iter_mut().enumerate() {
+                    // Byte offset of line k's half h.
+                    let at = |k: usize| 64 * k + 32 * h;
+                    let mut acc = [[z; NA]; NW];
+                    if int8 {
+                        for k in base..base + LANES {
+                            let mut wv = [z; NW];
+                            let mut wa = [z; NW];
+                            for r in 0..NW {
+                                wv[r] = _mm256_load_si256(w_rows[r].add(at(k)).cast());
+                                wa[r] = _mm256_abs_epi8(wv[r]);
+                            }
+                            for a in 0..NA {
+                                let xv = _mm256_load_si256(x_rows[a].add(at(k)).cast());
+                                for r in 0..NW {
+                                    let p =
+                                        _mm256_maddubs_epi16(wa[r], _mm256_sign_epi8(xv, wv[r]));
+                                    acc[r][a] =
+                                        _mm256_add_epi32(acc[r][a], _mm256_madd_epi16(p, ones));
+                                }
+                            }
+                        }
+                    } else {
+                        // Each lane starts at −8 · Σxq of its block, so the sum ends at Σ q · xq.
+                        for a in 0..NA {
+                            let sx = _mm256_loadu_si256(x_sums[a].add(base + 8 * h).cast());
+                            let init = _mm256_sub_epi32(z, _mm256_slli_epi32::<3>(sx));
+                            for row in acc.iter_mut() {
+                                row[a] = init;
+                            }
+                        }
+                        for g in 0..2 {
+                            let mut acc16 = [[z; NA]; NW];
+                            for k in base + 8 * g..base + 8 * g + 8 {
+                                let mut wv = [z; NW];
+                                for r in 0..NW {
+                                    wv[r] = _mm256_load_si256(w_rows[r].add(at(k)).cast());
+                                }
+                                for a in 0..NA {
+                                    let xv = _mm256_load_si256(x_rows[a].add(at(k)).cast());
+                                    for r in 0..NW {
+                                        acc16[r][a] = _mm256_add_epi16(
+                                            acc16[r][a],
+                                            _mm256_maddubs_epi16(wv[r], xv),
+                                        );
+                                    }
+                                }
+                            }
+                            for r in 0..NW {
+                                for a in 0..NA {
+                                    acc[r][a] = _mm256_add_epi32(
+                                        acc[r][a],
+                                        _mm256_madd_epi16(acc16[r][a], ones),
+                                    );
+                                }
+                            }
+                        }
+                    }
+                    for a in 0..NA {
+                        let sx = _mm256_loadu_ps(x_scales[a].add(base + 8 * h));
+                        for r in 0..NW {
+                            let sw = _mm256_loadu_ps(w_scales[r].add(base + 8 * h));
+                            sums[r][a] = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(acc[r][a]),
+                                _mm256_mul_ps(sw, sx),
+                                sums[r][a],
+                            );
+                        }
+                    }
+                }
+            }
+            // `sum_lanes`' tree: lane i + lane i + 8, then + 4, + 2, + 1.
+            let mut out = [[0.0f32; NA]; NW];
+            for r in 0..NW {
+                for a in 0..NA {
+                    let v8 = _mm256_add_ps(sums[0][r][a], sums[1][r][a]);
+                    let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps::<1>(v8));
+                    let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+                    out[r][a] = _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)));
+                }
+            }
+            out
+        }
     }
 }
 

@@ -166,126 +166,6 @@ pub(super) unsafe fn quantize_row(
     }
 }
 
-/// Row `o` of `w` as unsigned bytes in the lane layout: line `16c + k`, lane j = elements
-/// `4k..4k + 4` of block `16c + j` (`out.len()` = chunks · 16).
-#[inline(always)]
-unsafe fn decode_row(w: &QMatrix<'_>, o: usize, out: &mut [Line]) {
-    let data = w.row_data(o);
-    let int8 = w.format() == QuantFormat::Int8PerRow;
-    // SAFETY: AVX-512 F and BW are enabled by the caller; each store writes one 64-byte line
-    // of `out`, whose lines are 64-byte aligned.
-    unsafe {
-        for (c, lines) in out.chunks_exact_mut(LANES).enumerate() {
-            let mut r = [_mm512_setzero_si512(); 16];
-            for (j, v) in r.iter_mut().enumerate() {
-                *v = if int8 {
-                    int8_block(data, c * LANES + j)
-                } else {
-                    int4_block(data, c * LANES + j)
-                };
-            }
-            for (line, v) in lines.iter_mut().zip(transpose16(r)) {
-                _mm512_store_si512(line.0.as_mut_ptr().cast(), v);
-            }
-        }
-    }
-}
-
-/// One tile: rows `0..NW` of the decoded weights (`wl`, `ws`: [NW][blocks]) against activation
-/// rows `t0..t0 + NA`; returns `[w][a]`.
-///
-/// # Safety
-/// The CPU has AVX-512 F and VNNI; `wl` and `ws` hold `NW · blocks` elements and `x` has at
-/// least `t0 + NA` rows.
-#[inline(always)]
-unsafe fn tile<const NW: usize, const NA: usize>(
-    wl: &[Line],
-    ws: &[f32],
-    x: &QuantizedActs,
-    t0: usize,
-    shift: u32,
-) -> [[f32; NA]; NW] {
-    let blocks = x.chunks * LANES;
-    debug_assert!(wl.len() >= NW * blocks && ws.len() >= NW * blocks);
-    debug_assert!((t0 + NA) * blocks <= x.q.len());
-    // SAFETY: AVX-512 F and VNNI are enabled by the caller. The row pointers start inside
-    // `wl` (row r < NW: `r · blocks < wl.len()`) and `x.q`/`x.sums`/`x.scales` (row
-    // `t0 + a < x.rows`), and every offset added below is `base + k < blocks` lines or
-    // `base + 16 <= blocks` values into the row, so each load is in bounds; lines are
-    // 64-byte aligned.
-    unsafe {
-        // Plain loops, not `array::from_fn`: a closure does not inherit this function's
-        // target features, and the intrinsics it calls then run as out-of-line calls.
-        let mut w_rows = [wl.as_ptr(); NW];
-        let mut w_scales = [ws.as_ptr(); NW];
-        for r in 0..NW {
-            w_rows[r] = wl.as_ptr().add(r * blocks);
-            w_scales[r] = ws.as_ptr().add(r * blocks);
-        }
-        let mut x_rows = [x.q.as_ptr(); NA];
-        let mut x_sums = [x.sums.as_ptr(); NA];
-        let mut x_scales = [x.scales.as_ptr(); NA];
-        for a in 0..NA {
-            x_rows[a] = x.q.as_ptr().add((t0 + a) * blocks);
-            x_sums[a] = x.sums.as_ptr().add((t0 + a) * blocks);
-            x_scales[a] = x.scales.as_ptr().add((t0 + a) * blocks);
-        }
-        let mut sums = [[_mm512_setzero_ps(); NA]; NW];
-        let shift = _mm512_set1_epi32(shift as i32);
-        for c in 0..x.chunks {
-            let base = c * LANES;
-            // Each lane starts at −o · Σxq of its block, so the sum ends at Σ q · xq.
-            let mut acc = [[_mm512_setzero_si512(); NA]; NW];
-            for a in 0..NA {
-                let sums_x = _mm512_loadu_si512(x_sums[a].add(base).cast());
-                let init =
-                    _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_sllv_epi32(sums_x, shift));
-                for row in acc.iter_mut() {
-                    row[a] = init;
-                }
-            }
-            for k in base..base + LANES {
-                let mut wv = [_mm512_setzero_si512(); NW];
-                for r in 0..NW {
-                    wv[r] = _mm512_load_si512(w_rows[r].add(k).cast());
-                }
-                for a in 0..NA {
-                    let xv = _mm512_load_si512(x_rows[a].add(k).cast());
-                    for (row, w) in acc.iter_mut().zip(&wv) {
-                        row[a] = _mm512_dpbusd_epi32(row[a], *w, xv);
-                    }
-                }
-            }
-            for a in 0..NA {
-                let sx = _mm512_loadu_ps(x_scales[a].add(base));
-                for r in 0..NW {
-                    let sw = _mm512_loadu_ps(w_scales[r].add(base));
-                    sums[r][a] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(acc[r][a]),
-                        _mm512_mul_ps(sw, sx),
-                        sums[r][a],
-                    );
-                }
-            }
-        }
-        let mut cells = [_mm512_setzero_ps(); 16];
-        for r in 0..NW {
-            for a in 0..NA {
-                cells[r * NA + a] = sums[r][a];
-            }
-        }
-        let mut lanes = [0.0f32; 16];
-        _mm512_storeu_ps(lanes.as_mut_ptr(), sum_lanes16(cells));
-        let mut out = [[0.0f32; NA]; NW];
-        for (r, row) in out.iter_mut().enumerate() {
-            for (a, v) in row.iter_mut().enumerate() {
-                *v = lanes[sum_lanes16_index(r * NA + a)];
-            }
-        }
-        out
-    }
-}
-
 /// Each vector's 16 lanes summed by [`super::sum_lanes`]' tree (lane i + lane i + 8, then + 4, + 2,
 /// + 1), 16 vectors at once: cell c's sum lands in lane [`sum_lanes16_index`]`(c)`.
 #[inline(always)]
@@ -346,12 +226,37 @@ impl super::Tiles for Kernel {
         offset_shift(w.format())
     }
 
+    /// Row `o` of `w` as unsigned bytes in the lane layout: line `16c + k`, lane j = elements
+    /// `4k..4k + 4` of block `16c + j` (`out.len()` = chunks · 16).
     #[inline(always)]
     unsafe fn decode_row(w: &QMatrix<'_>, o: usize, out: &mut [Line]) {
-        // SAFETY: forwarded from the caller.
-        unsafe { decode_row(w, o, out) }
+        let data = w.row_data(o);
+        let int8 = w.format() == QuantFormat::Int8PerRow;
+        // SAFETY: AVX-512 F and BW are enabled by the caller; each store writes one 64-byte line
+        // of `out`, whose lines are 64-byte aligned.
+        unsafe {
+            for (c, lines) in out.chunks_exact_mut(LANES).enumerate() {
+                let mut r = [_mm512_setzero_si512(); 16];
+                for (j, v) in r.iter_mut().enumerate() {
+                    *v = if int8 {
+                        int8_block(data, c * LANES + j)
+                    } else {
+                        int4_block(data, c * LANES + j)
+                    };
+                }
+                for (line, v) in lines.iter_mut().zip(transpose16(r)) {
+                    _mm512_store_si512(line.0.as_mut_ptr().cast(), v);
+                }
+            }
+        }
     }
 
+    /// One tile: rows `0..NW` of the decoded weights (`wl`, `ws`: [NW][blocks]) against
+    /// activation rows `t0..t0 + NA`; returns `[w][a]`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and VNNI; `wl` and `ws` hold `NW · blocks` elements and `x` has at
+    /// least `t0 + NA` rows.
     #[inline(always)]
     unsafe fn tile<const NW: usize, const NA: usize>(
         wl: &[Line],
@@ -360,8 +265,85 @@ impl super::Tiles for Kernel {
         t0: usize,
         shift: u32,
     ) -> [[f32; NA]; NW] {
-        // SAFETY: forwarded from the caller.
-        unsafe { tile::<NW, NA>(wl, ws, x, t0, shift) }
+        let blocks = x.chunks * LANES;
+        debug_assert!(wl.len() >= NW * blocks && ws.len() >= NW * blocks);
+        debug_assert!((t0 + NA) * blocks <= x.q.len());
+        // SAFETY: AVX-512 F and VNNI are enabled by the caller. The row pointers start inside
+        // `wl` (row r < NW: `r · blocks < wl.len()`) and `x.q`/`x.sums`/`x.scales` (row
+        // `t0 + a < x.rows`), and every offset added below is `base + k < blocks` lines or
+        // `base + 16 <= blocks` values into the row, so each load is in bounds; lines are
+        // 64-byte aligned.
+        unsafe {
+            // Plain loops, not `array::from_fn`: a closure does not inherit this function's
+            // target features, and the intrinsics it calls then run as out-of-line calls.
+            let mut w_rows = [wl.as_ptr(); NW];
+            let mut w_scales = [ws.as_ptr(); NW];
+            for r in 0..NW {
+                w_rows[r] = wl.as_ptr().add(r * blocks);
+                w_scales[r] = ws.as_ptr().add(r * blocks);
+            }
+            let mut x_rows = [x.q.as_ptr(); NA];
+            let mut x_sums = [x.sums.as_ptr(); NA];
+            let mut x_scales = [x.scales.as_ptr(); NA];
+            for a in 0..NA {
+                x_rows[a] = x.q.as_ptr().add((t0 + a) * blocks);
+                x_sums[a] = x.sums.as_ptr().add((t0 + a) * blocks);
+                x_scales[a] = x.scales.as_ptr().add((t0 + a) * blocks);
+            }
+            let mut sums = [[_mm512_setzero_ps(); NA]; NW];
+            let shift = _mm512_set1_epi32(shift as i32);
+            for c in 0..x.chunks {
+                let base = c * LANES;
+                // Each lane starts at −o · Σxq of its block, so the sum ends at Σ q · xq.
+                let mut acc = [[_mm512_setzero_si512(); NA]; NW];
+                for a in 0..NA {
+                    let sums_x = _mm512_loadu_si512(x_sums[a].add(base).cast());
+                    let init =
+                        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_sllv_epi32(sums_x, shift));
+                    for row in acc.iter_mut() {
+                        row[a] = init;
+                    }
+                }
+                for k in base..base + LANES {
+                    let mut wv = [_mm512_setzero_si512(); NW];
+                    for r in 0..NW {
+                        wv[r] = _mm512_load_si512(w_rows[r].add(k).cast());
+                    }
+                    for a in 0..NA {
+                        let xv = _mm512_load_si512(x_rows[a].add(k).cast());
+                        for (row, w) in acc.iter_mut().zip(&wv) {
+                            row[a] = _mm512_dpbusd_epi32(row[a], *w, xv);
+                        }
+                    }
+                }
+                for a in 0..NA {
+                    let sx = _mm512_loadu_ps(x_scales[a].add(base));
+                    for r in 0..NW {
+                        let sw = _mm512_loadu_ps(w_scales[r].add(base));
+                        sums[r][a] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(acc[r][a]),
+                            _mm512_mul_ps(sw, sx),
+                            sums[r][a],
+                        );
+                    }
+                }
+            }
+            let mut cells = [_mm512_setzero_ps(); 16];
+            for r in 0..NW {
+                for a in 0..NA {
+                    cells[r * NA + a] = sums[r][a];
+                }
+            }
+            let mut lanes = [0.0f32; 16];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), sum_lanes16(cells));
+            let mut out = [[0.0f32; NA]; NW];
+            for (r, row) in out.iter_mut().enumerate() {
+                for (a, v) in row.iter_mut().enumerate() {
+                    *v = lanes[sum_lanes16_index(r * NA + a)];
+                }
+            }
+            out
+        }
     }
 }
 

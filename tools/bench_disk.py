@@ -22,7 +22,8 @@ bytes this cell reads). Greedy output must be the same in every cell; the tool a
     python tools/bench_disk.py /work/standin/tiny                      # naive (MTP streamed)
     python tools/bench_disk.py S --budgets 0.1 --drafts off auto --prefetch real --pins off
 
-Pins ``learned``: the routing history of a *different* workload (``LEARN_PROMPTS``, generated
+Pins ``learned``: the routing history of a *different* workload (``LEARN_PROMPTS``, or with
+``--learn-workload same`` unseen prompts of the measured kind, ``SAME_KIND_PROMPTS``; generated
 once, draft off, into a scratch cache) is put in a fresh scratch cache directory before each
 such run and removed after it, so measured runs never teach the pins what they are then tested
 on (nor write into the stand-in or the user's cache).
@@ -63,6 +64,14 @@ LEARN_PROMPTS = [
     'class Queue:\n    """A FIFO queue."""\n\n    def __init__(self, maxsize=0):\n',
     "def read_config(path):\n    with open(path, encoding='utf-8') as f:\n        for line in f:\n",
     "import re\n\n_pattern = re.compile(r'\\s+')\n\n\ndef split_words(text):\n",
+]
+#: The same kind of workload as the measured one (numpy-style code), other functions: what a
+#: user's own history looks like (``--learn-workload same``). None of it is the test prompt.
+SAME_KIND_PROMPTS = [
+    "import numpy as np\n\n\ndef moving_average(a, n=3):\n    a = np.asarray(a, dtype=float)\n",
+    "import numpy as np\n\n\ndef softmax(z):\n    z = z - z.max(axis=-1, keepdims=True)\n",
+    "import numpy as np\n\n\ndef pairwise_distances(a, b):\n    a = np.atleast_2d(a)\n",
+    "import numpy as np\n\n\ndef standardize(x):\n    mu, sd = x.mean(axis=0), x.std(axis=0)\n",
 ]
 DRAFTS = {
     "off": ("off", 0),
@@ -146,11 +155,17 @@ class UsageFile:
 
 
 def learn(
-    model: Path, tok: Tokenizer, tokens: int, resident: list[int], out: Path, budget: int
+    model: Path,
+    tok: Tokenizer,
+    tokens: int,
+    resident: list[int],
+    out: Path,
+    budget: int,
+    prompts: list[str],
 ) -> Path:
-    """Generate the learn workload once with the history on (in a scratch cache), keep the
-    file it wrote as ``out``, and return its path relative to the cache directory (routing
-    does not depend on the budget; a cache only makes this faster)."""
+    """Generate the learn workload (``prompts``) once with the history on (in a scratch
+    cache), keep the file it wrote as ``out``, and return its path relative to the cache
+    directory (routing does not depend on the budget; a cache only makes this faster)."""
     scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f"colibri-learn-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
     (model / USAGE).unlink(missing_ok=True)  # a legacy history would be merged in
@@ -164,7 +179,7 @@ def learn(
         cache_dir=str(scratch),
         resident_layers=resident,
     )
-    for p in LEARN_PROMPTS:
+    for p in prompts:
         eng.generate(tok.encode(p).ids, max_new_tokens=tokens, draft="off", stop_ids=[])
     written = eng.usage_path
     del eng
@@ -293,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="interleaved rounds (median)")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per run")
     ap.add_argument("--learn-tokens", type=int, default=64)
+    ap.add_argument(
+        "--learn-workload",
+        default="other",
+        choices=["other", "same"],
+        help="what teaches the learned pins: a different workload (stdlib-style code, the "
+        "default) or unseen prompts of the measured kind (numpy-style code)",
+    )
     ap.add_argument("--io", default="direct", choices=["direct", "pread", "mmap"])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument(
@@ -336,9 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         args.pins = [*args.pins, "learned"]
     learned_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"colibri-learned-{os.getpid()}.json"
     relative = Path("unused")
+    same = args.learn_workload == "same"
+    kind = "unseen prompts of the same kind" if same else "a different workload"
     if "learned" in args.pins:
-        print("learning pins on a different workload ...", file=sys.stderr)
-        relative = learn(model, tok, args.learn_tokens, resident, learned_file, total // 2)
+        prompts = SAME_KIND_PROMPTS if same else LEARN_PROMPTS
+        print(f"learning pins on {kind} ...", file=sys.stderr)
+        relative = learn(model, tok, args.learn_tokens, resident, learned_file, total // 2, prompts)
     usage = UsageFile(learned_file, relative)
     print(
         f"model {model}: {len(main_layers)} MoE layers x {cfg['n_routed_experts']} experts x "
@@ -374,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(rounds: {', '.join(f'{b / 1e9:.2f}' for b in bandwidths)})"
     )
     print("MTP layer: " + ("resident (proportional table)" if resident else "streamed (naive)"))
+    if "learned" in args.pins:
+        print(f"learned pins: taught by {kind}")
     print(
         "\n| budget | draft | prefetch | pins | tok/s | x plain | tok/fwd | loads/tok | MB/tok "
         "| wait ms/tok | compute ms/tok | hit rate | recall | precision | store GB/s "

@@ -8,6 +8,11 @@
 //! accounted separately (`pinned_used`); the pin set was sized to its own share of the budget
 //! when the store opened. A demand load that finds no room (everything resident is needed by
 //! the current call) becomes *transient*: served to the caller, then dropped.
+//!
+//! Idle pins: a pinned expert not routed for longer than the LRU keeps an unused entry (the
+//! age of its latest victim) would already have been evicted had it been an LRU entry, so
+//! it is not earning its slot here: it becomes an LRU entry and its share of the budget
+//! joins the LRU's capacity (docs/expert-store.md, "Cache, pins, history").
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
@@ -141,7 +146,12 @@ pub(crate) struct Evicted<T> {
 
 pub(crate) struct LayerCache<T> {
     slots: Vec<Slot<T>>,
-    pinned: Vec<bool>,
+    /// The pin set still in force: each pinned expert's charged bytes.
+    pinned: Vec<Option<u64>>,
+    /// The layer tick that last routed to each expert (resident or not); 0 = never.
+    routed_at: Vec<u64>,
+    /// How many calls the LRU's latest victim had gone unused (`None`: no eviction yet).
+    horizon: Option<u64>,
     capacity: u64,
     used: u64,
     pinned_used: u64,
@@ -151,13 +161,16 @@ pub(crate) struct LayerCache<T> {
 }
 
 impl<T> LayerCache<T> {
-    /// `n` experts, `capacity` bytes for the LRU, `pinned[e]` for the pin set; a prefetch may
-    /// not evict an expert used within the last `guard_tokens` calls of this layer.
-    pub fn new(n: usize, capacity: u64, pinned: Vec<bool>, guard_tokens: u64) -> Self {
+    /// `n` experts, `capacity` bytes for the LRU, `pinned[e]` the charged bytes of each expert
+    /// of the pin set (whose share of the budget is not in `capacity`); a prefetch may not
+    /// evict an expert used within the last `guard_tokens` calls of this layer.
+    pub fn new(n: usize, capacity: u64, pinned: Vec<Option<u64>>, guard_tokens: u64) -> Self {
         debug_assert_eq!(pinned.len(), n);
         LayerCache {
             slots: (0..n).map(|_| Slot::Empty).collect(),
             pinned,
+            routed_at: vec![0; n],
+            horizon: None,
             capacity,
             used: 0,
             pinned_used: 0,
@@ -180,15 +193,52 @@ impl<T> LayerCache<T> {
     }
 
     /// Start a new call (token) of this layer that routes to `ids`: they become protected
-    /// from eviction by this call's own loads.
+    /// from eviction by this call's own loads, and pins idle past the LRU's horizon become
+    /// LRU entries (the module docs).
     pub fn begin(&mut self, ids: &[usize]) -> u64 {
         self.tick += 1;
         for &id in ids {
+            self.routed_at[id] = self.tick;
             if let Slot::Resident(e) = &mut self.slots[id] {
                 e.last_tick = self.tick;
             }
         }
+        if let Some(horizon) = self.horizon {
+            for id in 0..self.pinned.len() {
+                if self.pinned[id].is_some() && self.tick - self.routed_at[id] > horizon {
+                    self.unpin(id);
+                }
+            }
+        }
         self.tick
+    }
+
+    /// Move `id` from the pin set to the LRU, with its share of the budget (later, when a
+    /// pinned load of it is still in flight).
+    fn unpin(&mut self, id: usize) {
+        let Some(charged) = self.pinned[id] else {
+            return;
+        };
+        match &mut self.slots[id] {
+            Slot::Loading(_) => return,
+            Slot::Resident(e) => {
+                // The entry's own bytes move, so `used <= capacity` still holds.
+                e.pinned = false;
+                self.pinned_used -= e.bytes;
+                self.used += e.bytes;
+                self.capacity += e.bytes;
+            }
+            Slot::Empty => self.capacity += charged,
+        }
+        self.pinned[id] = None;
+    }
+
+    /// Experts of the pin set still pinned.
+    #[cfg(test)]
+    pub fn pinned_ids(&self) -> Vec<usize> {
+        (0..self.pinned.len())
+            .filter(|&i| self.pinned[i].is_some())
+            .collect()
     }
 
     /// Use `id` now: a hit, a load to wait for, or a miss.
@@ -230,7 +280,7 @@ impl<T> LayerCache<T> {
         if !self.is_empty(id) {
             return None;
         }
-        let dest = if self.pinned[id] {
+        let dest = if self.pinned[id].is_some() {
             self.pinned_used += bytes;
             Dest::Pinned
         } else if self.make_room(bytes, origin, evicted) {
@@ -293,6 +343,7 @@ impl<T> LayerCache<T> {
             if let Slot::Resident(e) = std::mem::replace(&mut self.slots[i], Slot::Empty) {
                 freed += e.bytes;
                 self.used -= e.bytes;
+                self.horizon = Some(self.tick.saturating_sub(e.last_tick));
                 evicted.push(Evicted {
                     value: e.value,
                     wasted_prefetch: e.prefetched_at.is_some(),
@@ -381,7 +432,7 @@ mod tests {
 
     #[test]
     fn lru_evicts_least_recent_within_byte_budget() {
-        let mut c = LayerCache::new(8, 30, vec![false; 8], 1);
+        let mut c = LayerCache::new(8, 30, vec![None; 8], 1);
         call(&mut c, &[0, 1, 2], 10);
         assert_eq!(c.used(), 30);
         call(&mut c, &[0], 10); // 1 is now least recent
@@ -397,7 +448,7 @@ mod tests {
 
     #[test]
     fn zero_capacity_makes_every_load_transient() {
-        let mut c = LayerCache::new(4, 0, vec![false; 4], 1);
+        let mut c = LayerCache::new(4, 0, vec![None; 4], 1);
         let r = call(&mut c, &[0, 1], 10);
         assert!(r.iter().all(|x| x.1 == "transient"));
         assert!(c.resident_ids().is_empty());
@@ -406,22 +457,72 @@ mod tests {
 
     #[test]
     fn pinned_experts_are_never_evicted() {
-        let mut pinned = vec![false; 6];
-        pinned[5] = true;
+        let mut pinned = vec![None; 6];
+        pinned[5] = Some(10);
         let mut c = LayerCache::new(6, 20, pinned, 0);
         call(&mut c, &[5], 10);
         assert_eq!(c.pinned_used(), 10);
         for i in 0..5 {
-            call(&mut c, &[i], 10);
+            call(&mut c, &[i, 5], 10);
         }
         assert!(c.resident_ids().contains(&5));
         assert_eq!(call(&mut c, &[5], 10), vec![(5, "pin")]);
         assert_eq!(c.used(), 20);
+        assert_eq!(c.pinned_ids(), vec![5]);
+    }
+
+    #[test]
+    fn pins_idle_past_the_lru_horizon_become_lru_entries() {
+        // Two pins of 10 bytes (their 20 outside the LRU's 20), the LRU under pressure.
+        let mut pinned = vec![None; 8];
+        pinned[6] = Some(10);
+        pinned[7] = Some(10);
+        let mut c = LayerCache::new(8, 20, pinned, 0);
+        assert_eq!(call(&mut c, &[7], 10), vec![(7, "miss")]);
+        assert_eq!((c.pinned_used(), c.pinned_ids()), (10, vec![6, 7]));
+        // No eviction yet: no horizon, nothing unpinned however long the pins idle.
+        call(&mut c, &[0], 10);
+        call(&mut c, &[1], 10);
+        assert_eq!(c.pinned_ids(), vec![6, 7]);
+        // Evicting 0 (unused for 2 calls) sets the horizon to 2.
+        call(&mut c, &[2], 10);
+        assert_eq!(c.resident_ids(), vec![1, 2, 7]);
+        // Call 5: pin 6 (never routed) and pin 7 (routed at call 1) are idle 5 and 4 > 2.
+        call(&mut c, &[1], 10);
+        assert_eq!(c.pinned_ids(), Vec::<usize>::new());
+        // 7 was resident: its bytes moved to the LRU; 6 was not: its share did.
+        assert_eq!((c.pinned_used(), c.used(), c.capacity()), (0, 30, 40));
+        // Now ordinary entries: the least recent (7) is evicted first.
+        call(&mut c, &[3, 4], 10);
+        assert_eq!(c.resident_ids(), vec![1, 2, 3, 4]);
+        assert!(c.used() <= c.capacity());
+    }
+
+    #[test]
+    fn pins_in_use_stay_pinned() {
+        let mut pinned = vec![None; 8];
+        pinned[7] = Some(10);
+        let mut c = LayerCache::new(8, 10, pinned, 0);
+        for i in 0..6 {
+            // Each call evicts the previous one's expert (horizon 1); 7 is routed every call.
+            assert_eq!(
+                call(&mut c, &[i, 7], 10)[1].1,
+                if i == 0 { "miss" } else { "pin" }
+            );
+        }
+        assert_eq!(c.pinned_ids(), vec![7]);
+        // Idle for two calls (> 1): unpinned, its bytes and share now the LRU's, and as the
+        // least recent entry it makes room for the call's miss.
+        call(&mut c, &[0], 10);
+        assert_eq!(call(&mut c, &[1], 10), vec![(1, "miss")]);
+        assert_eq!(c.pinned_ids(), Vec::<usize>::new());
+        assert_eq!(c.resident_ids(), vec![0, 1]);
+        assert_eq!((c.pinned_used(), c.used(), c.capacity()), (0, 20, 20));
     }
 
     #[test]
     fn guard_keeps_recent_experts_from_prefetch() {
-        let mut c = LayerCache::new(8, 20, vec![false; 8], 1);
+        let mut c = LayerCache::new(8, 20, vec![None; 8], 1);
         call(&mut c, &[0, 1], 10); // both used by the latest call
         assert_eq!(load(&mut c, 2, 10, Origin::Prefetch), None, "guard refused");
         assert_eq!(c.resident_ids(), vec![0, 1]);
@@ -434,14 +535,14 @@ mod tests {
         c.begin(&[2]);
         assert!(matches!(c.lookup(2), Lookup::Hit(_, HitKind::Prefetched)));
         // A demand load may evict anything the current call does not use.
-        let mut c = LayerCache::new(8, 20, vec![false; 8], 5);
+        let mut c = LayerCache::new(8, 20, vec![None; 8], 5);
         call(&mut c, &[0, 1], 10);
         assert_eq!(call(&mut c, &[2], 10), vec![(2, "miss")]);
     }
 
     #[test]
     fn waiters_get_the_result_and_failed_loads_release_their_bytes() {
-        let mut c = LayerCache::new(4, 20, vec![false; 4], 1);
+        let mut c = LayerCache::new(4, 20, vec![None; 4], 1);
         let mut ev = Vec::new();
         c.begin(&[1]);
         let fl = c.start(1, 10, Origin::Prefetch, &mut ev).expect("room");
@@ -467,7 +568,7 @@ mod tests {
 
     #[test]
     fn claimed_prefetch_counts_as_used() {
-        let mut c = LayerCache::new(4, 20, vec![false; 4], 1);
+        let mut c = LayerCache::new(4, 20, vec![None; 4], 1);
         let mut ev = Vec::new();
         let fl = c.start(3, 10, Origin::Prefetch, &mut ev).expect("room");
         c.begin(&[3]);

@@ -81,14 +81,18 @@ impl ExpertStore {
             .map(|(l, x)| {
                 x.map(|(locs, est)| {
                     let n = locs.len();
+                    let pinned = (plan.pinned_of(l, n).into_iter())
+                        .zip(&est)
+                        .map(|(pinned, &bytes)| pinned.then_some(bytes))
+                        .collect();
                     LayerState {
-                        est,
                         cache: Mutex::new(LayerCache::new(
                             n,
                             plan.lru_capacity(l),
-                            plan.pinned_of(l, n),
+                            pinned,
                             opts.guard_tokens,
                         )),
+                        est,
                         counters: LayerCounters::default(),
                         usage: (0..n).map(|_| AtomicU64::new(0)).collect(),
                         pred: Mutex::new(Predictions::new(n, opts.prefetch_min_precision)),

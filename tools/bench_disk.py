@@ -7,8 +7,9 @@ Runs greedy decoding on a disk-scale stand-in (``tools/make_standin.py``) for ev
 
 cold: every run opens a fresh engine (empty expert cache) with ``io="direct"`` (O_DIRECT
 reads bypass the page cache, so nothing is served from memory the budget does not pay for).
-Runs are interleaved (round r runs every cell once) and each cell reports the median of its
-runs. The disk's own bandwidth is measured in every round the way the store reads: random
+Runs are interleaved (round r runs every cell once, odd rounds in reverse order) and each
+cell reports the median of its runs; use an even ``--runs`` for an unbiased order. The
+disk's own bandwidth is measured in every round the way the store reads: random
 expert-sized O_DIRECT reads on the store's demand thread count, over the model's shards.
 
 Columns (decode only: the prefill's loads are subtracted, snapshot at the first token):
@@ -305,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="BUDGET:DRAFT:PREFETCH:PINS",
         help="an explicit list of cells (e.g. 0.1:auto:real:learned) instead of the grid",
     )
-    ap.add_argument("--runs", type=int, default=3, help="interleaved rounds (median)")
+    ap.add_argument(
+        "--runs", type=int, default=4, help="interleaved rounds, odd ones reversed (median)"
+    )
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per run")
     ap.add_argument("--learn-tokens", type=int, default=64)
     ap.add_argument(
@@ -379,7 +382,11 @@ def main(argv: list[str] | None = None) -> int:
         bw = disk_bandwidth(model, expert_bytes, args.io_threads, 24, seed=r)
         bandwidths.append(bw)
         print(f"round {r + 1}/{args.runs}: disk {bw / 1e9:.2f} GB/s", file=sys.stderr)
-        for i, cell in enumerate(cells):
+        # Odd rounds run the cells in reverse: on a virtual disk whose host caches re-read
+        # blocks, a cell run right after another of the same routing reads faster, and a
+        # fixed order biased every "x plain" ratio by its cell's position (docs/benchmarks.md).
+        order = list(enumerate(cells))
+        for i, cell in order if r % 2 == 0 else reversed(order):
             res = run_cell(model, ids, cell, args, int(cell["budget"] * total), resident, usage)
             res.update(round=r, disk_bw=bw)
             if reference is None:

@@ -148,6 +148,8 @@ pub(crate) struct LayerCache<T> {
     slots: Vec<Slot<T>>,
     /// The pin set still in force: each pinned expert's charged bytes.
     pinned: Vec<Option<u64>>,
+    /// How many entries of `pinned` are `Some`.
+    pins_left: usize,
     /// The layer tick that last routed to each expert (resident or not); 0 = never.
     routed_at: Vec<u64>,
     /// How many calls the LRU's latest victim had gone unused (`None`: no eviction yet).
@@ -168,6 +170,7 @@ impl<T> LayerCache<T> {
         debug_assert_eq!(pinned.len(), n);
         LayerCache {
             slots: (0..n).map(|_| Slot::Empty).collect(),
+            pins_left: pinned.iter().flatten().count(),
             pinned,
             routed_at: vec![0; n],
             horizon: None,
@@ -203,7 +206,7 @@ impl<T> LayerCache<T> {
                 e.last_tick = self.tick;
             }
         }
-        if let Some(horizon) = self.horizon {
+        if let (Some(horizon), 1..) = (self.horizon, self.pins_left) {
             for id in 0..self.pinned.len() {
                 if self.pinned[id].is_some() && self.tick - self.routed_at[id] > horizon {
                     self.unpin(id);
@@ -231,6 +234,7 @@ impl<T> LayerCache<T> {
             Slot::Empty => self.capacity += charged,
         }
         self.pinned[id] = None;
+        self.pins_left -= 1;
     }
 
     /// Experts of the pin set still pinned.
@@ -489,7 +493,7 @@ mod tests {
         assert_eq!(c.resident_ids(), vec![1, 2, 7]);
         // Call 5: pin 6 (never routed) and pin 7 (routed at call 1) are idle 5 and 4 > 2.
         call(&mut c, &[1], 10);
-        assert_eq!(c.pinned_ids(), Vec::<usize>::new());
+        assert_eq!((c.pinned_ids(), c.pins_left), (Vec::<usize>::new(), 0));
         // 7 was resident: its bytes moved to the LRU; 6 was not: its share did.
         assert_eq!((c.pinned_used(), c.used(), c.capacity()), (0, 30, 40));
         // Now ordinary entries: the least recent (7) is evicted first.
@@ -510,7 +514,7 @@ mod tests {
                 if i == 0 { "miss" } else { "pin" }
             );
         }
-        assert_eq!(c.pinned_ids(), vec![7]);
+        assert_eq!((c.pinned_ids(), c.pins_left), (vec![7], 1));
         // Idle for two calls (> 1): unpinned, its bytes and share now the LRU's, and as the
         // least recent entry it makes room for the call's miss.
         call(&mut c, &[0], 10);

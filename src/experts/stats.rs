@@ -140,9 +140,10 @@ pub struct StoreStats {
     pub pinned_bytes: u64,
     /// Bytes of LRU experts resident or reserved for loads in flight.
     pub lru_bytes: u64,
-    /// The LRU's share of the budget, summed over layers (budget − pin set, split evenly).
+    /// The LRU's share of the budget, summed over layers (budget − pin set, split evenly,
+    /// plus the shares of pins released since for idling: docs/expert-store.md).
     pub lru_capacity_bytes: u64,
-    /// Bytes of experts chosen to be pinned (resident once first used).
+    /// Bytes of experts chosen to be pinned at open (resident once first used).
     pub pin_set_bytes: u64,
     /// Number of experts chosen to be pinned.
     pub pin_set_len: usize,

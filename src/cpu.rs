@@ -15,6 +15,9 @@ pub struct CpuFeatures {
     pub avx512vnni: bool,
     pub avx512bf16: bool,
     pub neon: bool,
+    /// An AMD CPU (`AuthenticAMD`): not a feature, but where the AVX-512 kernels prefetch
+    /// their weights to (L2 on AMD; see `quant::kernels::avx512`).
+    pub amd: bool,
 }
 
 impl CpuFeatures {
@@ -31,6 +34,7 @@ impl CpuFeatures {
                 avx512vnni: std::arch::is_x86_feature_detected!("avx512vnni"),
                 avx512bf16: std::arch::is_x86_feature_detected!("avx512bf16"),
                 neon: false,
+                amd: vendor_is_amd(),
             }
         }
         #[cfg(target_arch = "aarch64")]
@@ -61,6 +65,20 @@ impl CpuFeatures {
         ];
         all.iter().filter(|(_, on)| *on).map(|(n, _)| *n).collect()
     }
+}
+
+/// Whether CPUID's vendor string is `AuthenticAMD`.
+#[cfg(target_arch = "x86_64")]
+fn vendor_is_amd() -> bool {
+    // `__cpuid` is a safe function in recent compilers and an unsafe one in older ones.
+    #[allow(unused_unsafe)]
+    // SAFETY: CPUID leaf 0 exists on every x86-64 CPU and has no side effects.
+    let r = unsafe { std::arch::x86_64::__cpuid(0) };
+    let mut vendor = [0u8; 12];
+    for (dst, reg) in vendor.chunks_exact_mut(4).zip([r.ebx, r.edx, r.ecx]) {
+        dst.copy_from_slice(&reg.to_le_bytes());
+    }
+    &vendor == b"AuthenticAMD"
 }
 
 /// The features of the running CPU (detected on first call, then cached).

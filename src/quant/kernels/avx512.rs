@@ -174,7 +174,10 @@ impl Isa for Avx512 {
         side_by_side: usize,
         body: B,
     ) {
-        let ahead = prefetch_distance(format.row_bytes(cols), side_by_side);
+        let ahead = Ahead {
+            bytes: prefetch_distance(format.row_bytes(cols), side_by_side),
+            to_l2: crate::cpu::features().amd,
+        };
         // SAFETY: forwarded; each constructor spans the whole row o of the matrix it is given.
         unsafe {
             match lut_group(format) {
@@ -217,6 +220,33 @@ fn prefetch_distance(row_bytes: usize, rows_per_pass: usize) -> usize {
     INT4_PREFETCH_BYTES.max(row_bytes * rows_per_pass)
 }
 
+/// How the int4 and int8 weight streams are prefetched: `bytes` ahead ([`prefetch_distance`]),
+/// into L2 (`prefetcht1`) on AMD and into L1 (`prefetcht0`) elsewhere. On Zen 4 the L1 target
+/// held a core's exact int4 loop to 60–70% of what it reads from DRAM alone; into L2 the
+/// loop went from 14–16 to 17–18 GiB/s on two cores (tools/probe_int4_avx512.rs) and decode of
+/// the side-by-side model from 31.4 to 37.4 tok/s (docs/benchmarks.md, "Side by side on AMD
+/// EPYC Zen 4"). Intel hosts keep L1, where the distance was tuned; L2 is unmeasured there.
+#[derive(Clone, Copy)]
+struct Ahead {
+    bytes: usize,
+    to_l2: bool,
+}
+
+impl Ahead {
+    /// Prefetch the line at `p`.
+    #[inline(always)]
+    fn fetch(self, p: *const u8) {
+        // SAFETY: a prefetch never faults, whatever the address; SSE is part of x86-64.
+        unsafe {
+            if self.to_l2 {
+                _mm_prefetch::<_MM_HINT_T1>(p as *const i8)
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
+            }
+        }
+    }
+}
+
 /// int4 with a nibble → weight table (`vpermps`): the layout every int4 format whose groups
 /// are whole 32-element blocks (gs a multiple of 32, or per row) uses on this path. Block b
 /// (elements 32b .. 32b+31, bytes 16b .. 16b+15) is two vectors: 2b holds its even elements
@@ -239,8 +269,8 @@ struct Int4Lut<const BPG: usize> {
     scales: *const f32,
     /// Block b is in group `(b · magic) >> 32` (read for `ANY_EVEN` and `ANY_ODD` only).
     magic: u64,
-    /// Prefetch distance in bytes.
-    ahead: usize,
+    /// Where and how far ahead the row is prefetched.
+    ahead: Ahead,
 }
 
 /// [`Int4Lut`] with one group per row.
@@ -262,10 +292,10 @@ unsafe fn nibble_values() -> __m512 {
 }
 
 impl<const BPG: usize> Int4Lut<BPG> {
-    /// Row o of `w`, whose group size is `gs` (a multiple of 32, 0 for per-row); `ahead` is
-    /// the prefetch distance in bytes.
+    /// Row o of `w`, whose group size is `gs` (a multiple of 32, 0 for per-row), prefetched
+    /// as `ahead` says.
     #[inline(always)]
-    fn row(w: &QMatrix<'_>, o: usize, gs: usize, ahead: usize) -> Self {
+    fn row(w: &QMatrix<'_>, o: usize, gs: usize, ahead: Ahead) -> Self {
         let magic = if gs == 0 {
             0
         } else {
@@ -348,15 +378,16 @@ impl<const BPG: usize> Src<Avx512> for Int4Lut<BPG> {
 
     #[inline(always)]
     fn prefetch(self, v: usize) {
-        let byte = v * 8 + self.ahead;
+        let byte = v * 8 + self.ahead.bytes;
         // The scales too: they are a stream of their own (1/8 of the bytes at gs64) that the
         // hardware prefetcher left to miss; fetching them ahead took int4-gs64 at S = 1 from
         // 33 to 42–47 GiB/s (2 threads, DRAM). One prefetch per call although a line of
         // scales covers 16 calls at gs64: prefetching on every 8th call only measured the same.
         let group = self.group(byte / 16);
         // `wrapping_add`: the addresses may lie past the row; a prefetch never faults.
-        Avx512::prefetch(self.data.wrapping_add(byte));
-        Avx512::prefetch(self.scales.wrapping_add(group) as *const u8);
+        self.ahead.fetch(self.data.wrapping_add(byte));
+        self.ahead
+            .fetch(self.scales.wrapping_add(group) as *const u8);
     }
 
     #[inline(always)]
@@ -409,14 +440,15 @@ impl<const BPG: usize> Src<Avx512> for Int4Lut<BPG> {
 #[derive(Clone, Copy)]
 struct Int8Ahead {
     row: Int8<Avx512>,
-    ahead: usize,
+    ahead: Ahead,
 }
 
 impl Src<Avx512> for Int8Ahead {
     #[inline(always)]
     fn prefetch(self, v: usize) {
         // `wrapping_add`: the address may lie past the row; a prefetch never faults.
-        Avx512::prefetch(self.row.data.wrapping_add(v * L + self.ahead));
+        self.ahead
+            .fetch(self.row.data.wrapping_add(v * L + self.ahead.bytes));
     }
 
     #[inline(always)]

@@ -2,7 +2,9 @@
 //! part of the crate; the AVX2 one is tools/probe_int4_loops.rs): the kept form of
 //! `src/quant/kernels/avx512.rs` (`Int4Lut`: a 16-entry table `(k − 8)·s_g` per group,
 //! looked up by `vpermps`) against forms that factor the scale out of each group as
-//! `avx2_int4.rs` does, and a plain streaming read of the same bytes. Each variant computes
+//! `avx2_int4.rs` does, split-int8 forms (`vpdpbusd` against the activations as K int8
+//! pieces: what decode could use to approach the bandwidth) and a plain streaming read of the
+//! same bytes. Each variant computes
 //! two weight rows per pass over 6,144 columns; the values are not checked against each other
 //! (the activation layouts differ), only timed. docs/benchmarks.md has the figures.
 //!
@@ -10,6 +12,7 @@
 //! rustc -O -C target-cpu=native tools/probe_int4_avx512.rs -o /tmp/probe_int4_avx512
 //! /tmp/probe_int4_avx512 64 1        # 64 rows (192 KiB: L2), 1 thread
 //! /tmp/probe_int4_avx512 32768 2 8192 20   # 100 MB from DRAM, 2 threads, 8 KiB ahead, 20 reps
+//! /tmp/probe_int4_avx512 32768 2 8192 20 1 # ... prefetching into L2 (`prefetcht1`), not L1
 //! ```
 
 #[cfg(target_arch = "x86_64")]

@@ -225,7 +225,8 @@ fn prefetch_distance(row_bytes: usize, rows_per_pass: usize) -> usize {
 /// held a core's exact int4 loop to 60–70% of what it reads from DRAM alone; into L2 the
 /// loop went from 14–16 to 17–18 GiB/s on two cores (tools/probe_int4_avx512.rs) and decode of
 /// the side-by-side model from 31.4 to 37.4 tok/s (docs/benchmarks.md, "Side by side on AMD
-/// EPYC Zen 4"). Intel hosts keep L1, where the distance was tuned; L2 is unmeasured there.
+/// EPYC Zen 4"). Intel hosts keep L1: `prefetcht1` measured no gain on the Xeon where the
+/// distance was tuned (docs/benchmarks.md, fourth session).
 #[derive(Clone, Copy)]
 struct Ahead {
     bytes: usize,

@@ -91,3 +91,22 @@ pub fn features() -> CpuFeatures {
 pub fn arch() -> &'static str {
     std::env::consts::ARCH
 }
+
+#[cfg(all(test, target_arch = "x86_64", target_os = "linux"))]
+mod tests {
+    /// The vendor read through CPUID is the one the kernel reports (`vendor_id` in
+    /// /proc/cpuinfo), so the AMD-only prefetch choice follows the real CPU.
+    #[test]
+    fn amd_follows_the_vendor_the_kernel_reports() {
+        let info = std::fs::read_to_string("/proc/cpuinfo").expect("/proc/cpuinfo");
+        let vendor = info
+            .lines()
+            .find(|l| l.starts_with("vendor_id"))
+            .expect("a vendor_id line");
+        assert_eq!(
+            super::features().amd,
+            vendor.contains("AuthenticAMD"),
+            "{vendor}"
+        );
+    }
+}

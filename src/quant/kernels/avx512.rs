@@ -223,7 +223,7 @@ fn prefetch_distance(row_bytes: usize, rows_per_pass: usize) -> usize {
 /// How the int4 and int8 weight streams are prefetched: `bytes` ahead ([`prefetch_distance`]),
 /// into L2 (`prefetcht1`) on AMD and into L1 (`prefetcht0`) elsewhere. On Zen 4 the L1 target
 /// held a core's exact int4 loop to 60–70% of what it reads from DRAM alone; into L2 the
-/// loop went from 14–16 to 17–18 GiB/s on two cores (tools/probe_int4_avx512.rs) and decode of
+/// loop went from 13.8–16.3 to 16.6–19.6 GiB/s on two cores (tools/probe_int4_loops.rs) and decode of
 /// the side-by-side model from 31.4 to 37.4 tok/s (docs/benchmarks.md, "Side by side on AMD
 /// EPYC Zen 4"). Intel hosts keep L1: `prefetcht1` measured no gain on the Xeon where the
 /// distance was tuned (docs/benchmarks.md, fourth session).
@@ -237,13 +237,11 @@ impl Ahead {
     /// Prefetch the line at `p`.
     #[inline(always)]
     fn fetch(self, p: *const u8) {
-        // SAFETY: a prefetch never faults, whatever the address; SSE is part of x86-64.
-        unsafe {
-            if self.to_l2 {
-                _mm_prefetch::<_MM_HINT_T1>(p as *const i8)
-            } else {
-                _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
-            }
+        if self.to_l2 {
+            // SAFETY: a prefetch never faults, whatever the address; SSE is part of x86-64.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
+        } else {
+            Avx512::prefetch(p)
         }
     }
 }

@@ -19,7 +19,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Line, OutColumns, QuantizedActs, BLOCK, LANES};
+use super::{Line, OutColumns, QuantizedActs, TileRows, BLOCK, LANES};
 use crate::quant::format::{QMatrix, QuantFormat};
 
 /// 8 × 8 transpose of 32-bit words: `out[k]` word j = `r[j]` word k.
@@ -273,31 +273,22 @@ impl super::Tiles for Kernel {
         t0: usize,
         int8: bool,
     ) -> [[f32; NA]; NW] {
-        let blocks = x.chunks * LANES;
-        debug_assert!(wl.len() >= NW * blocks && ws.len() >= NW * blocks);
-        debug_assert!((t0 + NA) * blocks <= x.q.len());
         // SAFETY: AVX2 and FMA are enabled by the caller. The row pointers start inside `wl`
         // (row r < NW) and `x.q`/`x.sums`/`x.scales` (row `t0 + a < x.rows`), and every offset
         // added below is `base + k < blocks` lines (plus 32 bytes: the second half of a line) or
         // `base + 8h + 8 <= blocks` values into its row, so each load is in bounds; lines are
         // 64-byte aligned.
         unsafe {
-            // Plain loops, not `array::from_fn`: a closure does not inherit this function's
-            // target features.
-            let mut w_rows = [wl.as_ptr().cast::<u8>(); NW];
-            let mut w_scales = [ws.as_ptr(); NW];
-            for r in 0..NW {
-                w_rows[r] = wl.as_ptr().add(r * blocks).cast();
-                w_scales[r] = ws.as_ptr().add(r * blocks);
-            }
-            let mut x_rows = [x.q.as_ptr().cast::<u8>(); NA];
-            let mut x_sums = [x.sums.as_ptr(); NA];
-            let mut x_scales = [x.scales.as_ptr(); NA];
-            for a in 0..NA {
-                x_rows[a] = x.q.as_ptr().add((t0 + a) * blocks).cast();
-                x_sums[a] = x.sums.as_ptr().add((t0 + a) * blocks);
-                x_scales[a] = x.scales.as_ptr().add((t0 + a) * blocks);
-            }
+            let TileRows {
+                w_lines,
+                w_scales,
+                x_lines,
+                x_sums,
+                x_scales,
+            } = TileRows::<NW, NA>::new(wl, ws, x, t0);
+            // Byte pointers: the loads below address half lines.
+            let w_rows = w_lines.map(|p| p.cast::<u8>());
+            let x_rows = x_lines.map(|p| p.cast::<u8>());
             let ones = _mm256_set1_epi16(1);
             let z = _mm256_setzero_si256();
             let mut sums = [[[_mm256_setzero_ps(); NA]; NW]; 2];

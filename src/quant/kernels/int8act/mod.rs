@@ -574,6 +574,53 @@ pub(super) unsafe fn tile_rows<K: Tiles>(
     }
 }
 
+/// Where one tile's rows start: weight rows `0..NW` of a pass's decoded weights (lines and
+/// per-block scales, `blocks` of each per row) and activation rows `t0..t0 + NA` (lines, `Σ xq`
+/// and scales). The kernels' tiles index these by line or block.
+#[cfg(target_arch = "x86_64")]
+pub(super) struct TileRows<const NW: usize, const NA: usize> {
+    pub w_lines: [*const Line; NW],
+    pub w_scales: [*const f32; NW],
+    pub x_lines: [*const Line; NA],
+    pub x_sums: [*const i32; NA],
+    pub x_scales: [*const f32; NA],
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<const NW: usize, const NA: usize> TileRows<NW, NA> {
+    /// # Safety
+    /// `wl` and `ws` hold at least `NW · blocks` elements and `x` has at least `t0 + NA` rows,
+    /// `blocks = x.chunks · LANES` each.
+    #[inline(always)]
+    pub(super) unsafe fn new(wl: &[Line], ws: &[f32], x: &QuantizedActs, t0: usize) -> Self {
+        let blocks = x.chunks * LANES;
+        debug_assert!(wl.len() >= NW * blocks && ws.len() >= NW * blocks);
+        debug_assert!((t0 + NA) * blocks <= x.q.len());
+        let mut rows = TileRows {
+            w_lines: [wl.as_ptr(); NW],
+            w_scales: [ws.as_ptr(); NW],
+            x_lines: [x.q.as_ptr(); NA],
+            x_sums: [x.sums.as_ptr(); NA],
+            x_scales: [x.scales.as_ptr(); NA],
+        };
+        // SAFETY: by the contract above every offset is at most the length of its slice.
+        // Plain loops, not `array::from_fn`: the tiles inline this into functions with target
+        // features, which closures would not inherit.
+        unsafe {
+            for r in 0..NW {
+                rows.w_lines[r] = wl.as_ptr().add(r * blocks);
+                rows.w_scales[r] = ws.as_ptr().add(r * blocks);
+            }
+            for a in 0..NA {
+                rows.x_lines[a] = x.q.as_ptr().add((t0 + a) * blocks);
+                rows.x_sums[a] = x.sums.as_ptr().add((t0 + a) * blocks);
+                rows.x_scales[a] = x.scales.as_ptr().add((t0 + a) * blocks);
+            }
+        }
+        rows
+    }
+}
+
 /// The output `y` ([S, O] row-major) as the tasks of one call write it: each task its own
 /// columns (weight rows), straight into place.
 #[derive(Clone, Copy)]

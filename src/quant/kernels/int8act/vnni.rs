@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{offset_shift, Line, OutColumns, QuantizedActs, BLOCK, LANES};
+use super::{offset_shift, Line, OutColumns, QuantizedActs, TileRows, BLOCK, LANES};
 use crate::quant::format::{QMatrix, QuantFormat};
 
 /// `n` bytes of `data` from `start` (fewer past its end, the rest zero) in the low bytes of a
@@ -265,31 +265,19 @@ impl super::Tiles for Kernel {
         t0: usize,
         shift: u32,
     ) -> [[f32; NA]; NW] {
-        let blocks = x.chunks * LANES;
-        debug_assert!(wl.len() >= NW * blocks && ws.len() >= NW * blocks);
-        debug_assert!((t0 + NA) * blocks <= x.q.len());
         // SAFETY: AVX-512 F and VNNI are enabled by the caller. The row pointers start inside
         // `wl` (row r < NW: `r · blocks < wl.len()`) and `x.q`/`x.sums`/`x.scales` (row
         // `t0 + a < x.rows`), and every offset added below is `base + k < blocks` lines or
         // `base + 16 <= blocks` values into the row, so each load is in bounds; lines are
         // 64-byte aligned.
         unsafe {
-            // Plain loops, not `array::from_fn`: a closure does not inherit this function's
-            // target features, and the intrinsics it calls then run as out-of-line calls.
-            let mut w_rows = [wl.as_ptr(); NW];
-            let mut w_scales = [ws.as_ptr(); NW];
-            for r in 0..NW {
-                w_rows[r] = wl.as_ptr().add(r * blocks);
-                w_scales[r] = ws.as_ptr().add(r * blocks);
-            }
-            let mut x_rows = [x.q.as_ptr(); NA];
-            let mut x_sums = [x.sums.as_ptr(); NA];
-            let mut x_scales = [x.scales.as_ptr(); NA];
-            for a in 0..NA {
-                x_rows[a] = x.q.as_ptr().add((t0 + a) * blocks);
-                x_sums[a] = x.sums.as_ptr().add((t0 + a) * blocks);
-                x_scales[a] = x.scales.as_ptr().add((t0 + a) * blocks);
-            }
+            let TileRows {
+                w_lines: w_rows,
+                w_scales,
+                x_lines: x_rows,
+                x_sums,
+                x_scales,
+            } = TileRows::<NW, NA>::new(wl, ws, x, t0);
             let mut sums = [[_mm512_setzero_ps(); NA]; NW];
             let shift = _mm512_set1_epi32(shift as i32);
             for c in 0..x.chunks {

@@ -472,8 +472,6 @@ def worker_colibri(a: argparse.Namespace) -> dict[str, Any]:
             kw["prefill"] = a.prefill
         else:
             gen_kw["prefill"] = a.prefill
-    if getattr(a, "decode", None):
-        kw["decode"] = a.decode
     t0 = time.perf_counter()
     m = colibri.Model(a.model, **kw)
     load_s = time.perf_counter() - t0
@@ -1367,7 +1365,6 @@ def sub() -> None:
         ap.add_argument("--prompt", type=int, required=True)
         ap.add_argument("--gen", type=int, required=True)
         ap.add_argument("--prefill", default=None)
-        ap.add_argument("--decode", default=None)
         ap.add_argument("--draft", default="off")
         a = ap.parse_args(sys.argv[2:])
         r = worker_colibri(a) if cmd == "_colibri" else worker_llama(a)

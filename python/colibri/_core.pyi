@@ -148,7 +148,6 @@ class Engine:
         idle_session_bytes: int | None = None,
         spill_dir: str | PathLike[str] | None = None,
         prefill: str = "auto",
-        decode: str = "exact",
         load_progress: Callable[[int, int], object] | None = None,
     ) -> None:
         """Load the model directory ``path``. ``io``, ``prefetch``, ``pin``: one of
@@ -164,8 +163,7 @@ class Engine:
         directory defaults to ``sessions/`` in the cache directory); ``prefill``: the
         arithmetic of prompt forwards of 16 rows or more, ``"exact"`` or ``"int8"``
         (activations rounded to int8 per 64-element block; "auto": int8 where the CPU has
-        AVX-512 VNNI or AVX2); ``decode``: the arithmetic of every other forward,
-        ``"exact"`` or ``"int8x3"`` (split int8 on AVX-512 VNNI); ``load_progress(done,
+        AVX-512 VNNI or AVX2); ``load_progress(done,
         total)``: called after each resident tensor is read (bytes; the last call has both
         equal), where Ctrl-C is also checked."""
     def config_json(self) -> str:
@@ -173,8 +171,7 @@ class Engine:
     def info(self) -> dict[str, Any]:
         """Facts fixed at load: ``has_mtp``, ``uses_dsa``, ``max_context``, ``vocab_size``,
         ``hidden_size``, ``eos_token_ids``, ``kv_bytes_per_token``, ``idle_session_bytes``,
-        ``fingerprint``, ``prefill`` (the arithmetic of long prefills: "exact" or "int8"),
-        ``decode`` (that of every other forward: "exact" or "int8x3")."""
+        ``fingerprint``, ``prefill`` (the arithmetic of long prefills: "exact" or "int8")."""
     @property
     def usage_path(self) -> Path | None:
         """Where the routing history is saved, or None when it is not saved."""

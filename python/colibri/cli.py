@@ -128,14 +128,6 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "approximate; decoding stays exact); auto = int8 where the CPU has AVX-512 VNNI or AVX2",
     )
     g.add_argument(
-        "--decode",
-        default="exact",
-        choices=_core.choices()["decode"],
-        help="arithmetic of decode steps and verifies: exact (default), or int8x3 (int4 "
-        "weights against activations split into three int8 digits, as accurate as f32 per "
-        "block; AVX-512 VNNI only)",
-    )
-    g.add_argument(
         "--ram-budget",
         default=None,
         help="bytes the expert cache may hold, e.g. 8GB (default: from available memory)",
@@ -244,7 +236,6 @@ def _load(args: argparse.Namespace) -> Any:
         ram_budget=args.ram_budget,
         io=args.io,
         prefill=args.prefill,
-        decode=args.decode,
         prefetch=args.prefetch,
         draft=getattr(args, "draft", "auto"),
         draft_depth=_depth(getattr(args, "draft_depth", "auto")),

@@ -44,14 +44,12 @@ from colibri.validation import (
     _IO_MODES,
     _PREFETCH_MODES,
     _PREFILL_MODES,
-    _DECODE_MODES,
     MAX_THREADS,
     MIN_BYTES_PER_TOKEN,
     DraftMode,
     IoMode,
     PrefetchMode,
     PrefillMode,
-    DecodeMode,
     _check_choice,
     _check_depth,
     _check_float,
@@ -113,19 +111,9 @@ class Model:
             to int8 per block of 64 and summed as integers: 1.5-3x faster prefill on CPUs with
             AVX-512 VNNI or AVX2, logits within a small tolerance of the exact ones), or
             ``"auto"`` (int8 where the CPU has AVX-512 VNNI or AVX2, else exact;
-            ``info()["prefill"]`` says which). Decoding after the prompt is in the ``decode``
-            arithmetic either way, so drafting never changes the output; see
-            docs/architecture.md, "Prefill arithmetic".
-        decode: the arithmetic of decode steps, drafts, verifies and prompts under 16
-            tokens: ``"exact"`` (the default: f32 dequantisation and accumulation) or
-            ``"int8x3"`` (int4 weights against activations split into three int8 digits per
-            block of 64 and summed as integers with AVX-512 VNNI: as accurate as f32 per
-            block, each activation within 2^-22 of its block's largest, but not bit-identical
-            to exact, so greedy output can differ from exact decoding at near-ties; it never
-            depends on how many tokens a forward verifies, so drafting stays lossless in it).
-            Needs a CPU with AVX-512 VNNI (an :class:`InvalidArgumentError` elsewhere); see
-            docs/architecture.md, "Decode arithmetic", and docs/benchmarks.md for what it
-            gains.
+            ``info()["prefill"]`` says which). Decoding after the prompt is exact either
+            way, so drafting never changes the output; see docs/architecture.md, "Prefill
+            arithmetic".
         mtp: load the MTP head when the checkpoint has one.
         pin_mtp: keep every routed expert of the MTP layer in RAM (loaded at start, on top
             of ``ram_budget``), so a draft step reads nothing from disk. Worth it when the
@@ -173,7 +161,6 @@ class Model:
         draft_depth: int | Literal["auto"] = "auto",
         threads: int = 0,
         prefill: PrefillMode = "auto",
-        decode: DecodeMode = "exact",
         mtp: bool = True,
         pin_mtp: bool = False,
         max_context: int | None = None,
@@ -199,7 +186,6 @@ class Model:
         self._chat_template = _template_text(chat_template)
         _check_choice("prefetch", prefetch, _PREFETCH_MODES)
         _check_choice("prefill", prefill, _PREFILL_MODES)
-        _check_choice("decode", decode, _DECODE_MODES)
         self.default_draft: DraftMode = _check_choice("draft", draft, _DRAFT_MODES)  # type: ignore[assignment]
         self.default_draft_depth = _check_depth(draft_depth)
         if self.default_draft == "mtp" and not mtp:
@@ -240,7 +226,6 @@ class Model:
             cache_dir=None if cache_dir is None else os.fspath(cache_dir),
             idle_session_bytes=idle,
             prefill=prefill,
-            decode=decode,
             load_progress=load_progress,
         )
         self.config: dict[str, Any] = json.loads(self._engine.config_json())
@@ -1165,15 +1150,13 @@ class Model:
     # ----------------------------------------------------------------------------- info
     def info(self) -> dict[str, Any]:
         """Config summary, container formats and byte sizes per tensor role, and the memory
-        plan (see :func:`model_info`), and what was decided at load: ``max_context``,
-        ``prefill`` (the arithmetic of long prefills, ``"exact"`` or ``"int8"``) and
-        ``decode`` (that of every other forward, ``"exact"`` or ``"int8x3"``)."""
+        plan (see :func:`model_info`), and what was decided at load: ``max_context`` and
+        ``prefill`` (the arithmetic of long prefills, ``"exact"`` or ``"int8"``)."""
         info = model_info(self.path, mtp_loaded=self.has_mtp)
         info["memory"]["ram_budget_bytes"] = self._engine.expert_stats()["budget_bytes"]
         info["memory"]["io_mode"] = self._engine.expert_stats()["io_mode"]
         info["max_context"] = self.max_context
         info["prefill"] = self._engine.info()["prefill"]
-        info["decode"] = self._engine.info()["decode"]
         return info
 
     def __repr__(self) -> str:

@@ -21,7 +21,6 @@ DraftMode = Literal["auto", "mtp", "ngram", "off"]
 IoMode = Literal["auto", "mmap", "pread", "direct"]
 PrefetchMode = Literal["auto", "off", "hint", "real"]
 PrefillMode = Literal["auto", "exact", "int8"]
-DecodeMode = Literal["exact", "int8x3"]
 
 # The vocabulary of the string options comes from the Rust engine (crate::engine::CHOICES);
 # the Literal types above repeat it for type checkers, and a test keeps them equal.
@@ -31,7 +30,6 @@ _DRAFT_MODES = _CHOICES["draft"]
 _IO_MODES = _CHOICES["io"]
 _PREFETCH_MODES = _CHOICES["prefetch"]
 _PREFILL_MODES = _CHOICES["prefill"]
-_DECODE_MODES = _CHOICES["decode"]
 
 
 def _check_choice(name: str, value: object, choices: Sequence[str]) -> str:

@@ -54,8 +54,6 @@ pub struct EngineInfo {
     pub config_json: String,
     /// The arithmetic of long prefills, decided at open ("exact" or "int8").
     pub prefill: &'static str,
-    /// The arithmetic of every other forward ("exact" or "int8x3").
-    pub decode: &'static str,
 }
 
 /// What one [`Engine::generate`] produced.
@@ -136,7 +134,6 @@ impl Engine {
             fingerprint: store.fingerprint().to_owned(),
             config_json,
             prefill: model.prefill_arithmetic().name(),
-            decode: model.decode_arithmetic().name(),
         };
         let spill_dir = opts.spill_dir.clone().unwrap_or_else(|| {
             opts.cache_dir

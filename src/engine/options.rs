@@ -18,7 +18,6 @@ pub const CHOICES: &[(&str, &[&str])] = &[
     ("pin", &["auto", "history", "off"]),
     ("draft", &["auto", "mtp", "ngram", "off"]),
     ("prefill", &["auto", "exact", "int8"]),
-    ("decode", &["exact", "int8x3"]),
 ];
 
 /// The choices of option `name` (empty for an unknown name).
@@ -82,9 +81,6 @@ pub struct EngineOptions {
     /// The arithmetic of long prefills (prompt forwards of at least
     /// [`int8act::PREFILL_MIN_ROWS`] rows); `None` = [`EngineOptions::default_prefill`].
     pub prefill: Option<Arithmetic>,
-    /// The arithmetic of every other forward (decode steps, drafts, verifies, short
-    /// prefills): exact by default, or split int8 ([`EngineOptions::parse_decode`]).
-    pub decode: Arithmetic,
     /// Longest context in tokens; `None` = [`context::default_max_context`](crate::model::context::default_max_context).
     pub max_context: Option<usize>,
     /// RAM that idle sessions' KV caches may hold together; beyond it the least recently
@@ -161,22 +157,6 @@ impl EngineOptions {
         }
     }
 
-    /// Parse the string form of `decode`: "exact" (the default), or "int8x3", the split-int8
-    /// arithmetic ([`kernels::int8x3`]: as accurate as f32 per block, S-invariant so
-    /// speculation stays lossless), which needs a CPU with AVX-512 VNNI.
-    pub fn parse_decode(value: &str) -> Result<Arithmetic> {
-        check_choice("decode", value)?;
-        match value {
-            "int8x3" if !kernels::int8x3::available() => Err(Error::invalid(
-                "decode",
-                "'int8x3' needs a CPU with AVX-512 F, BW, VL and VNNI, which this one lacks; \
-                 use decode='exact'",
-            )),
-            "int8x3" => Ok(Arithmetic::Int8x3),
-            _ => Ok(Arithmetic::Exact),
-        }
-    }
-
     /// Parse the string form of `pin`.
     pub fn parse_pin(value: &str) -> Result<PinChoice> {
         check_choice("pin", value)?;
@@ -220,7 +200,6 @@ impl EngineOptions {
             load_mtp: self.load_mtp,
             prefetch_top_k,
             prefill_arithmetic: self.prefill.unwrap_or_else(Self::default_prefill),
-            decode_arithmetic: self.decode,
         }
     }
 }

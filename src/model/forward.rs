@@ -241,10 +241,6 @@ pub struct ModelOptions {
     /// [`PREFILL_MIN_ROWS`](crate::quant::kernels::int8act::PREFILL_MIN_ROWS) rows; every
     /// other forward is exact.
     pub prefill_arithmetic: Arithmetic,
-    /// The arithmetic of every other forward: decode steps, MTP drafts, verifies and short
-    /// prefills (exact, or [`Arithmetic::Int8x3`], which like the exact one never depends on
-    /// S, so speculation stays lossless).
-    pub decode_arithmetic: Arithmetic,
 }
 
 impl Default for ModelOptions {
@@ -254,7 +250,6 @@ impl Default for ModelOptions {
             load_mtp: true,
             prefetch_top_k: 0,
             prefill_arithmetic: Arithmetic::Exact,
-            decode_arithmetic: Arithmetic::Exact,
         }
     }
 }
@@ -355,7 +350,6 @@ pub struct Model {
     pool: Arc<rayon::ThreadPool>,
     prefetch_top_k: usize,
     prefill_arithmetic: Arithmetic,
-    decode_arithmetic: Arithmetic,
     /// GLM DSA: the checkpoint's lightning indexers are in use (see `max_exact_context`).
     dsa: bool,
     trace_selections: bool,
@@ -433,7 +427,6 @@ impl Model {
             pool,
             prefetch_top_k: opts.prefetch_top_k,
             prefill_arithmetic: opts.prefill_arithmetic,
-            decode_arithmetic: opts.decode_arithmetic,
             dsa,
             trace_selections: false,
         };
@@ -640,13 +633,12 @@ impl Model {
     /// [`step`](Self::step) for the rows of a prompt: in the model's prefill arithmetic
     /// ([`ModelOptions::prefill_arithmetic`]) when there are at least
     /// [`PREFILL_MIN_ROWS`](crate::quant::kernels::int8act::PREFILL_MIN_ROWS) of them, else
-    /// in the decode arithmetic. Decode steps and verify forwards go through `step`, in the
-    /// decode arithmetic ([`ModelOptions::decode_arithmetic`]).
+    /// exactly. Decode steps and verify forwards go through `step`, always exact.
     pub fn prefill(&mut self, tokens: &[u32], start: usize, all_logits: bool) -> Result<Forward> {
         let arith = if tokens.len() >= PREFILL_MIN_ROWS {
             self.prefill_arithmetic
         } else {
-            self.decode_arithmetic
+            Arithmetic::Exact
         };
         self.on_pool(|m| linear::with_arithmetic(arith, || m.step_here(tokens, start, all_logits)))
     }
@@ -656,17 +648,10 @@ impl Model {
         self.prefill_arithmetic
     }
 
-    /// The arithmetic of decode steps, drafts, verifies and short prefills.
-    pub fn decode_arithmetic(&self) -> Arithmetic {
-        self.decode_arithmetic
-    }
-
-    /// Run `f` on a thread of the compute pool (see [`step`](Self::step)), in the decode
-    /// arithmetic unless `f` sets another.
+    /// Run `f` on a thread of the compute pool (see [`step`](Self::step)).
     fn on_pool<R: Send>(&mut self, f: impl FnOnce(&mut Self) -> R + Send) -> R {
         let pool = Arc::clone(&self.pool);
-        let arith = self.decode_arithmetic;
-        pool.install(|| linear::with_arithmetic(arith, || f(self)))
+        pool.install(|| f(self))
     }
 
     fn step_here(&mut self, tokens: &[u32], start: usize, all_logits: bool) -> Result<Forward> {

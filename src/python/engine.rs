@@ -112,7 +112,7 @@ fn json_to_py<'py, T: serde::Serialize>(py: Python<'py>, v: &T) -> PyResult<Boun
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, cache_dir=None, pin="auto", resident_layers=None, max_context=None, idle_session_bytes=None, spill_dir=None, prefill="auto", decode="exact", load_progress=None))]
+    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, cache_dir=None, pin="auto", resident_layers=None, max_context=None, idle_session_bytes=None, spill_dir=None, prefill="auto", load_progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -131,7 +131,6 @@ impl PyEngine {
         idle_session_bytes: Option<u64>,
         spill_dir: Option<PathBuf>,
         prefill: &str,
-        decode: &str,
         load_progress: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         // Told after each resident tensor: checks for Ctrl-C (a long load stops within a
@@ -172,7 +171,6 @@ impl PyEngine {
             idle_session_bytes,
             spill_dir,
             prefill: EngineOptions::parse_prefill(prefill).map_err(to_py_err)?,
-            decode: EngineOptions::parse_decode(decode).map_err(to_py_err)?,
             load_progress: Some(report),
         };
         let engine = run(py, move || Engine::open(&path, &opts));
@@ -236,7 +234,6 @@ impl PyEngine {
         d.set_item("idle_session_bytes", i.idle_session_bytes)?;
         d.set_item("fingerprint", i.fingerprint.clone())?;
         d.set_item("prefill", i.prefill)?;
-        d.set_item("decode", i.decode)?;
         Ok(d)
     }
 

@@ -3,13 +3,11 @@
 //! through copies of its matrix (≥ 512 MiB in all) so the weights come from DRAM. Calls are
 //! made from a thread of the pool, as the forward pass makes them.
 //!
-//! - `kernels/<format>/<name OxI>/S<s>`: the dispatched path, S = 1, 4, 8; `.../int8x3` the
-//!   same call in the `decode="int8x3"` arithmetic (int4, where the CPU has AVX-512 VNNI).
+//! - `kernels/<format>/<name OxI>/S<s>`: the dispatched path, S = 1, 4, 8.
 //! - `kernels/<format>/<name OxI>/read`: a prefetching 2-thread read of the same matrices'
 //!   bytes, the paired limit for the S rows next to it.
 //! - `kernel_paths/int4_g64/expert_gate_OxI/S1/<path>`: every available path, A/B.
-//! - `expert_ffn/int4_g64/S<s>`: the fused expert (gate, up, down), bytes of all three (and
-//!   `.../int8x3`).
+//! - `expert_ffn/int4_g64/S<s>`: the fused expert (gate, up, down), bytes of all three.
 //! - `kernel_l2/...`: one thread on an L2-resident matrix: the kernels' compute ceiling.
 
 use std::hint::black_box;
@@ -220,25 +218,6 @@ fn matmul_shapes(c: &mut Criterion) {
                         black_box(&y);
                     })
                 });
-                // The `decode="int8x3"` arithmetic where it runs (int4, AVX-512 VNNI).
-                if kernels::int8x3::supports(format) && kernels::int8x3::available() {
-                    g.bench_function(format!("{format}/{name}_{rows}x{cols}/S{s}/int8x3"), |b| {
-                        iter_on_pool(b, &pool, || {
-                            it += 1;
-                            let w = &views[it % views.len()];
-                            kernels::matmul_in(
-                                Arithmetic::Int8x3,
-                                w,
-                                black_box(&x),
-                                s,
-                                &mut y,
-                                Some(&pool),
-                            )
-                            .expect("int8x3 matmul");
-                            black_box(&y);
-                        })
-                    });
-                }
             }
         }
     }
@@ -302,19 +281,6 @@ fn in_cache(c: &mut Criterion) {
             });
         }
     }
-    if kernels::int8x3::available() {
-        for s in [1, 4, 8] {
-            let x = activations(s, cols);
-            let mut y = vec![0.0f32; s * rows];
-            g.bench_function(format!("{format}/{rows}x{cols}/S{s}/1thread/int8x3"), |b| {
-                b.iter(|| {
-                    kernels::matmul_in(Arithmetic::Int8x3, &w, black_box(&x), s, &mut y, None)
-                        .expect("int8x3 matmul");
-                    black_box(&y);
-                })
-            });
-        }
-    }
     g.finish();
 }
 
@@ -350,34 +316,15 @@ fn expert(c: &mut Criterion) {
             let x = activations(s, h);
             let mut out = vec![0.0f32; s * h];
             let mut it = 0usize;
-            for arith in [Arithmetic::Exact, Arithmetic::Int8x3] {
-                if arith == Arithmetic::Int8x3 && !kernels::int8x3::available() {
-                    continue;
-                }
-                let suffix = if arith == Arithmetic::Exact {
-                    ""
-                } else {
-                    "/int8x3"
-                };
-                g.bench_function(format!("{format}/{f}x{h}/S{s}{suffix}"), |b| {
-                    iter_on_pool(b, &pool, || {
-                        it += 1;
-                        let [gv, uv, dv] = &views[it % views.len()];
-                        kernels::expert_ffn_in(
-                            arith,
-                            gv,
-                            uv,
-                            dv,
-                            black_box(&x),
-                            s,
-                            &mut out,
-                            Some(&pool),
-                        )
+            g.bench_function(format!("{format}/{f}x{h}/S{s}"), |b| {
+                iter_on_pool(b, &pool, || {
+                    it += 1;
+                    let [gv, uv, dv] = &views[it % views.len()];
+                    kernels::expert_ffn(gv, uv, dv, black_box(&x), s, &mut out, Some(&pool))
                         .expect("expert");
-                        black_box(&out);
-                    })
-                });
-            }
+                    black_box(&out);
+                })
+            });
         }
     }
     g.finish();

@@ -63,7 +63,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::quant::format::{QMatrix, QuantFormat};
+use crate::quant::format::QMatrix;
 
 /// One implementation of the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -256,11 +256,6 @@ pub enum Arithmetic {
     /// Activations rounded to int8 per block of 64 and summed as integers ([`int8act`]), for
     /// the weight formats that have that form ([`int8act::supports`]); the others exact.
     Int8,
-    /// Activations as 23-bit integers per block of 64, split into three int8 digits and summed
-    /// as integers ([`int8x3`]): as accurate as f32 per block and S-invariant, for the int4
-    /// formats that have that form ([`int8x3::supports`]); the others exact. The `decode`
-    /// option's alternative to `Exact` on AVX-512 VNNI CPUs.
-    Int8x3,
 }
 
 impl Arithmetic {
@@ -269,7 +264,6 @@ impl Arithmetic {
         match self {
             Arithmetic::Exact => "exact",
             Arithmetic::Int8 => "int8",
-            Arithmetic::Int8x3 => "int8x3",
         }
     }
 }
@@ -302,18 +296,12 @@ pub fn matmul_in(
     y: &mut [f32],
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
-    match arith {
-        Arithmetic::Int8 if int8act::supports(w.format()) => {
-            check_shapes(w, x.len(), s, y.len())?;
-            let q = int8act::QuantizedActs::new(x, s, w.cols(), pool);
-            int8act::matmul_quantized(w, &q, y, int8_kernel()?, pool)
-        }
-        Arithmetic::Int8x3 if int8x3::supports(w.format()) => {
-            check_shapes(w, x.len(), s, y.len())?;
-            int8x3::matmul(w, &int8x3::SplitActs::new(x, s, w.cols()), y, pool)
-        }
-        _ => matmul(w, x, s, y, pool),
+    if arith == Arithmetic::Exact || !int8act::supports(w.format()) {
+        return matmul(w, x, s, y, pool);
     }
+    check_shapes(w, x.len(), s, y.len())?;
+    let q = int8act::QuantizedActs::new(x, s, w.cols(), pool);
+    int8act::matmul_quantized(w, &q, y, int8_kernel()?, pool)
 }
 
 /// [`expert_ffn`] in `arith` (see [`matmul_in`]): gate and up share one quantisation of `x`,
@@ -329,40 +317,28 @@ pub fn expert_ffn_in(
     out: &mut [f32],
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
-    let usable = |supports: fn(QuantFormat) -> bool| {
-        [gate, up, down].iter().all(|w| supports(w.format()))
-            && gate.rows() == up.rows()
-            && gate.cols() == up.cols()
-    };
-    match arith {
-        Arithmetic::Int8 if usable(int8act::supports) => {}
-        Arithmetic::Int8x3 if usable(int8x3::supports) => {}
-        _ => return expert_ffn(gate, up, down, x, s, out, pool),
+    let int8 = arith == Arithmetic::Int8
+        && [gate, up, down]
+            .iter()
+            .all(|w| int8act::supports(w.format()));
+    if !int8 || gate.rows() != up.rows() || gate.cols() != up.cols() {
+        return expert_ffn(gate, up, down, x, s, out, pool);
     }
     let (f, h) = (gate.rows(), gate.cols());
     let hidden_len = s.saturating_mul(f);
     check_shapes(gate, x.len(), s, hidden_len)?;
     check_shapes(down, hidden_len, s, out.len())?;
+    let kernel = int8_kernel()?;
+    let q = int8act::QuantizedActs::new(x, s, h, pool);
     let mut g = vec![0.0f32; hidden_len];
     let mut u = vec![0.0f32; hidden_len];
-    let split = arith == Arithmetic::Int8x3;
-    if split {
-        let q = int8x3::SplitActs::new(x, s, h);
-        int8x3::matmul_pair(gate, up, &q, &mut g, &mut u, pool)?;
-    } else {
-        let q = int8act::QuantizedActs::new(x, s, h, pool);
-        int8act::matmul_quantized(gate, &q, &mut g, int8_kernel()?, pool)?;
-        int8act::matmul_quantized(up, &q, &mut u, int8_kernel()?, pool)?;
-    }
+    int8act::matmul_quantized(gate, &q, &mut g, kernel, pool)?;
+    int8act::matmul_quantized(up, &q, &mut u, kernel, pool)?;
     for (g, u) in g.iter_mut().zip(&u) {
         *g = silu(*g) * u;
     }
-    if split {
-        int8x3::matmul(down, &int8x3::SplitActs::new(&g, s, f), out, pool)
-    } else {
-        let qh = int8act::QuantizedActs::new(&g, s, f, pool);
-        int8act::matmul_quantized(down, &qh, out, int8_kernel()?, pool)
-    }
+    let qh = int8act::QuantizedActs::new(&g, s, f, pool);
+    int8act::matmul_quantized(down, &qh, out, kernel, pool)
 }
 
 /// Columns a matrix may have (the SIMD paths index scale groups with a 64-bit multiply-shift,

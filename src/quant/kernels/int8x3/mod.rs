@@ -8,9 +8,9 @@
 //! six `vpdpbusd` instead of eight conversions and FMAs behind a table lookup.
 //!
 //! **Not bit-identical to the exact kernels, but as accurate as f32 per block**: each
-//! activation is rounded to a step of `m / (127·2¹⁶)` ≈ `2⁻²³·m`, m its block's largest
-//! magnitude (an error below `2⁻²²·m`, the f32 roundings of the multiplier, the product and
-//! the scale included), and the products are summed exactly as integers. The result of a row never depends on S, its
+//! activation is rounded to a step of `m / (127·2¹⁶)`, m its block's largest magnitude, an
+//! error below `2⁻²⁴·m` (f32's own relative precision), and the products are summed exactly
+//! as integers. The result of a row never depends on S, its
 //! position in a call, the pool or its threads (each row's digits are its own), so decode,
 //! draft and verify compute the same function and speculation stays lossless in this
 //! arithmetic exactly as in the exact one. It is an option (`decode`), not the default: the
@@ -20,9 +20,8 @@
 //! The arithmetic, which the scalar reference ([`reference_matmul`]) and the VNNI path
 //! (`vnni.rs`) compute bit for bit:
 //! - **activations** ([`SplitActs::new`]): per row and block b of 64 elements, `m = max|x|`,
-//!   `Q = round_half_even(x · (QMAX / m))`, the product and the quotient in f32, clamped to
-//!   ±QMAX = ±127·2¹⁶, and `sx_b = m / QMAX` (a block with a NaN or an infinity, or whose
-//!   `QMAX / m` is not finite — zeros, m below ~1e-32: `Q = 0`, `sx_b = 0`); Q is
+//!   `Q = round_half_even(x · (QMAX / m))` in f64 (|Q| ≤ QMAX = 127·2¹⁶) and `sx_b = m / QMAX`
+//!   as f32 (a block of zeros, or one with a NaN or infinity: `Q = 0`, `sx_b = 0`); Q is
 //!   written in balanced base-256 digits `Q = d₀·2¹⁶ + d₁·2⁸ + d₂`, each in [−128, 127];
 //! - **weights** as their stored nibbles `u = q + 8`;
 //! - **lanes**: the row is walked in chunks of 128 elements (64 bytes of nibbles); lane l of
@@ -99,15 +98,8 @@ pub struct SplitActs {
 
 impl SplitActs {
     /// Split `x` ([rows, cols] row-major). Decode and verify calls have a few rows of a few
-    /// thousand elements: on the calling thread, by the VNNI kernel's splitter where the CPU
-    /// has it (the same bytes as the scalar one).
+    /// thousand elements: scalar code, on the calling thread.
     pub fn new(x: &[f32], rows: usize, cols: usize) -> Self {
-        Self::new_on(x, rows, cols, available())
-    }
-
-    /// [`SplitActs::new`] by the SIMD splitter (`simd`, which the CPU must run) or the scalar
-    /// one.
-    fn new_on(x: &[f32], rows: usize, cols: usize, simd: bool) -> Self {
         let chunks = chunks_for(cols);
         let mut acts = SplitActs {
             rows,
@@ -117,25 +109,24 @@ impl SplitActs {
             offsets: vec![0; rows * chunks * LANES],
             scales: vec![0.0; rows * chunks * LANES],
         };
-        if chunks == 0 {
-            return acts;
-        }
-        let rows_of = acts
-            .digits
-            .chunks_exact_mut(chunks * LINES)
-            .zip(acts.offsets.chunks_exact_mut(chunks * LANES))
-            .zip(acts.scales.chunks_exact_mut(chunks * LANES));
-        for (r, ((digits, offsets), scales)) in rows_of.enumerate() {
+        let mut q = [0i32; BLOCK];
+        for r in 0..rows {
             let src = &x[r * cols..(r + 1) * cols];
-            #[cfg(target_arch = "x86_64")]
-            if simd {
-                // SAFETY: the caller says the CPU runs the kernel; the row's lines, offsets
-                // and scales are `chunks` long.
-                unsafe { vnni::split_row(src, digits, offsets, scales) };
-                continue;
+            for (b, block) in src.chunks(BLOCK).enumerate() {
+                let sx = quantize_block(block, &mut q);
+                let (c, half) = (b / 2, b % 2);
+                let lane0 = (r * chunks + c) * LANES + half * LANES / 2;
+                acts.scales[lane0..lane0 + LANES / 2].fill(sx);
+                let lines = &mut acts.digits[(r * chunks + c) * LINES..][..LINES];
+                for (e, &v) in q.iter().enumerate() {
+                    // Element 64·half + e of the chunk: byte j of the even or odd line.
+                    let j = half * BLOCK + e;
+                    for (k, d) in digits(v).into_iter().enumerate() {
+                        lines[2 * k + j % 2].0[j / 2] = d as u8;
+                    }
+                    acts.offsets[(r * chunks + c) * LANES + j / 8] += v << 3;
+                }
             }
-            let _ = simd;
-            split_row(src, digits, offsets, scales);
         }
         acts
     }
@@ -153,48 +144,25 @@ impl SplitActs {
     }
 }
 
-/// One row by the scalar code: `digits` ([chunks][LINES]), `offsets` and `scales`
-/// ([chunks][16]) zeroed beforehand.
-fn split_row(src: &[f32], digits: &mut [Line], offsets: &mut [i32], scales: &mut [f32]) {
-    let mut q = [0i32; BLOCK];
-    for (b, block) in src.chunks(BLOCK).enumerate() {
-        let sx = quantize_block(block, &mut q);
-        let (c, half) = (b / 2, b % 2);
-        scales[c * LANES + half * LANES / 2..][..LANES / 2].fill(sx);
-        let lines = &mut digits[c * LINES..][..LINES];
-        for (e, &v) in q.iter().enumerate() {
-            // Element 64·half + e of the chunk: byte j of the even or odd line.
-            let j = half * BLOCK + e;
-            for (k, d) in digits_of(v).into_iter().enumerate() {
-                lines[2 * k + j % 2].0[j / 2] = d as u8;
-            }
-            offsets[c * LANES + j / 8] += v << 3;
-        }
-    }
-}
-
 /// One block: Q of each element (zero-padded past `src`) and the block's scale.
 fn quantize_block(src: &[f32], q: &mut [i32; BLOCK]) -> f32 {
     let m = src.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     q.fill(0);
-    let c = QMAX as f32 / m;
-    if !c.is_finite() || src.iter().any(|v| !v.is_finite()) {
+    if m == 0.0 || !m.is_finite() || src.iter().any(|v| !v.is_finite()) {
         // A NaN or Inf activation is the forward's own error to report; split it to zeros
-        // rather than to garbage. So is a block of zeros, or one so small (below ~1e-32) that
-        // its multiplier overflows.
+        // rather than to garbage.
         return 0.0;
     }
+    let inv = f64::from(QMAX) / f64::from(m);
     for (d, v) in q.iter_mut().zip(src) {
-        // The f32 product rounded half to even, as `vcvtps2dq` rounds it (|v·c| < 2^24, so the
-        // f64 sum is exact).
-        let r = (f64::from(v * c) + ROUNDER) - ROUNDER;
-        *d = (r as i32).clamp(-QMAX, QMAX);
+        let r = ((f64::from(*v) * inv + ROUNDER) - ROUNDER).clamp(-f64::from(QMAX), f64::from(QMAX));
+        *d = r as i32;
     }
-    m / QMAX as f32
+    (f64::from(m) / f64::from(QMAX)) as f32
 }
 
 /// Q's balanced base-256 digits, most significant first: `Q = d₀·2¹⁶ + d₁·2⁸ + d₂`.
-fn digits_of(q: i32) -> [i8; 3] {
+fn digits(q: i32) -> [i8; 3] {
     let d2 = ((q + 128) & 255) - 128;
     let r = (q - d2) >> 8;
     let d1 = ((r + 128) & 255) - 128;
@@ -232,11 +200,7 @@ pub fn reference_matmul(w: &QMatrix<'_>, x: &SplitActs, y: &mut [f32]) -> Result
         u.fill(0);
         for (e, v) in deq.iter().enumerate() {
             let s = sw[e / BLOCK];
-            u[e] = if s == 0.0 {
-                8
-            } else {
-                (v / s).round() as i32 + 8
-            };
+            u[e] = if s == 0.0 { 8 } else { (v / s).round() as i32 + 8 };
         }
         for t in 0..s {
             let mut lanes = [0.0f32; LANES];
@@ -246,7 +210,7 @@ pub fn reference_matmul(w: &QMatrix<'_>, x: &SplitActs, y: &mut [f32]) -> Result
                     for i in 0..8 {
                         let el = c * CHUNK + 8 * l + i;
                         if el < cols {
-                            for (k, d) in digits_of(x.q(t, el)).into_iter().enumerate() {
+                            for (k, d) in digits(x.q(t, el)).into_iter().enumerate() {
                                 e[k] += u[el] * i32::from(d);
                             }
                         }
@@ -297,69 +261,26 @@ pub fn matmul(
     y: &mut [f32],
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
-    matmul_many(&[w], x, &mut [y], pool)
-}
-
-/// [`matmul`] of two matrices of one shape against the same activations (an expert's gate
-/// and up) in one parallel pass: each task computes the same rows of both, so the pool forks
-/// once.
-pub fn matmul_pair(
-    w0: &QMatrix<'_>,
-    w1: &QMatrix<'_>,
-    x: &SplitActs,
-    y0: &mut [f32],
-    y1: &mut [f32],
-    pool: Option<&rayon::ThreadPool>,
-) -> Result<()> {
-    if (w0.rows(), w0.cols()) != (w1.rows(), w1.cols()) {
-        return Err(Error::invalid(
-            "int8x3 matmul",
-            format!(
-                "a pair of matrices must share a shape; got [{}, {}] and [{}, {}]",
-                w0.rows(),
-                w0.cols(),
-                w1.rows(),
-                w1.cols()
-            ),
-        ));
-    }
-    matmul_many(&[w0, w1], x, &mut [y0, y1], pool)
-}
-
-/// `ys[i] = x · ws[i]ᵀ` for matrices of one shape.
-fn matmul_many(
-    ws: &[&QMatrix<'_>],
-    x: &SplitActs,
-    ys: &mut [&mut [f32]],
-    pool: Option<&rayon::ThreadPool>,
-) -> Result<()> {
-    for (w, y) in ws.iter().zip(ys.iter()) {
-        check(w, x, y.len())?;
-    }
-    let (o, s) = (ws[0].rows(), x.rows);
+    check(w, x, y.len())?;
+    let (o, s) = (w.rows(), x.rows);
     if o == 0 || s == 0 {
         return Ok(());
     }
     if !available() {
-        for (w, y) in ws.iter().zip(ys.iter_mut()) {
-            reference_matmul(w, x, y)?;
-        }
-        return Ok(());
+        return reference_matmul(w, x, y);
     }
-    let outs: Vec<OutColumns> = ys.iter_mut().map(|y| OutColumns::new(y, s, o)).collect();
-    let row_bytes: usize = ws.iter().map(|w| w.format().row_bytes(w.cols())).sum();
+    let out = OutColumns::new(y, s, o);
+    let row_bytes = w.format().row_bytes(w.cols());
     par_weight_rows(o, row_bytes, pool, |o0, n| {
-        for (w, out) in ws.iter().zip(&outs) {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `available` said the CPU has the kernel's features; `check` made the
-            // shapes agree and the format one `supports` accepts; rows `o0..o0 + n` are in
-            // `w`, and no other task writes their columns.
-            unsafe {
-                vnni::rows(w, o0, n, x, *out)
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            let _ = (w, o0, n, out);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `available` said the CPU has the kernel's features; `check` made the shapes
+        // agree and the format one `supports` accepts; rows `o0..o0 + n` are in `w`, and no
+        // other task writes their columns.
+        unsafe {
+            vnni::rows(w, o0, n, x, out)
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (o0, n, out);
     });
     Ok(())
 }

@@ -15,7 +15,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{block_scales, Line, SplitActs, BLOCK, CHUNK, LANES, LINES, QMAX};
+use super::{block_scales, SplitActs, CHUNK, LANES, LINES};
 use crate::quant::format::{QMatrix, QuantFormat};
 use crate::quant::kernels::int8act::{sum_lanes, OutColumns};
 
@@ -225,117 +225,5 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &SplitActs, o
             unsafe { tile_into(nw, na, wp, sp, x, t, stream, o0 + i0, out) };
             t += na;
         }
-    }
-}
-
-/// One row of activations split by the arithmetic of the parent module, the same bytes,
-/// offsets and scales as its scalar `split_row`: each block's Q rounded by `vcvtps2dq`, its
-/// digits peeled off by shifts and narrowed by `vpmovdb` into element order, then each
-/// chunk's even and odd bytes separated by `vpmovwb`; the offsets are the lines' own sums
-/// (`vpdpbusd` against ones) recombined like the products.
-///
-/// # Safety
-/// The CPU has AVX-512 F, BW, VL and VNNI; `digits` holds `chunks · LINES` lines and `offsets`
-/// and `scales` `chunks · 16` values each, zeroed, with `chunks = ceil(src.len() / 128)`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(super) unsafe fn split_row(
-    src: &[f32],
-    digits: &mut [Line],
-    offsets: &mut [i32],
-    scales: &mut [f32],
-) {
-    let n = src.len();
-    let chunks = digits.len() / LINES;
-    debug_assert_eq!(chunks, n.div_ceil(CHUNK));
-    debug_assert!(offsets.len() >= chunks * LANES && scales.len() >= chunks * LANES);
-    let (qmax, ones, inf) = (
-        _mm512_set1_epi32(QMAX),
-        _mm512_set1_epi8(1),
-        _mm512_set1_ps(f32::INFINITY),
-    );
-    for c in 0..chunks {
-        // Digit k of half h (block 2c + h) in element order: `bytes[2k + h]`.
-        let mut bytes = [Line([0; 64]); LINES];
-        for half in 0..2 {
-            let start = (2 * c + half) * BLOCK;
-            let mut v = [_mm512_setzero_ps(); 4];
-            let (mut bad, mut largest) = (0u16, _mm512_setzero_ps());
-            for (i, v) in v.iter_mut().enumerate() {
-                let e0 = start + 16 * i;
-                if e0 >= n {
-                    break;
-                }
-                let mask = if n - e0 >= 16 {
-                    u16::MAX
-                } else {
-                    (1u16 << (n - e0)) - 1
-                };
-                // SAFETY: `e0 < n`; the mask covers only elements that exist (the others are
-                // not read).
-                *v = unsafe { _mm512_maskz_loadu_ps(mask, src.as_ptr().add(e0)) };
-                let a = _mm512_abs_ps(*v);
-                bad |= _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(a, inf);
-                largest = _mm512_max_ps(largest, a);
-            }
-            let m = _mm512_reduce_max_ps(largest);
-            let scale = QMAX as f32 / m;
-            if bad != 0 || !scale.is_finite() {
-                continue;
-            }
-            scales[c * LANES + half * LANES / 2..][..LANES / 2].fill(m / QMAX as f32);
-            let scale = _mm512_set1_ps(scale);
-            for (i, v) in v.iter().enumerate() {
-                let q = _mm512_cvtps_epi32(_mm512_mul_ps(*v, scale));
-                let q = _mm512_max_epi32(
-                    _mm512_min_epi32(q, qmax),
-                    _mm512_sub_epi32(_mm512_setzero_si512(), qmax),
-                );
-                // d₂ is Q's low byte, sign-extended; d₁ the low byte of r = (Q − d₂) / 256;
-                // d₀ = (r − d₁) / 256. The narrowing keeps each one's low byte.
-                let d2 = _mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(q));
-                let r = _mm512_srai_epi32::<8>(_mm512_sub_epi32(q, d2));
-                let d1 = _mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(r));
-                let d0 = _mm512_srai_epi32::<8>(_mm512_sub_epi32(r, d1));
-                for (k, d) in [d0, r, q].into_iter().enumerate() {
-                    let at = bytes[2 * k + half].0.as_mut_ptr().add(16 * i) as *mut __m128i;
-                    // SAFETY: 16 bytes at 16·i < 64 of a local line.
-                    unsafe { _mm_storeu_si128(at, _mm512_cvtepi32_epi8(d)) };
-                }
-            }
-        }
-        let mut sums = _mm512_setzero_si512();
-        for k in 0..3 {
-            let (v0, v1) = (
-                _mm512_load_si512(bytes[2 * k].0.as_ptr() as *const _),
-                _mm512_load_si512(bytes[2 * k + 1].0.as_ptr() as *const _),
-            );
-            // Element pairs as u16: the low byte is the even element, the high byte the odd.
-            let even = _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm512_cvtepi16_epi8(v0)),
-                _mm512_cvtepi16_epi8(v1),
-            );
-            let odd = _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16::<8>(v0))),
-                _mm512_cvtepi16_epi8(_mm512_srli_epi16::<8>(v1)),
-            );
-            // SAFETY: lines 2k and 2k + 1 of chunk c exist (`digits` holds chunks · LINES).
-            unsafe {
-                _mm512_store_si512(digits[c * LINES + 2 * k].0.as_mut_ptr() as *mut _, even);
-                _mm512_store_si512(digits[c * LINES + 2 * k + 1].0.as_mut_ptr() as *mut _, odd);
-            }
-            let s = _mm512_dpbusd_epi32(
-                _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, even),
-                ones,
-                odd,
-            );
-            sums = _mm512_add_epi32(_mm512_slli_epi32::<8>(sums), s);
-        }
-        // SAFETY: 16 offsets of chunk c exist.
-        unsafe {
-            _mm512_storeu_si512(
-                offsets.as_mut_ptr().add(c * LANES) as *mut _,
-                _mm512_slli_epi32::<3>(sums),
-            )
-        };
     }
 }

@@ -39,7 +39,6 @@
 //! tests and A/B benches.
 
 pub mod int8act;
-pub mod int8x3;
 pub mod scalar;
 pub mod vecops;
 

@@ -396,10 +396,14 @@ pub fn matmul_quantized(
     if o == 0 || s == 0 {
         return Ok(());
     }
-    let out = OutColumns::new(y, s, o);
+    let out = OutColumns {
+        ptr: y.as_mut_ptr(),
+        s,
+        o,
+    };
     let row_bytes = w.format().row_bytes(w.cols());
     // Weight rows `o0..o0 + n` into their columns of `y`.
-    par_weight_rows(o, row_bytes, pool, |o0, n| {
+    let work = |o0: usize, n: usize| {
         let pass = rows_per_pass(w.cols());
         // SAFETY (both): the kernel's availability was checked above; `check` made the shapes
         // agree; rows `o0..o0 + n` are in `w`, and no other task writes their columns.
@@ -418,23 +422,12 @@ pub fn matmul_quantized(
                 unsafe { out.set(t, o0 + i, *v) };
             }
         }
-    });
-    Ok(())
-}
-
-/// Run `work(o0, n)` over the `o` weight rows of a call in spans of `n` rows: all of them on
-/// this thread without a pool, else ~8 spans per thread of the pool (for balance), each at
-/// least ~16 KiB of weights (`row_bytes` per row).
-pub(super) fn par_weight_rows(
-    o: usize,
-    row_bytes: usize,
-    pool: Option<&rayon::ThreadPool>,
-    work: impl Fn(usize, usize) + Sync,
-) {
+    };
     match pool {
         None => work(0, o),
         Some(pool) => {
             let threads = pool.current_num_threads().max(1);
+            // ~8 chunks per thread for balance, but at least ~16 KiB of weights per chunk.
             let per = o
                 .div_ceil(threads * 8)
                 .max((16 << 10) / row_bytes.max(1))
@@ -446,6 +439,7 @@ pub(super) fn par_weight_rows(
             });
         }
     }
+    Ok(())
 }
 
 /// One SIMD int8 kernel's pieces, as the pass loop both share ([`tile_rows`]) drives them:
@@ -643,16 +637,6 @@ unsafe impl Send for OutColumns {}
 unsafe impl Sync for OutColumns {}
 
 impl OutColumns {
-    /// The columns of `y`, [s, o] row-major.
-    pub(super) fn new(y: &mut [f32], s: usize, o: usize) -> Self {
-        debug_assert_eq!(y.len(), s * o);
-        OutColumns {
-            ptr: y.as_mut_ptr(),
-            s,
-            o,
-        }
-    }
-
     /// `y[t, col] = v`.
     ///
     /// # Safety

@@ -45,6 +45,18 @@ def test_a_run_on_the_tiny_model_reports_every_slot(tool, capsys) -> None:
     assert out[-2].startswith("B vs A: ")
 
 
+def test_several_processes_are_summarised_across_processes(tool, capsys) -> None:
+    args = [str(TINY), "{}", '{"prefetch": "off"}', "--gen", "3", "--rounds", "2"]
+    s = tool.main([*args, "--processes", "2", "--json"])
+    assert len(s["processes"]) == 2
+    means = [r["b_vs_a"]["mean"] for r in s["processes"]]
+    assert math.isclose(s["mean"], sum(means) / 2)
+    assert math.isclose(s["se"], abs(means[0] - means[1]) / 2, rel_tol=1e-9)
+    assert s["same_tokens"] is True
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("process 1: B vs A ") and out[1].startswith("process 2: ")
+
+
 def test_bad_options_are_refused(tool) -> None:
     with pytest.raises(SystemExit, match="JSON object"):
         tool.parse_options("prefetch=off")
@@ -52,3 +64,5 @@ def test_bad_options_are_refused(tool) -> None:
         tool.parse_options("[1]")
     with pytest.raises(SystemExit, match="at least 2"):
         tool.main([str(TINY), "{}", "{}", "--rounds", "1"])
+    with pytest.raises(SystemExit, match="--processes must be at least 1"):
+        tool.main([str(TINY), "{}", "{}", "--processes", "0"])

@@ -15,8 +15,8 @@ both measured (docs/benchmarks.md, "Measuring small decode changes in one proces
 The standard error is that of the rounds within this process. It does not include the
 persistent difference between two model instances of one variant (their memory lies on
 different physical pages; slot medians of one variant differed by up to 7%), so a result
-is worth believing when it holds in several processes: run the command again and report
-each run.
+is worth believing when it holds in several processes: ``--processes N`` runs the whole
+A/B in N fresh processes and reports the standard error across them.
 
 Every model is warmed up with one generation before the rounds. A model's routed experts are
 copied into its own cache, so each model holds its own copy: memory is about four times a
@@ -68,6 +68,44 @@ def paired(a: list[float], b: list[float]) -> dict[str, float]:
     }
 
 
+def across_processes(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the one-process A/B in ``args.processes`` fresh processes and summarise: each
+    process's paired mean, and their mean with the standard error across processes (which,
+    unlike one process's, includes where each process's models landed in memory)."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, args.model, json.dumps(args.a), json.dumps(args.b)]
+    cmd += ["--gen", str(args.gen), "--rounds", str(args.rounds), "--prompt", str(args.prompt)]
+    if args.max_context is not None:
+        cmd += ["--max-context", str(args.max_context)]
+    runs: list[dict[str, Any]] = []
+    for i in range(args.processes):
+        done = subprocess.run([*cmd, "--json"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"process {i + 1} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        p = runs[-1]["b_vs_a"]
+        print(
+            f"process {i + 1}: B vs A {100 * p['mean']:+.1f}% ± {100 * p['se']:.1f}%",
+            flush=True,
+        )
+    means = [r["b_vs_a"]["mean"] for r in runs]
+    summary: dict[str, Any] = {
+        "processes": runs,
+        "mean": statistics.mean(means),
+        "se": statistics.stdev(means) / len(means) ** 0.5,
+        "same_tokens": all(r["same_tokens"] for r in runs),
+    }
+    print(
+        f"B vs A over {len(runs)} processes: {100 * summary['mean']:+.1f}% ± "
+        f"{100 * summary['se']:.1f}% (mean ± standard error across processes); "
+        f"same tokens: {summary['same_tokens']}"
+    )
+    if args.json:
+        print(json.dumps(summary))
+    return summary
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="model directory")
@@ -82,10 +120,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         help="each model's max_context (default: the model's own); bounds the KV memory",
     )
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="repeat the whole A/B in this many fresh processes, one after the other, and "
+        "summarise across them (default 1)",
+    )
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = ap.parse_args(argv)
     if args.rounds < 2 or args.gen < 2:
         raise SystemExit("--rounds and --gen must be at least 2")
+    if args.processes < 1:
+        raise SystemExit("--processes must be at least 1")
+    if args.processes > 1:
+        return across_processes(args)
 
     import colibri
 

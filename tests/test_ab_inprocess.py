@@ -3,26 +3,19 @@ model: the run it makes, its summary, and its refusals."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "ab_inprocess.py"
 TINY = ROOT / "python" / "colibri" / "models" / "tiny"
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("ab_inprocess", TOOL)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("ab_inprocess")
 
 
 def test_paired_difference_is_per_round(tool) -> None:

@@ -7,25 +7,16 @@ reports for the synthetic model, and the shared tokenizer.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "bench_llamacpp.py"
+from helpers.tools import load_tool
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("bench_llamacpp", TOOL)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_llamacpp")
 
 
 @pytest.mark.parametrize("quick", [False, True])

@@ -8,7 +8,6 @@ which would write 1.8 GB) of the shipped trained tiny model.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -17,19 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from colibri import _core
+from helpers.tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "make_standin.py"
 TINY = ROOT / "python" / "colibri" / "models" / "tiny"
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("make_standin", TOOL)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def build(dst: Path, *extra: str) -> dict:
@@ -59,7 +50,7 @@ def standin_padded_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_expert_size_formula_matches_glm52() -> None:
-    tool = load_tool()
+    tool = load_tool("make_standin")
     # GLM-5.2: hidden 6144, moe_intermediate 2048, int4 groups of 64 with f32 scales.
     assert tool.expert_bytes("int4_g64", 6144, 2048) == tool.GLM52_EXPERT_BYTES == 21_233_664
     # The tiny model (hidden 256) reaches that size at intermediate 49152.
@@ -107,7 +98,7 @@ def test_standin_logits_and_tokens_equal_original(
 def test_nonzero_padding_would_be_caught(tmp_path: Path) -> None:
     """Negative control: the same tool padding with non-zero weights changes the logits, so
     the equality above checks the padding and is not a no-op."""
-    tool = load_tool()
+    tool = load_tool("make_standin")
     tool.ZERO_INT4, tool.ZERO_INT8, tool.FLOOR_SCALE = 0x99, 1, np.float32(0.01)
     bad = tmp_path / "bad"
     assert tool.main([str(TINY), str(bad), "--intermediate", "1024", "-q"]) == 0

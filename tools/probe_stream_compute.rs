@@ -69,12 +69,14 @@ unsafe fn pass<const W: usize>(buf: &[u8], x: &[__m512], pf: usize, t1: bool) ->
     _mm512_reduce_add_ps(t)
 }
 
+#[cfg(target_arch = "x86_64")]
 /// A 64-byte aligned buffer of `bytes` whose floats are small and normal.
 fn buffer(bytes: usize) -> Vec<__m512> {
     // SAFETY: AVX-512 F is checked in `main` before any buffer is made.
     vec![unsafe { _mm512_set1_ps(0.0115) }; bytes / 64]
 }
 
+#[cfg(target_arch = "x86_64")]
 fn as_bytes(b: &[__m512]) -> &[u8] {
     // SAFETY: a __m512 is 64 plain bytes; the slice covers exactly the vectors.
     unsafe { std::slice::from_raw_parts(b.as_ptr() as *const u8, b.len() * 64) }
@@ -83,6 +85,7 @@ fn as_bytes(b: &[__m512]) -> &[u8] {
 /// The variants: FMAs per line.
 const WS: [usize; 7] = [0, 2, 4, 6, 8, 12, 16];
 
+#[cfg(target_arch = "x86_64")]
 /// One pass of variant `w` over `buf`.
 fn run(w: usize, buf: &[u8], x: &[__m512], pf: usize, t1: bool) -> f32 {
     // SAFETY: AVX-512 F is checked in `main`; `pass` reads only inside `buf` and `x`
@@ -100,6 +103,7 @@ fn run(w: usize, buf: &[u8], x: &[__m512], pf: usize, t1: bool) -> f32 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
 /// GB/s of `reps` passes of variant `w` on every buffer, one thread per buffer.
 fn rate(w: usize, bufs: &[Vec<__m512>], x: &[__m512], reps: usize, pf: usize, t1: bool) -> f64 {
     let t = Instant::now();

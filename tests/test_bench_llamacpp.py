@@ -92,3 +92,43 @@ def test_llama_cpp_builds_natively_except_where_amx_would_abort_it(tool) -> None
     # Only what the CPU has, and nothing of AMX.
     assert "-DGGML_AVX512_BF16=ON" not in args
     assert not [a for a in args if "AMX" in a]
+
+
+def _result(tool, probes):
+    """A results document for one colibri and one llama.cpp variant, as `results` builds it."""
+    variants = [
+        {"name": "colibri", "engine": "colibri", "draft": "off", "bytes_per_token": 5e8},
+        {"name": "llama.cpp Q4_0", "engine": "llama.cpp", "bytes_per_token": 5e8},
+    ]
+    rows = [
+        {
+            "variant": v["name"],
+            "kind": k,
+            "decode_tok_s": d,
+            "prefill_tok_s": p,
+            "VmHWM": 2**30,
+            "others_cores": 0.0,
+        }
+        for v, d, p in ((variants[0], 40.0, 100.0), (variants[1], 50.0, 80.0))
+        for k in ("d8", "p512", "p2048")
+    ]
+    model = {"flops_per_token": 2e9}
+    return tool.results({}, model, {}, probes, variants, rows)
+
+
+def test_exact_floor_is_reported_against_the_bandwidth(tool):
+    """The probe's exact-arithmetic stream floor becomes a ratio to the bandwidth (the best of
+    the probes, like the bandwidth itself) and a line of the report; results from a probe
+    without it (older caches) report neither."""
+    probe = {"read_GBps": 30.0, "fma_f32_GFLOPs": 200.0, "vnni_int8_GOPs": None}
+    res = _result(tool, [dict(probe, exact_floor_GBps=24.0), dict(probe, exact_floor_GBps=27.0)])
+    floor = [r for r in res["ratios"] if r[0].startswith("exact-arithmetic stream floor")]
+    assert len(floor) == 1 and floor[0][1] == pytest.approx(0.9)
+    # colibri decodes 40 tok/s x 500 MB = 20 GB/s of the 30: the decode ratio beside it.
+    decode = [r for r in res["ratios"] if "decode_8: tok/s x bytes/token" in r[0]]
+    assert decode[0][1] == pytest.approx(20 / 30)
+    assert "Exact-arithmetic stream floor 27.0 GB/s (90% of the bandwidth)" in tool.report(res)
+
+    old = _result(tool, [probe])
+    assert not [r for r in old["ratios"] if r[0].startswith("exact-arithmetic")]
+    assert "Exact-arithmetic" not in tool.report(old)

@@ -600,6 +600,55 @@ fn xor_prefetching(words: &[u64]) -> u64 {
 
 const CHAINS: usize = 12;
 
+// The exact f32 S = 1 int4 loop's floor (tools/probe_stream_compute.rs): the same prefetching
+// stream, each 64-byte line converted to floats once and multiplied into 128 lanes of FMAs
+// (one lane per int4 weight) against activations in L1, and nothing else. No exact decode
+// can stream faster than this on the machine; docs/benchmarks.md, "How much compute a
+// stream can carry".
+#[target_feature(enable = "avx512f")]
+unsafe fn exact_floor512(words: &[u64], x: &[f32], t1: bool) -> f32 {
+    let mut acc = [_mm512_setzero_ps(); 8];
+    let p = words.as_ptr() as *const u8;
+    let lines = words.len() / 8;
+    for i in 0..lines {
+        let q = p.add(64 * i);
+        let ahead = q.wrapping_add(8192) as *const i8;
+        if t1 { _mm_prefetch::<_MM_HINT_T1>(ahead) } else { _mm_prefetch::<_MM_HINT_T0>(ahead) }
+        let v = _mm512_cvtepi32_ps(_mm512_loadu_si512(q as *const _));
+        for k in 0..8 {
+            let xv = _mm512_loadu_ps(x.as_ptr().add(16 * k));
+            acc[k] = _mm512_fmadd_ps(v, xv, acc[k]);
+        }
+    }
+    let mut s = acc[0];
+    for a in &acc[1..] { s = _mm512_add_ps(s, *a); }
+    _mm512_reduce_add_ps(s)
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exact_floor256(words: &[u64], x: &[f32], t1: bool) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let p = words.as_ptr() as *const u8;
+    let lines = words.len() / 8;
+    for i in 0..lines {
+        let q = p.add(64 * i);
+        let ahead = q.wrapping_add(8192) as *const i8;
+        if t1 { _mm_prefetch::<_MM_HINT_T1>(ahead) } else { _mm_prefetch::<_MM_HINT_T0>(ahead) }
+        for h in 0..2 {
+            let v = _mm256_cvtepi32_ps(_mm256_loadu_si256(q.add(32 * h) as *const __m256i));
+            for k in 0..8 {
+                let xv = _mm256_loadu_ps(x.as_ptr().add(8 * k));
+                acc[k] = _mm256_fmadd_ps(v, xv, acc[k]);
+            }
+        }
+    }
+    let mut s = acc[0];
+    for a in &acc[1..] { s = _mm256_add_ps(s, *a); }
+    let mut out = [0f32; 8];
+    _mm256_storeu_ps(out.as_mut_ptr(), s);
+    out.iter().sum()
+}
+
 #[target_feature(enable = "avx512f")]
 unsafe fn fma512(iters: usize, seed: f32) -> f32 {
     let mut acc = [_mm512_set1_ps(seed); CHAINS];
@@ -658,6 +707,25 @@ fn main() {
     }
     read.remove(0);
     let avx512 = is_x86_feature_detected!("avx512f");
+    // The kernels prefetch into L2 on AMD (src/quant/kernels/avx512.rs).
+    let v = __cpuid(0);
+    let amd = v.ebx == 0x6874_7541 && v.edx == 0x6974_6e65 && v.ecx == 0x444d_4163;
+    let x: Vec<f32> = (0..128).map(|i| (i % 7) as f32 * 0.1).collect();
+    let mut floor = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        let per = buf.len() / threads;
+        std::thread::scope(|s| {
+            for k in 0..threads {
+                let end = if k + 1 == threads { buf.len() } else { (k + 1) * per };
+                let (part, x) = (&buf[k * per..end], &x);
+                s.spawn(move || std::hint::black_box(unsafe {
+                    if avx512 { exact_floor512(part, x, amd) } else { exact_floor256(part, x, amd) }
+                }));
+            }
+        });
+        floor.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
     let vnni = avx512 && is_x86_feature_detected!("avx512vnni");
     let iters = 1usize << 22;
     let mut fma = Vec::new();
@@ -687,14 +755,16 @@ fn main() {
     println!(
         concat!(
             "{{\"threads\": {}, \"read_GBps\": {:.3}, \"read_GBps_max\": {:.3}, ",
-            "\"fma_f32_GFLOPs\": {:.2}, \"fma_path\": \"{}\", \"vnni_int8_GOPs\": {}}}"
+            "\"fma_f32_GFLOPs\": {:.2}, \"fma_path\": \"{}\", \"vnni_int8_GOPs\": {}, ",
+            "\"exact_floor_GBps\": {:.3}}}"
         ),
         threads,
         median(read.clone()),
         read.iter().cloned().fold(0.0, f64::max),
         median(fma),
         if avx512 { "avx512" } else { "avx2" },
-        if vnni { format!("{:.2}", median(int8)) } else { "null".to_string() }
+        if vnni { format!("{:.2}", median(int8)) } else { "null".to_string() },
+        median(floor)
     );
 }
 """
@@ -1029,6 +1099,13 @@ def report(res: dict[str, Any]) -> str:
         + (f", VNNI ceiling {vnni:.0f} GOP/s int8" if vnni else "")
         + f"; {fpt / 1e9:.3f} GFLOP per token."
     )
+    floor = res["ceilings"].get("exact_floor_GBps")
+    if floor:
+        lines.append(
+            f"Exact-arithmetic stream floor {floor:.1f} GB/s ({100 * floor * 1e9 / bw:.0f}% of the "
+            "bandwidth): the same stream with one f32 FMA lane per int4 weight and no decoding, "
+            "the most an exact S = 1 decode can reach on this machine."
+        )
     if res.get("ratios"):
         lines.append("")
         lines.append("| ratio (one run) | value | goal |")
@@ -1070,6 +1147,15 @@ def ratios(res: dict[str, Any]) -> list[tuple[str, float | None, str]]:
             out.append(
                 (f"{c[0]} {key}: tok/s x bytes/token / bandwidth", c[1] * bpt / bw, "≥ 0.85")
             )
+    floor = res["ceilings"].get("exact_floor_GBps")
+    if floor:
+        out.append(
+            (
+                "exact-arithmetic stream floor / bandwidth (what exact decode could reach here)",
+                floor * 1e9 / bw,
+                "≥ 0.85 for the 85% goal to be reachable",
+            )
+        )
     for key in ("prefill_512", "prefill_2048"):
         c = best(col, key)
         if c:
@@ -1309,6 +1395,7 @@ def results(
         "read_GBps": max(p["read_GBps"] for p in probes),
         "fma_f32_GFLOPs": max(p["fma_f32_GFLOPs"] for p in probes),
         "vnni_int8_GOPs": max((p["vnni_int8_GOPs"] or 0) for p in probes) or None,
+        "exact_floor_GBps": max((p.get("exact_floor_GBps") or 0) for p in probes) or None,
         "probes": probes,
         "method": "rustc-compiled probe (benches/probes.rs method), before and after; max",
     }

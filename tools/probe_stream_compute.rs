@@ -7,7 +7,8 @@
 //! Each variant reads its buffer once per pass, 64-byte line by line, with a software
 //! prefetch 8 KiB ahead (`prefetcht1` on AMD, `prefetcht0` elsewhere: the kernels' choice,
 //! src/quant/kernels/avx512.rs), and does `W` independent 16-lane FMAs per line, each the
-//! line's 16 floats times an activation vector from L1 (`W` = 0: an XOR, the plain read).
+//! line's 16 floats times one of 16 activation vectors held in registers (`W` = 0: an XOR,
+//! the plain read; the kernels' activation loads go to the load ports, not the vector units).
 //! `W` = 8 is 128 multiply-adds per 64 bytes: one FMA lane per int4 weight, the least an
 //! exact f32 S = 1 int4 loop can do, with no decoding at all.
 //!
@@ -27,9 +28,6 @@
 use std::arch::x86_64::*;
 use std::time::Instant;
 
-/// Floats per activation row (8 KiB: stays in L1 like decode's activations).
-const X: usize = 2048;
-
 /// Stream `buf` once: per 64-byte line `W` FMAs (or an XOR when `W` is 0), prefetching
 /// `pf` bytes ahead into L2 (`t1`) or L1.
 #[cfg(target_arch = "x86_64")]
@@ -37,8 +35,8 @@ const X: usize = 2048;
 unsafe fn pass<const W: usize>(buf: &[u8], x: &[__m512], pf: usize, t1: bool) -> f32 {
     let mut acc = [_mm512_setzero_ps(); 16];
     let p = buf.as_ptr();
-    let xs = x.as_ptr() as *const f32;
-    let mut xi = 0usize;
+    // Sixteen activation vectors held in registers (see the module docs).
+    let xr: [__m512; 16] = std::array::from_fn(|k| x[k % x.len()]);
     let mut i = 0;
     while i + 64 <= buf.len() {
         let q = p.add(i);
@@ -55,10 +53,8 @@ unsafe fn pass<const W: usize>(buf: &[u8], x: &[__m512], pf: usize, t1: bool) ->
         } else {
             let vf = _mm512_castsi512_ps(v);
             for k in 0..W {
-                let xv = _mm512_load_ps(xs.add((xi + 16 * k) % X));
-                acc[k % 16] = _mm512_fmadd_ps(vf, xv, acc[k % 16]);
+                acc[k % 16] = _mm512_fmadd_ps(vf, xr[k % 16], acc[k % 16]);
             }
-            xi = (xi + 16 * W) % X;
         }
         i += 64;
     }
@@ -140,7 +136,7 @@ fn main() {
     let amd = std::arch::x86_64::__cpuid(0);
     // "AuthenticAMD": ebx "Auth", edx "enti", ecx "cAMD".
     let t1 = amd.ebx == 0x6874_7541 && amd.edx == 0x6974_6e65 && amd.ecx == 0x444d_4163;
-    let x = buffer(X * 4);
+    let x = buffer(16 * 64);
     let small = vec![buffer(256 << 10)];
     let big: Vec<Vec<__m512>> = (0..threads).map(|_| buffer(mib << 20)).collect();
     println!(

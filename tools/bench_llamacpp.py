@@ -600,11 +600,11 @@ fn xor_prefetching(words: &[u64]) -> u64 {
 
 const CHAINS: usize = 12;
 
-// The exact f32 S = 1 int4 loop's floor (tools/probe_stream_compute.rs): the same prefetching
-// stream, each 64-byte line converted to floats once and multiplied into 128 lanes of FMAs
-// (one lane per int4 weight) against activations in L1, and nothing else. No exact decode
-// can stream faster than this on the machine; docs/benchmarks.md, "How much compute a
-// stream can carry".
+// The exact f32 S = 1 int4 loop's floor of work (tools/probe_stream_compute.rs): the same
+// prefetching stream, each 64-byte line converted to floats once and multiplied into 128
+// lanes of FMAs (one lane per int4 weight) against 8 activation vectors (constant addresses:
+// held in registers), and nothing else. No exact decode can stream faster than this on the
+// machine; docs/benchmarks.md, "How much compute a stream can carry".
 #[target_feature(enable = "avx512f")]
 unsafe fn exact_floor512(words: &[u64], x: &[f32], t1: bool) -> f32 {
     let mut acc = [_mm512_setzero_ps(); 8];

@@ -605,6 +605,15 @@ const CHAINS: usize = 12;
 // lanes of FMAs (one lane per int4 weight) against 8 activation vectors (constant addresses:
 // held in registers), and nothing else. No exact decode can stream faster than this on the
 // machine; docs/benchmarks.md, "How much compute a stream can carry".
+/// Prefetch the line 8 KiB past `q` into L2 (`t1`, as the kernels do on AMD) or L1.
+#[inline(always)]
+fn prefetch_ahead(q: *const u8, t1: bool) {
+    let ahead = q.wrapping_add(8192) as *const i8;
+    unsafe {
+        if t1 { _mm_prefetch::<_MM_HINT_T1>(ahead) } else { _mm_prefetch::<_MM_HINT_T0>(ahead) }
+    }
+}
+
 #[target_feature(enable = "avx512f")]
 unsafe fn exact_floor512(words: &[u64], x: &[f32], t1: bool) -> f32 {
     let mut acc = [_mm512_setzero_ps(); 8];
@@ -612,8 +621,7 @@ unsafe fn exact_floor512(words: &[u64], x: &[f32], t1: bool) -> f32 {
     let lines = words.len() / 8;
     for i in 0..lines {
         let q = p.add(64 * i);
-        let ahead = q.wrapping_add(8192) as *const i8;
-        if t1 { _mm_prefetch::<_MM_HINT_T1>(ahead) } else { _mm_prefetch::<_MM_HINT_T0>(ahead) }
+        prefetch_ahead(q, t1);
         let v = _mm512_cvtepi32_ps(_mm512_loadu_si512(q as *const _));
         for k in 0..8 {
             let xv = _mm512_loadu_ps(x.as_ptr().add(16 * k));
@@ -632,8 +640,7 @@ unsafe fn exact_floor256(words: &[u64], x: &[f32], t1: bool) -> f32 {
     let lines = words.len() / 8;
     for i in 0..lines {
         let q = p.add(64 * i);
-        let ahead = q.wrapping_add(8192) as *const i8;
-        if t1 { _mm_prefetch::<_MM_HINT_T1>(ahead) } else { _mm_prefetch::<_MM_HINT_T0>(ahead) }
+        prefetch_ahead(q, t1);
         for h in 0..2 {
             let v = _mm256_cvtepi32_ps(_mm256_loadu_si256(q.add(32 * h) as *const __m256i));
             for k in 0..8 {

@@ -330,6 +330,87 @@ fn expert(c: &mut Criterion) {
     g.finish();
 }
 
+/// A MoE layer's experts at decode: 9 experts (8 routed and a shared one) of the side-by-side
+/// model's shape (tools/bench_llamacpp.py: gate/up 1024×2048, down 2048×1024, int4-gs64,
+/// 3.5 MB each) at S = 1, run as one batch (`experts_ffn`: two fork-joins) and one by one
+/// (`expert_ffn`: two each), cycling through enough layers to come from DRAM, and the same
+/// bytes read plainly on the same pool.
+fn moe_layer(c: &mut Criterion) {
+    let pool = pool();
+    let mut g = c.benchmark_group("moe_layer");
+    short(&mut g);
+    let format = QuantFormat::Int4Grouped { group_size: 64 };
+    let (f, h, n) = (1024, 2048, 9);
+    let layer_bytes = n * 3 * format.data_bytes(f, h).expect("size");
+    let layers: Vec<Vec<[Owned; 3]>> = (0..copies(layer_bytes) as u64)
+        .map(|l| {
+            (0..n as u64)
+                .map(|e| {
+                    let seed = 1000 * l + 10 * e;
+                    [
+                        Owned::new(format, f, h, seed + 1),
+                        Owned::new(format, f, h, seed + 2),
+                        Owned::new(format, h, f, seed + 3),
+                    ]
+                })
+                .collect()
+        })
+        .collect();
+    let x = activations(1, h);
+    let calls: Vec<Vec<kernels::ExpertCall<'_>>> = layers
+        .iter()
+        .map(|experts| {
+            experts
+                .iter()
+                .map(|[gm, um, dm]| kernels::ExpertCall {
+                    gate: gm.view(),
+                    up: um.view(),
+                    down: dm.view(),
+                    x: &x,
+                    s: 1,
+                })
+                .collect()
+        })
+        .collect();
+    let bytes: usize = calls[0]
+        .iter()
+        .map(|c| c.gate.stream_bytes() + c.up.stream_bytes() + c.down.stream_bytes())
+        .sum();
+    g.throughput(Throughput::Bytes(bytes as u64));
+    let mut ys = vec![vec![0.0f32; h]; n];
+    let mut it = 0usize;
+    g.bench_function(format!("{format}/{n}x{f}x{h}/read"), |b| {
+        iter_on_pool(b, &pool, || {
+            it += 1;
+            let acc = layers[it % layers.len()]
+                .iter()
+                .flatten()
+                .fold(0u64, |a, m| a ^ read_matrix(m));
+            black_box(acc);
+        })
+    });
+    g.bench_function(format!("{format}/{n}x{f}x{h}/S1/batch"), |b| {
+        iter_on_pool(b, &pool, || {
+            it += 1;
+            let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+            kernels::experts_ffn(&calls[it % calls.len()], &mut outs, Some(&pool))
+                .expect("experts");
+            black_box(&ys);
+        })
+    });
+    g.bench_function(format!("{format}/{n}x{f}x{h}/S1/one_by_one"), |b| {
+        iter_on_pool(b, &pool, || {
+            it += 1;
+            for (c, y) in calls[it % calls.len()].iter().zip(ys.iter_mut()) {
+                kernels::expert_ffn(&c.gate, &c.up, &c.down, c.x, 1, y, Some(&pool))
+                    .expect("expert");
+            }
+            black_box(&ys);
+        })
+    });
+    g.finish();
+}
+
 /// Prefill-sized calls (S = 64 and 512 activation rows, which the kernels run in blocks of 8):
 /// compute-bound, so the throughput is in flops (criterion's "elem/s" = flop/s here); compare
 /// with `compute/fma_peak` of the same run.
@@ -368,4 +449,12 @@ fn prefill(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, paths, matmul_shapes, expert, in_cache, prefill);
+criterion_group!(
+    benches,
+    paths,
+    matmul_shapes,
+    expert,
+    moe_layer,
+    in_cache,
+    prefill
+);

@@ -13,7 +13,7 @@ use std::time::Instant;
 use super::cache::{self, Evicted, HitKind, InFlight, Lookup, Origin};
 use super::file_io::Resident;
 use super::stats::LayerCounters;
-use super::{bad_id, lock, ExpertStore, ExpertView, Inner, LayerState};
+use super::{bad_id, lock, ExpertBatch, ExpertStore, ExpertView, Inner, LayerState};
 use crate::error::{Error, Result};
 
 impl ExpertStore {
@@ -27,6 +27,19 @@ impl ExpertStore {
         layer: usize,
         ids: &[usize],
         f: &mut dyn FnMut(usize, &ExpertView<'_>) -> Result<()>,
+    ) -> Result<()> {
+        self.with_expert_batches(layer, ids, &mut |batch| {
+            batch.iter().try_for_each(|(id, view)| f(*id, view))
+        })
+    }
+
+    /// [`ExpertStore::with_experts`] handing the experts over in batches: every resident one
+    /// in the first, then each load as it completes (the MoE runs a batch as one).
+    pub fn with_expert_batches(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        f: &mut dyn FnMut(&ExpertBatch<'_>) -> Result<()>,
     ) -> Result<()> {
         let inner = &self.inner;
         let ls = inner.layer(layer)?;
@@ -73,8 +86,12 @@ impl ExpertStore {
             Ok(())
         };
         next_miss(&mut outstanding)?;
-        for (id, v) in ready {
-            f(id, &v.view()?)?;
+        if !ready.is_empty() {
+            let views = ready
+                .iter()
+                .map(|(id, v)| Ok((*id, v.view()?)))
+                .collect::<Result<Vec<_>>>()?;
+            f(&views)?;
         }
         loop {
             next_miss(&mut outstanding)?;
@@ -87,7 +104,7 @@ impl ExpertStore {
             let (id, res) = got.map_err(|_| Error::Internal("an I/O worker vanished".into()))?;
             outstanding -= 1;
             let v = res.map_err(|e| replay(&e))?;
-            f(id, &v.view()?)?;
+            f(&[(id, v.view()?)])?;
         }
     }
 }

@@ -90,6 +90,10 @@ pub struct ExpertView<'a> {
     pub down: QMatrix<'a>,
 }
 
+/// Experts handed over together: `(id, view)` pairs, each id once
+/// ([`ExpertStore::with_expert_batches`], `model::moe::ExpertProvider`).
+pub type ExpertBatch<'a> = [(usize, ExpertView<'a>)];
+
 /// One MoE layer of the store.
 struct LayerState {
     locs: Vec<ExpertLoc>,

@@ -209,6 +209,32 @@ fn misaligned_scales_are_copied_and_still_exact() {
     }
 }
 
+/// Resident experts come as one batch, each load as its own after them; every id once.
+#[test]
+fn resident_experts_come_as_one_batch() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    let store = ExpertStore::open_source(src.clone(), opts(IoMode::Pread, 1 << 30)).expect("open");
+    store
+        .with_experts(2, &[1, 4], &mut |_, _| Ok(()))
+        .expect("warm");
+    let mut batches: Vec<Vec<usize>> = Vec::new();
+    store
+        .with_expert_batches(2, &[6, 4, 1, 3, 4], &mut |batch| {
+            for (id, v) in batch {
+                assert_eq!(digest(v), reference(&src, 2, *id));
+            }
+            batches.push(batch.iter().map(|(id, _)| *id).collect());
+            Ok(())
+        })
+        .expect("call");
+    assert_eq!(batches[0], vec![1, 4], "the resident ones first, together");
+    let mut loaded: Vec<usize> = batches[1..].iter().flatten().copied().collect();
+    loaded.sort_unstable();
+    assert_eq!(loaded, vec![3, 6]);
+    assert!(batches[1..].iter().all(|b| b.len() == 1), "{batches:?}");
+}
+
 #[test]
 fn views_feed_the_kernels() {
     let spec = SynthSpec::tiny(G64);

@@ -4,7 +4,7 @@
 use crate::config::ModelConfig;
 use crate::container::{Container, Weight};
 use crate::error::{Error, Result};
-use crate::experts::ExpertView;
+use crate::experts::{ExpertBatch, ExpertView};
 use crate::model::linear;
 use crate::quant::kernels;
 use crate::quant::QMatrix;
@@ -40,6 +40,15 @@ impl Mlp {
         })
     }
 
+    /// Gate, up and down as the kernels take them.
+    fn views(&self) -> [QMatrix<'_>; 3] {
+        [
+            self.gate_proj.view(),
+            self.up_proj.view(),
+            self.down_proj.view(),
+        ]
+    }
+
     pub fn forward(
         &self,
         x: &[f32],
@@ -59,12 +68,14 @@ impl Mlp {
 
 /// Where routed experts come from: all resident (tiny models, tests) or the streaming store.
 pub trait ExpertProvider: Send + Sync {
-    /// Make experts `ids` of `layer` available and call `f` for each (in any order).
-    fn with_experts(
+    /// Make experts `ids` of `layer` available and call `f` with them in batches of
+    /// `(id, view)`, each id once, in any order: those available at once as one batch (run as
+    /// one by the kernels: fewer fork-joins), the others as they arrive.
+    fn with_expert_batches(
         &self,
         layer: usize,
         ids: &[usize],
-        f: &mut dyn FnMut(usize, &ExpertView<'_>) -> Result<()>,
+        f: &mut dyn FnMut(&ExpertBatch<'_>) -> Result<()>,
     ) -> Result<()>;
 
     /// Predicted experts of `layer` (router lookahead): bring them in early if possible.
@@ -105,30 +116,33 @@ impl ResidentExperts {
 }
 
 impl ExpertProvider for ResidentExperts {
-    fn with_experts(
+    fn with_expert_batches(
         &self,
         layer: usize,
         ids: &[usize],
-        f: &mut dyn FnMut(usize, &ExpertView<'_>) -> Result<()>,
+        f: &mut dyn FnMut(&ExpertBatch<'_>) -> Result<()>,
     ) -> Result<()> {
         let experts = self
             .layers
             .get(layer)
             .ok_or_else(|| Error::Internal(format!("layer {layer} has no experts")))?;
-        for &id in ids {
-            let [g, u, d] = experts
-                .get(id)
-                .ok_or_else(|| Error::Internal(format!("expert {id} of layer {layer}")))?;
-            f(
-                id,
-                &ExpertView {
-                    gate: g.view(),
-                    up: u.view(),
-                    down: d.view(),
-                },
-            )?;
-        }
-        Ok(())
+        let batch = ids
+            .iter()
+            .map(|&id| {
+                let [g, u, d] = experts
+                    .get(id)
+                    .ok_or_else(|| Error::Internal(format!("expert {id} of layer {layer}")))?;
+                Ok((
+                    id,
+                    ExpertView {
+                        gate: g.view(),
+                        up: u.view(),
+                        down: d.view(),
+                    },
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        f(&batch)
     }
 }
 
@@ -287,28 +301,72 @@ impl Moe {
         union.dedup();
         // per_row[r] = (expert id, weighted output) for each of row r's choices.
         let mut per_row: Vec<Vec<(usize, Vec<f32>)>> = vec![Vec::new(); s];
-        experts.with_experts(self.layer, &union, &mut |id, w| {
-            let rows: Vec<(usize, f32)> = routing
+        // The shared experts join the first batch unless the caller computed them.
+        let mut shared_out = shared_out;
+        let mut shared = self.shared.as_ref().filter(|_| shared_out.is_none());
+        experts.with_expert_batches(self.layer, &union, &mut |batch| {
+            // rows[i] = (row, weight) of each row that chose batch[i]'s expert.
+            let rows: Vec<Vec<(usize, f32)>> = batch
                 .iter()
-                .enumerate()
-                .filter_map(|(r, rt)| {
-                    rt.ids
+                .map(|(id, _)| {
+                    routing
                         .iter()
-                        .position(|&x| x == id)
-                        .map(|k| (r, rt.weights[k]))
+                        .enumerate()
+                        .filter_map(|(r, rt)| {
+                            rt.ids
+                                .iter()
+                                .position(|x| x == id)
+                                .map(|k| (r, rt.weights[k]))
+                        })
+                        .collect()
                 })
                 .collect();
-            let mut xs = Vec::with_capacity(rows.len() * hidden);
-            for &(r, _) in &rows {
-                xs.extend_from_slice(&h[r * hidden..(r + 1) * hidden]);
+            let xs: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|rows| {
+                    let mut xs = Vec::with_capacity(rows.len() * hidden);
+                    for &(r, _) in rows {
+                        xs.extend_from_slice(&h[r * hidden..(r + 1) * hidden]);
+                    }
+                    xs
+                })
+                .collect();
+            let mut calls: Vec<kernels::ExpertCall<'_>> = batch
+                .iter()
+                .zip(&rows)
+                .zip(&xs)
+                .map(|(((_, w), rows), xs)| kernels::ExpertCall {
+                    gate: w.gate,
+                    up: w.up,
+                    down: w.down,
+                    x: xs,
+                    s: rows.len(),
+                })
+                .collect();
+            let shared_views = shared.take().map(Mlp::views);
+            if let Some([gate, up, down]) = shared_views {
+                calls.push(kernels::ExpertCall {
+                    gate,
+                    up,
+                    down,
+                    x: h,
+                    s,
+                });
             }
-            let y = ffn(&w.gate, &w.up, &w.down, &xs, rows.len(), pool)?;
-            for (k, &(r, weight)) in rows.iter().enumerate() {
-                let out = y[k * hidden..(k + 1) * hidden]
-                    .iter()
-                    .map(|v| v * weight)
-                    .collect();
-                per_row[r].push((id, out));
+            let mut ys: Vec<Vec<f32>> = calls.iter().map(|c| vec![0.0f32; c.s * hidden]).collect();
+            let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+            kernels::experts_ffn_in(linear::arithmetic(), &calls, &mut outs, pool)?;
+            if shared_views.is_some() {
+                shared_out = ys.pop();
+            }
+            for (((id, _), rows), y) in batch.iter().zip(&rows).zip(&ys) {
+                for (k, &(r, weight)) in rows.iter().enumerate() {
+                    let out = y[k * hidden..(k + 1) * hidden]
+                        .iter()
+                        .map(|v| v * weight)
+                        .collect();
+                    per_row[r].push((*id, out));
+                }
             }
             Ok(())
         })?;
@@ -322,9 +380,11 @@ impl Moe {
                 }
             }
         }
-        let shared_out = match shared_out {
-            Some(y) => Some(y),
-            None => self.shared_output(h, s, pool)?,
+        // Without routed experts to run (no batch came), the shared ones run here.
+        let shared_out = match (shared_out, shared) {
+            (Some(y), _) => Some(y),
+            (None, Some(mlp)) => Some(mlp.forward(h, s, pool)?),
+            (None, None) => None,
         };
         if let Some(y) = shared_out {
             for (a, b) in out.iter_mut().zip(&y) {

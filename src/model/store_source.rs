@@ -1,17 +1,17 @@
 //! The streaming expert store as the MoE's source of routed experts.
 
 use crate::error::Result;
-use crate::experts::{ExpertStore, ExpertView};
+use crate::experts::{ExpertBatch, ExpertStore};
 use crate::model::moe::ExpertProvider;
 
 impl ExpertProvider for ExpertStore {
-    fn with_experts(
+    fn with_expert_batches(
         &self,
         layer: usize,
         ids: &[usize],
-        f: &mut dyn FnMut(usize, &ExpertView<'_>) -> Result<()>,
+        f: &mut dyn FnMut(&ExpertBatch<'_>) -> Result<()>,
     ) -> Result<()> {
-        ExpertStore::with_experts(self, layer, ids, f)
+        ExpertStore::with_expert_batches(self, layer, ids, f)
     }
 
     fn prefetch(&self, layer: usize, ids: &[usize]) {

@@ -38,6 +38,7 @@
 //! `scalar|avx2|avx512|neon` overrides it, read once), and [`set_forced_path`] switches it for
 //! tests and A/B benches.
 
+mod ffn;
 pub mod int8act;
 pub mod scalar;
 pub mod vecops;
@@ -59,10 +60,13 @@ mod neon;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
-use rayon::prelude::*;
-
 use crate::error::{Error, Result};
 use crate::quant::format::QMatrix;
+
+pub use ffn::{
+    expert_ffn, expert_ffn_in, expert_ffn_with, experts_ffn, experts_ffn_in, experts_ffn_with,
+    ExpertCall,
+};
 
 /// One implementation of the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -301,43 +305,6 @@ pub fn matmul_in(
     check_shapes(w, x.len(), s, y.len())?;
     let q = int8act::QuantizedActs::new(x, s, w.cols(), pool);
     int8act::matmul_quantized(w, &q, y, int8_kernel()?, pool)
-}
-
-/// [`expert_ffn`] in `arith` (see [`matmul_in`]): gate and up share one quantisation of `x`,
-/// and the hidden rows are quantised again for down.
-#[allow(clippy::too_many_arguments)]
-pub fn expert_ffn_in(
-    arith: Arithmetic,
-    gate: &QMatrix<'_>,
-    up: &QMatrix<'_>,
-    down: &QMatrix<'_>,
-    x: &[f32],
-    s: usize,
-    out: &mut [f32],
-    pool: Option<&rayon::ThreadPool>,
-) -> Result<()> {
-    let int8 = arith == Arithmetic::Int8
-        && [gate, up, down]
-            .iter()
-            .all(|w| int8act::supports(w.format()));
-    if !int8 || gate.rows() != up.rows() || gate.cols() != up.cols() {
-        return expert_ffn(gate, up, down, x, s, out, pool);
-    }
-    let (f, h) = (gate.rows(), gate.cols());
-    let hidden_len = s.saturating_mul(f);
-    check_shapes(gate, x.len(), s, hidden_len)?;
-    check_shapes(down, hidden_len, s, out.len())?;
-    let kernel = int8_kernel()?;
-    let q = int8act::QuantizedActs::new(x, s, h, pool);
-    let mut g = vec![0.0f32; hidden_len];
-    let mut u = vec![0.0f32; hidden_len];
-    int8act::matmul_quantized(gate, &q, &mut g, kernel, pool)?;
-    int8act::matmul_quantized(up, &q, &mut u, kernel, pool)?;
-    for (g, u) in g.iter_mut().zip(&u) {
-        *g = silu(*g) * u;
-    }
-    let qh = int8act::QuantizedActs::new(&g, s, f, pool);
-    int8act::matmul_quantized(down, &qh, out, kernel, pool)
 }
 
 /// Columns a matrix may have (the SIMD paths index scale groups with a 64-bit multiply-shift,
@@ -594,98 +561,6 @@ pub fn silu(v: f32) -> f32 {
     v / (1.0 + (-v).exp())
 }
 
-/// Fused expert: `out[S×H] = down · (silu(gate · x) ⊙ (up · x))` for S rows of `x` ([S, H]),
-/// gate and up [F, H], down [H, F]. Gate and up rows are computed together, sharing each
-/// loaded activation vector. Equals `matmul(gate)`, `matmul(up)`, silu, product and
-/// `matmul(down)` on the same path bit for bit, and so is S-invariant like them.
-pub fn expert_ffn(
-    gate: &QMatrix<'_>,
-    up: &QMatrix<'_>,
-    down: &QMatrix<'_>,
-    x: &[f32],
-    s: usize,
-    out: &mut [f32],
-    pool: Option<&rayon::ThreadPool>,
-) -> Result<()> {
-    expert_ffn_with(active_path()?, gate, up, down, x, s, out, pool)
-}
-
-/// [`expert_ffn`] on an explicit path.
-#[allow(clippy::too_many_arguments)]
-pub fn expert_ffn_with(
-    path: KernelPath,
-    gate: &QMatrix<'_>,
-    up: &QMatrix<'_>,
-    down: &QMatrix<'_>,
-    x: &[f32],
-    s: usize,
-    out: &mut [f32],
-    pool: Option<&rayon::ThreadPool>,
-) -> Result<()> {
-    let (f, h) = (gate.rows(), gate.cols());
-    if up.rows() != f || up.cols() != h || down.rows() != h || down.cols() != f {
-        return Err(Error::invalid(
-            "expert_ffn",
-            format!(
-                "gate [{}, {}], up [{}, {}] and down [{}, {}] do not form an expert \
-                 (need gate = up = [F, H] and down = [H, F])",
-                gate.rows(),
-                gate.cols(),
-                up.rows(),
-                up.cols(),
-                down.rows(),
-                down.cols()
-            ),
-        ));
-    }
-    let hidden_len = s.saturating_mul(f);
-    check_shapes(gate, x.len(), s, hidden_len)?;
-    check_shapes(down, hidden_len, s, out.len())?;
-    path.require()?;
-    if s == 0 {
-        return Ok(());
-    }
-    if s > S_BLOCK {
-        // Row s of any call is the S=1 call, so blocks of rows give the same values.
-        for b in s_blocks(s) {
-            let (xb, ob) = (&x[b.start * h..b.end * h], &mut out[b.start * h..b.end * h]);
-            expert_ffn_with(path, gate, up, down, xb, b.len(), ob, pool)?;
-        }
-        return Ok(());
-    }
-    // hT[f, s] = silu(gate_f · x_s) · (up_f · x_s), computed per chunk of F rows.
-    let mut ht = vec![0.0f32; f * s];
-    let row_bytes = gate.format().row_bytes(h) + up.format().row_bytes(h);
-    let (layout_g, layout_u) = (
-        XLayout::of(path, gate.format()),
-        XLayout::of(path, up.format()),
-    );
-    let xg = layout_g.arrange(x, s, h);
-    let xu = if layout_u == layout_g {
-        None
-    } else {
-        Some(layout_u.arrange(x, s, h))
-    };
-    for_row_chunks(f, s, row_bytes, pool, &mut ht, |o0, out_h| {
-        let mut u = vec![0.0f32; out_h.len()];
-        match &xu {
-            None => rows_pair(path, gate, up, o0, &xg, s, out_h, &mut u),
-            // Layouts differ only when the formats do: one matrix at a time, each with its own
-            // activations (the same arithmetic per dot product).
-            Some(xu) => {
-                rows(path, gate, o0, &xg, s, out_h);
-                rows(path, up, o0, xu, s, &mut u);
-            }
-        }
-        for (g, u) in out_h.iter_mut().zip(&u) {
-            *g = silu(*g) * u;
-        }
-    });
-    let mut hidden = vec![0.0f32; s * f];
-    transpose(&ht, f, s, &mut hidden);
-    matmul_with(path, down, &hidden, s, out, pool)
-}
-
 /// `out[i·s + t] = W[o0 + i] · x_t` for the rows of one chunk (`out` is [n, s], n = len/s).
 fn rows(path: KernelPath, w: &QMatrix<'_>, o0: usize, x: &[f32], s: usize, out: &mut [f32]) {
     match path {
@@ -750,8 +625,7 @@ fn rows_pair(
 }
 
 /// Split the output rows of a [rows, s] transposed result into chunks and run `work(o0, chunk)`
-/// on each, in parallel on `pool` when given. Chunks are disjoint; how rows are split does not
-/// change any value (each output is computed by itself).
+/// on each, in parallel on `pool` when given ([`ffn::for_chunks`] of one matrix).
 fn for_row_chunks(
     rows: usize,
     s: usize,
@@ -760,31 +634,15 @@ fn for_row_chunks(
     out_t: &mut [f32],
     work: impl Fn(usize, &mut [f32]) + Sync,
 ) {
-    debug_assert_eq!(out_t.len(), rows * s);
-    if rows == 0 || s == 0 {
-        return;
-    }
-    match pool {
-        None => work(0, out_t),
-        Some(pool) => {
-            let threads = pool.current_num_threads().max(1);
-            // ~8 chunks per thread for balance, but at least ~32 KiB of weights per chunk.
-            let per = rows
-                .div_ceil(threads * 8)
-                .max((32 << 10) / row_bytes.max(1))
-                .clamp(1, rows);
-            pool.install(|| {
-                out_t
-                    .par_chunks_mut(per * s)
-                    .enumerate()
-                    .for_each(|(i, chunk)| work(i * per, chunk))
-            });
-        }
-    }
+    let shape = ffn::ChunkShape { rows, s, row_bytes };
+    ffn::for_chunks(&[shape], vec![out_t], pool, |_, o0, chunk| work(o0, chunk));
 }
 
 /// `dst[t·rows + o] = src[o·s + t]`: [rows, s] → [s, rows].
 fn transpose(src: &[f32], rows: usize, s: usize, dst: &mut [f32]) {
+    if s == 0 {
+        return;
+    }
     for (o, row) in src.chunks_exact(s).enumerate().take(rows) {
         for (t, v) in row.iter().enumerate() {
             dst[t * rows + o] = *v;

@@ -279,6 +279,137 @@ fn expert_ffn_equals_its_composition() {
     }
 }
 
+/// A batch of experts (different shapes, formats and S, one of them past `S_BLOCK`, one
+/// with mixed gate/up formats, one with no rows) equals each expert run alone bit for bit, on
+/// every path, with or without a pool; so does the int8 arithmetic's batch.
+#[test]
+fn experts_batch_equals_each_expert_alone() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let g64 = QuantFormat::Int4Grouped { group_size: 64 };
+    // (gate/up format, down format, F, H, S); every expert of a MoE layer shares H.
+    let h = 128;
+    let specs = [
+        (g64, g64, 40, 1),
+        (g64, g64, 300, 3),
+        (QuantFormat::Int8PerRow, QuantFormat::Bf16, 33, 11),
+        (QuantFormat::Bf16, g64, 1, 1),
+        (g64, g64, 64, 0),
+        (g64, g64, 7, 8),
+    ];
+    let mats: Vec<[Packed; 3]> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, &(fmt, down_fmt, f, _))| {
+            let seed = 100 * i as u64;
+            [
+                weights(fmt, f, h, seed),
+                // The third expert's up is int4 while its gate is int8: layouts differ.
+                weights(if i == 2 { g64 } else { fmt }, f, h, seed + 1),
+                weights(down_fmt, h, f, seed + 2),
+            ]
+        })
+        .collect();
+    let xs: Vec<Vec<f32>> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, &(.., s))| lcg(7 + i as u64, s * h, 1.0))
+        .collect();
+    let calls: Vec<ExpertCall<'_>> = mats
+        .iter()
+        .zip(&xs)
+        .zip(&specs)
+        .map(|(([g, u, d], x), &(.., s))| ExpertCall {
+            gate: g.view(),
+            up: u.view(),
+            down: d.view(),
+            x,
+            s,
+        })
+        .collect();
+    let alone = |c: &ExpertCall<'_>, one: &dyn Fn(&ExpertCall<'_>, &mut [f32])| {
+        let mut out = vec![0.0f32; c.s * h];
+        one(c, &mut out);
+        out
+    };
+    for path in KernelPath::available() {
+        let want: Vec<Vec<f32>> = calls
+            .iter()
+            .map(|c| {
+                alone(c, &|c, out| {
+                    expert_ffn_with(path, &c.gate, &c.up, &c.down, c.x, c.s, out, None).unwrap()
+                })
+            })
+            .collect();
+        for p in [None, Some(&pool)] {
+            let mut got: Vec<Vec<f32>> = calls.iter().map(|c| vec![f32::NAN; c.s * h]).collect();
+            let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|v| &mut v[..]).collect();
+            experts_ffn_with(path, &calls, &mut outs, p).unwrap();
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(bits(g), bits(w), "{path}, expert {i}, pool {}", p.is_some());
+            }
+        }
+    }
+    // Int8 activations: the batch is each expert's own int8 call (they quantise their rows).
+    let int8 = |c: &ExpertCall<'_>, out: &mut [f32]| {
+        expert_ffn_in(
+            Arithmetic::Int8,
+            &c.gate,
+            &c.up,
+            &c.down,
+            c.x,
+            c.s,
+            out,
+            Some(&pool),
+        )
+        .unwrap()
+    };
+    let want: Vec<Vec<f32>> = calls.iter().map(|c| alone(c, &int8)).collect();
+    let mut got: Vec<Vec<f32>> = calls.iter().map(|c| vec![f32::NAN; c.s * h]).collect();
+    let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|v| &mut v[..]).collect();
+    experts_ffn_in(Arithmetic::Int8, &calls, &mut outs, Some(&pool)).unwrap();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(bits(g), bits(w), "int8, expert {i}");
+    }
+}
+
+/// A batch with a bad call, or with as many outputs as calls missing, is an error naming the
+/// problem, and nothing panics.
+#[test]
+fn experts_batch_errors_are_errors() {
+    let g = weights(QuantFormat::Int8PerRow, 6, 100, 2);
+    let d = weights(QuantFormat::Int8PerRow, 100, 6, 3);
+    let d_bad = weights(QuantFormat::Int8PerRow, 100, 5, 3);
+    let x = vec![0.5f32; 2 * 100];
+    fn call<'a>(g: &'a Packed, down: &'a Packed, x: &'a [f32]) -> ExpertCall<'a> {
+        ExpertCall {
+            gate: g.view(),
+            up: g.view(),
+            down: down.view(),
+            x,
+            s: 2,
+        }
+    }
+    for path in KernelPath::available() {
+        let (mut a, mut b) = (vec![0.0f32; 200], vec![0.0f32; 200]);
+        let calls = [call(&g, &d, &x), call(&g, &d_bad, &x)];
+        let err = experts_ffn_with(path, &calls, &mut [&mut a, &mut b], None).unwrap_err();
+        assert!(err.to_string().contains("do not form an expert"), "{err}");
+        let calls = [call(&g, &d, &x), call(&g, &d, &x)];
+        let err = experts_ffn_with(path, &calls, &mut [&mut a], None).unwrap_err();
+        assert!(
+            err.to_string().contains("2 expert calls but 1 output"),
+            "{err}"
+        );
+        let err = experts_ffn_with(path, &calls, &mut [&mut a, &mut b[1..]], None).unwrap_err();
+        assert!(err.to_string().contains("must hold"), "{err}");
+        assert!(experts_ffn_with(path, &calls, &mut [&mut a, &mut b], None).is_ok());
+        assert!(experts_ffn_with(path, &[], &mut [], None).is_ok());
+    }
+}
+
 #[test]
 fn silu_is_the_textbook_function() {
     for v in [-20.0f32, -1.5, -0.0, 0.0, 0.25, 3.0, 40.0] {

@@ -1,0 +1,381 @@
+//! The expert feed-forward `down · (silu(gate · x) ⊙ (up · x))`, for one expert or for a
+//! batch of them (the experts of one MoE layer in one forward).
+//!
+//! A batch runs as two parallel passes, every expert's gate and up rows and then every
+//! expert's down rows, where experts run one by one take two passes each. At decode a MoE
+//! layer of 8 routed experts and a shared one is 18 fork-joins one by one and 2 as a batch;
+//! each fork-join costs its wake-up and the tail of its last chunk (docs/benchmarks.md,
+//! "Fewer fork-joins per MoE layer"). Every output is still computed by the same kernel call
+//! on the same activations, so a batch equals its experts run one by one bit for bit.
+
+use rayon::prelude::*;
+
+use super::{
+    active_path, check_shapes, int8_kernel, int8act, rows, rows_pair, s_blocks, silu, transpose,
+    Arithmetic, KernelPath, XBuf, XLayout, S_BLOCK,
+};
+use crate::error::{Error, Result};
+use crate::quant::format::QMatrix;
+
+/// One expert's part of a batch: its matrices (gate and up [F, H], down [H, F]) and its `s`
+/// activation rows `x` ([s, H], row-major).
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertCall<'a> {
+    pub gate: QMatrix<'a>,
+    pub up: QMatrix<'a>,
+    pub down: QMatrix<'a>,
+    pub x: &'a [f32],
+    pub s: usize,
+}
+
+/// Fused expert: `out[S×H] = down · (silu(gate · x) ⊙ (up · x))` for S rows of `x` ([S, H]),
+/// gate and up [F, H], down [H, F]. Gate and up rows are computed together, sharing each
+/// loaded activation vector. Equals `matmul(gate)`, `matmul(up)`, silu, product and
+/// `matmul(down)` on the same path bit for bit, and so is S-invariant like them.
+pub fn expert_ffn(
+    gate: &QMatrix<'_>,
+    up: &QMatrix<'_>,
+    down: &QMatrix<'_>,
+    x: &[f32],
+    s: usize,
+    out: &mut [f32],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    expert_ffn_with(active_path()?, gate, up, down, x, s, out, pool)
+}
+
+/// [`expert_ffn`] on an explicit path.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_ffn_with(
+    path: KernelPath,
+    gate: &QMatrix<'_>,
+    up: &QMatrix<'_>,
+    down: &QMatrix<'_>,
+    x: &[f32],
+    s: usize,
+    out: &mut [f32],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    let call = ExpertCall {
+        gate: *gate,
+        up: *up,
+        down: *down,
+        x,
+        s,
+    };
+    experts_ffn_with(path, &[call], &mut [out], pool)
+}
+
+/// [`expert_ffn`] for each call of a batch, `outs[i]` ([s_i, H]) receiving call i's result,
+/// in two parallel passes over the whole batch. Equals [`expert_ffn`] of each call bit for
+/// bit (and so does not depend on the batch either).
+pub fn experts_ffn(
+    calls: &[ExpertCall<'_>],
+    outs: &mut [&mut [f32]],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    experts_ffn_with(active_path()?, calls, outs, pool)
+}
+
+/// [`experts_ffn`] on an explicit path.
+pub fn experts_ffn_with(
+    path: KernelPath,
+    calls: &[ExpertCall<'_>],
+    outs: &mut [&mut [f32]],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    check_lengths(calls, outs)?;
+    for (c, out) in calls.iter().zip(outs.iter()) {
+        check_expert(c, out.len())?;
+    }
+    path.require()?;
+    if calls.iter().all(|c| c.s <= S_BLOCK) {
+        two_passes(path, calls, outs, pool);
+        return Ok(());
+    }
+    // Row t of any call is the S=1 call, so blocks of rows give the same values.
+    for (c, out) in calls.iter().zip(outs.iter_mut()) {
+        let h = c.gate.cols();
+        for b in s_blocks(c.s) {
+            let block = ExpertCall {
+                x: &c.x[b.start * h..b.end * h],
+                s: b.len(),
+                ..*c
+            };
+            two_passes(
+                path,
+                &[block],
+                &mut [&mut out[b.start * h..b.end * h]],
+                pool,
+            );
+        }
+    }
+    Ok(())
+}
+
+/// [`experts_ffn`] in `arith` (see [`super::matmul_in`]). Exact calls run as one batch; in
+/// int8 each expert runs by itself, its gate and up sharing one quantisation of `x` and its
+/// hidden rows quantised again for down (prefill: a few large calls, where the fork-joins
+/// cost nothing).
+pub fn experts_ffn_in(
+    arith: Arithmetic,
+    calls: &[ExpertCall<'_>],
+    outs: &mut [&mut [f32]],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    let int8 = |c: &ExpertCall<'_>| {
+        arith == Arithmetic::Int8
+            && [c.gate, c.up, c.down]
+                .iter()
+                .all(|w| int8act::supports(w.format()))
+            && c.gate.rows() == c.up.rows()
+            && c.gate.cols() == c.up.cols()
+    };
+    if !calls.iter().any(int8) {
+        return experts_ffn(calls, outs, pool);
+    }
+    check_lengths(calls, outs)?;
+    for (c, out) in calls.iter().zip(outs.iter_mut()) {
+        if int8(c) {
+            expert_ffn_int8(c, out, pool)?;
+        } else {
+            experts_ffn(std::slice::from_ref(c), &mut [&mut **out], pool)?;
+        }
+    }
+    Ok(())
+}
+
+/// [`expert_ffn_in`] for one call.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_ffn_in(
+    arith: Arithmetic,
+    gate: &QMatrix<'_>,
+    up: &QMatrix<'_>,
+    down: &QMatrix<'_>,
+    x: &[f32],
+    s: usize,
+    out: &mut [f32],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    let call = ExpertCall {
+        gate: *gate,
+        up: *up,
+        down: *down,
+        x,
+        s,
+    };
+    experts_ffn_in(arith, &[call], &mut [out], pool)
+}
+
+/// One expert in int8 activations (the formats were checked to have that form).
+fn expert_ffn_int8(
+    c: &ExpertCall<'_>,
+    out: &mut [f32],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    check_expert(c, out.len())?;
+    let (f, h, s) = (c.gate.rows(), c.gate.cols(), c.s);
+    let kernel = int8_kernel()?;
+    let q = int8act::QuantizedActs::new(c.x, s, h, pool);
+    let mut g = vec![0.0f32; s * f];
+    let mut u = vec![0.0f32; s * f];
+    int8act::matmul_quantized(&c.gate, &q, &mut g, kernel, pool)?;
+    int8act::matmul_quantized(&c.up, &q, &mut u, kernel, pool)?;
+    for (g, u) in g.iter_mut().zip(&u) {
+        *g = silu(*g) * u;
+    }
+    let qh = int8act::QuantizedActs::new(&g, s, f, pool);
+    int8act::matmul_quantized(&c.down, &qh, out, kernel, pool)
+}
+
+/// One output buffer per call.
+fn check_lengths(calls: &[ExpertCall<'_>], outs: &[&mut [f32]]) -> Result<()> {
+    if calls.len() == outs.len() {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        "expert_ffn",
+        format!(
+            "{} expert calls but {} output buffers",
+            calls.len(),
+            outs.len()
+        ),
+    ))
+}
+
+/// The shapes of one call: gate = up = [F, H], down = [H, F], `x` [s, H], `out` [s, H].
+fn check_expert(c: &ExpertCall<'_>, out_len: usize) -> Result<()> {
+    let (gate, up, down) = (&c.gate, &c.up, &c.down);
+    let (f, h) = (gate.rows(), gate.cols());
+    if up.rows() != f || up.cols() != h || down.rows() != h || down.cols() != f {
+        return Err(Error::invalid(
+            "expert_ffn",
+            format!(
+                "gate [{}, {}], up [{}, {}] and down [{}, {}] do not form an expert \
+                 (need gate = up = [F, H] and down = [H, F])",
+                gate.rows(),
+                gate.cols(),
+                up.rows(),
+                up.cols(),
+                down.rows(),
+                down.cols()
+            ),
+        ));
+    }
+    let hidden_len = c.s.saturating_mul(f);
+    check_shapes(gate, c.x.len(), c.s, hidden_len)?;
+    check_shapes(down, hidden_len, c.s, out_len)
+}
+
+/// The batch's two passes, every call of at most [`S_BLOCK`] rows and checked.
+fn two_passes(
+    path: KernelPath,
+    calls: &[ExpertCall<'_>],
+    outs: &mut [&mut [f32]],
+    pool: Option<&rayon::ThreadPool>,
+) {
+    // Pass 1, every expert's rows: hT[f, s] = silu(gate_f · x_s) · (up_f · x_s).
+    let xs: Vec<(XBuf<'_>, Option<XBuf<'_>>)> = calls
+        .iter()
+        .map(|c| {
+            let h = c.gate.cols();
+            let (lg, lu) = (
+                XLayout::of(path, c.gate.format()),
+                XLayout::of(path, c.up.format()),
+            );
+            // Layouts differ only when the formats do: then each matrix gets its own.
+            let xu = (lu != lg).then(|| lu.arrange(c.x, c.s, h));
+            (lg.arrange(c.x, c.s, h), xu)
+        })
+        .collect();
+    let mut ht: Vec<Vec<f32>> = calls
+        .iter()
+        .map(|c| vec![0.0f32; c.gate.rows() * c.s])
+        .collect();
+    let shapes: Vec<ChunkShape> = calls
+        .iter()
+        .map(|c| ChunkShape {
+            rows: c.gate.rows(),
+            s: c.s,
+            row_bytes: c.gate.format().row_bytes(c.gate.cols())
+                + c.up.format().row_bytes(c.up.cols()),
+        })
+        .collect();
+    let targets = ht.iter_mut().map(|v| &mut v[..]).collect();
+    for_chunks(&shapes, targets, pool, |e, o0, out_h| {
+        let (c, (xg, xu)) = (&calls[e], &xs[e]);
+        let mut u = vec![0.0f32; out_h.len()];
+        match xu {
+            None => rows_pair(path, &c.gate, &c.up, o0, xg, c.s, out_h, &mut u),
+            Some(xu) => {
+                rows(path, &c.gate, o0, xg, c.s, out_h);
+                rows(path, &c.up, o0, xu, c.s, &mut u);
+            }
+        }
+        for (g, u) in out_h.iter_mut().zip(&u) {
+            *g = silu(*g) * u;
+        }
+    });
+    drop(xs);
+
+    // Pass 2, every expert's down rows, from hidden = hT transposed ([s, F]).
+    let hidden: Vec<Vec<f32>> = calls
+        .iter()
+        .zip(&ht)
+        .map(|(c, ht)| {
+            let mut hidden = vec![0.0f32; ht.len()];
+            transpose(ht, c.gate.rows(), c.s, &mut hidden);
+            hidden
+        })
+        .collect();
+    let xd: Vec<XBuf<'_>> = calls
+        .iter()
+        .zip(&hidden)
+        .map(|(c, hid)| XLayout::of(path, c.down.format()).arrange(hid, c.s, c.down.cols()))
+        .collect();
+    // S = 1: Yᵀ is Y, written straight into the output; otherwise [H, s], transposed after.
+    let mut yt: Vec<Vec<f32>> = calls
+        .iter()
+        .map(|c| {
+            if c.s == 1 {
+                Vec::new()
+            } else {
+                vec![0.0f32; c.down.rows() * c.s]
+            }
+        })
+        .collect();
+    let shapes: Vec<ChunkShape> = calls
+        .iter()
+        .map(|c| ChunkShape {
+            rows: c.down.rows(),
+            s: c.s,
+            row_bytes: c.down.format().row_bytes(c.down.cols()),
+        })
+        .collect();
+    let targets = calls
+        .iter()
+        .zip(outs.iter_mut())
+        .zip(yt.iter_mut())
+        .map(|((c, out), yt)| if c.s == 1 { &mut **out } else { &mut yt[..] })
+        .collect();
+    for_chunks(&shapes, targets, pool, |e, o0, out| {
+        rows(path, &calls[e].down, o0, &xd[e], calls[e].s, out)
+    });
+    for ((c, out), yt) in calls.iter().zip(outs.iter_mut()).zip(&yt) {
+        if c.s > 1 {
+            transpose(yt, c.down.rows(), c.s, out);
+        }
+    }
+}
+
+/// One matrix's (or matrix pair's) share of a pass: `rows` output rows of `row_bytes` weight
+/// bytes each, for `s` activation rows.
+pub(super) struct ChunkShape {
+    pub rows: usize,
+    pub s: usize,
+    pub row_bytes: usize,
+}
+
+/// Weight bytes per chunk: a pass's bytes over ~8 chunks per thread for balance, within
+/// 32 KiB (a chunk's start-up next to its streaming) and 256 KiB (the tail a thread may wait
+/// for at the join: ~10 µs of DRAM streaming on one core).
+const CHUNK_BYTES: std::ops::RangeInclusive<usize> = (32 << 10)..=(256 << 10);
+
+/// Split each target (`[rows, s]` transposed results, one per shape) into chunks of whole
+/// rows and run `work(target, first row, chunk)` on every chunk, in parallel on `pool` when
+/// given. Chunks are disjoint; how rows are split does not change any value (each output is
+/// computed by itself).
+pub(super) fn for_chunks(
+    shapes: &[ChunkShape],
+    targets: Vec<&mut [f32]>,
+    pool: Option<&rayon::ThreadPool>,
+    work: impl Fn(usize, usize, &mut [f32]) + Sync,
+) {
+    debug_assert_eq!(shapes.len(), targets.len());
+    let threads = pool.map_or(1, |p| p.current_num_threads().max(1));
+    let total: usize = shapes.iter().map(|c| c.rows * c.row_bytes).sum();
+    let chunk_bytes = total
+        .div_ceil(threads * 8)
+        .clamp(*CHUNK_BYTES.start(), *CHUNK_BYTES.end());
+    let mut chunks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (e, (shape, target)) in shapes.iter().zip(targets).enumerate() {
+        debug_assert_eq!(target.len(), shape.rows * shape.s);
+        if shape.rows == 0 || shape.s == 0 {
+            continue;
+        }
+        let per = (chunk_bytes / shape.row_bytes.max(1)).clamp(1, shape.rows);
+        for (i, chunk) in target.chunks_mut(per * shape.s).enumerate() {
+            chunks.push((e, i * per, chunk));
+        }
+    }
+    match pool {
+        None => chunks
+            .into_iter()
+            .for_each(|(e, o0, chunk)| work(e, o0, chunk)),
+        Some(pool) => pool.install(|| {
+            chunks
+                .into_par_iter()
+                .for_each(|(e, o0, chunk)| work(e, o0, chunk))
+        }),
+    }
+}

@@ -14,11 +14,12 @@ use crate::config::ModelConfig;
 use crate::container::{Container, Weight};
 use crate::error::{Error, Result};
 use crate::model::indexer::{Indexer, Selection};
+use crate::model::latent_attention;
 use crate::model::linear;
 use crate::model::mla_decompressed;
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
 use crate::model::rope::{self, Rope};
-use crate::quant::kernels::vecops::{VecOps, BATCH};
+use crate::quant::kernels::vecops::VecOps;
 use crate::quant::kernels::{self, Arithmetic};
 
 /// Query projection: low-rank with its own norm, or one plain matrix.
@@ -160,10 +161,6 @@ pub(crate) enum Form {
     /// (`mla_decompressed::pays`), absorbed otherwise.
     Auto,
 }
-
-/// Keys per block of the attention's passes: 64 latent rows (128 KiB at kv_lora 512) stay in
-/// L2 while every group of a task's heads uses them. A multiple of BATCH.
-const KEY_BLOCK: usize = 64;
 
 /// transformers builds `q_a_layernorm` and `kv_a_layernorm` without an eps argument, so both
 /// families use the RMSNorm default of 1e-6 there, whatever `rms_norm_eps` says.
@@ -379,94 +376,22 @@ impl Attention {
         };
         let q_lat = per_head(heads, s, kl, pool, head_lat)?;
 
-        // Causal attention over the latent cache; o_lat[s, head, kv_lora]. The heads are split
-        // over the pool's threads in whole groups of BATCH; a task walks its keys in blocks of
-        // KEY_BLOCK that stay in L2 while every group of its heads uses them, so each thread
-        // streams the cache once per pass (scores, weighted sums) instead of once per group —
-        // at long contexts the cache, not the arithmetic, was the cost. Within a group: the
-        // scores of four heads per call, weighted sums of four keys per call. Every score,
-        // softmax and sum of a head is computed as for the head alone, in the same order
-        // whatever the split, S or thread count. With DSA a row attends to its selected keys
-        // only, in ascending position (the dense order when all are selected), so the values
-        // do not depend on S either.
-        let latent = |j: usize| &kv.latent[j * kl..(j + 1) * kl];
-        let rope_key = |j: usize| &kv.rope_key[j * rd..(j + 1) * rd];
-        let threads = pool.map_or(1, |p| p.current_num_threads()).max(1);
-        let task_heads = heads.div_ceil(BATCH).div_ceil(threads) * BATCH;
-        let most = selection.map_or(start + s, |sel| sel.iter().map(Vec::len).max().unwrap_or(0));
-        // Indexing by key and head is the clearest form of the blocked passes.
-        #[allow(clippy::needless_range_loop)]
-        let task_attend = |task: usize| -> Vec<f32> {
-            let h0 = task * task_heads;
-            let n = task_heads.min(heads - h0);
-            let mut out = vec![0.0f32; s * n * kl];
-            let mut scores = vec![Vec::with_capacity(most); n];
-            let mut sums = vec![0.0f32; n];
-            for r in 0..s {
-                let chosen = selection.map(|sel| &sel[r][..]);
-                // Keys this row attends to: all earlier ones, or the selected ones.
-                let t = chosen.map_or(start + r + 1, <[u32]>::len);
-                let key = |i: usize| chosen.map_or(i, |c| c[i] as usize);
-                let ql =
-                    |h: usize| &q_lat[(r * heads + h0 + h) * kl..(r * heads + h0 + h + 1) * kl];
-                let qr = |h: usize| {
-                    let at = r * heads * qd + (h0 + h) * qd + nope;
-                    &q[at..at + rd]
-                };
-                for sc in scores.iter_mut() {
-                    sc.clear();
-                    sc.resize(t, 0.0);
-                }
-                for b0 in (0..t).step_by(KEY_BLOCK) {
-                    let b1 = (b0 + KEY_BLOCK).min(t);
-                    for g0 in (0..n).step_by(BATCH) {
-                        let size = BATCH.min(n - g0);
-                        for i in b0..b1 {
-                            let j = key(i);
-                            if size == BATCH {
-                                let c = ops.dots(latent(j), std::array::from_fn(|h| ql(g0 + h)));
-                                let k = ops.dots(rope_key(j), std::array::from_fn(|h| qr(g0 + h)));
-                                for h in 0..BATCH {
-                                    scores[g0 + h][i] = (c[h] + k[h]) * self.scale;
-                                }
-                            } else {
-                                for h in g0..g0 + size {
-                                    let v = ops.dot(ql(h), latent(j)) + ops.dot(qr(h), rope_key(j));
-                                    scores[h][i] = v * self.scale;
-                                }
-                            }
-                        }
-                    }
-                }
-                for (sc, sum) in scores.iter_mut().zip(sums.iter_mut()) {
-                    let max = sc.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                    *sum = 0.0;
-                    for v in sc.iter_mut() {
-                        *v = (*v - max).exp();
-                        *sum += *v;
-                    }
-                }
-                let dst = &mut out[r * n * kl..(r + 1) * n * kl];
-                // Four keys per call from 0, in blocks that are whole fours; the tail last.
-                let whole = t - t % BATCH;
-                for b0 in (0..whole).step_by(KEY_BLOCK) {
-                    let b1 = (b0 + KEY_BLOCK).min(whole);
-                    for ((d, sc), sum) in dst.chunks_exact_mut(kl).zip(&scores).zip(&sums) {
-                        for j in (b0..b1).step_by(BATCH) {
-                            let rows = std::array::from_fn(|i| latent(key(j + i)));
-                            ops.axpys(d, std::array::from_fn(|i| sc[j + i] / sum), rows);
-                        }
-                    }
-                }
-                for j in whole..t {
-                    for ((d, sc), sum) in dst.chunks_exact_mut(kl).zip(&scores).zip(&sums) {
-                        ops.axpy(d, sc[j] / sum, latent(key(j)));
-                    }
-                }
-            }
-            out
+        // Causal attention over the latent cache in one pass; o_lat[s, head, kv_lora].
+        let inputs = latent_attention::Inputs {
+            heads,
+            kl,
+            rd,
+            nope,
+            q: &q,
+            q_lat: &q_lat,
+            s,
+            start,
+            latent: &kv.latent,
+            rope_key: &kv.rope_key,
+            selection,
+            scale: self.scale,
         };
-        let o_lat = per_group(heads, task_heads, s, kl, pool, |t| Ok(task_attend(t)))?;
+        let o_lat = latent_attention::attend(&inputs, ops, pool);
 
         // o[s, head, v] = W_UV(head) · o_lat(s, head), through the kernel on the value rows, one
         // head per task on the pool, each head's call on its task's thread (a kernel's result

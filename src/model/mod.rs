@@ -6,6 +6,7 @@ mod carried;
 pub mod context;
 pub mod forward;
 pub mod indexer;
+mod latent_attention;
 pub mod linear;
 mod mla_decompressed;
 pub mod moe;

@@ -421,36 +421,15 @@ fn per_head(
     pool: Option<&rayon::ThreadPool>,
     head: impl Fn(usize) -> Result<Vec<f32>> + Sync,
 ) -> Result<Vec<f32>> {
-    per_group(heads, 1, s, width, pool, head)
-}
-
-/// `[s, heads, width]` from `group(g)` = `[s, n, width]` for the n ≤ `size` heads from
-/// `g · size`, one group per task on `pool` (in order on this thread without one); the first
-/// error, if any group fails.
-fn per_group(
-    heads: usize,
-    size: usize,
-    s: usize,
-    width: usize,
-    pool: Option<&rayon::ThreadPool>,
-    group: impl Fn(usize) -> Result<Vec<f32>> + Sync,
-) -> Result<Vec<f32>> {
-    let groups = heads.div_ceil(size);
     let parts: Vec<Vec<f32>> = match pool {
-        Some(p) => p.install(|| {
-            (0..groups)
-                .into_par_iter()
-                .map(&group)
-                .collect::<Result<_>>()
-        })?,
-        None => (0..groups).map(&group).collect::<Result<_>>()?,
+        Some(p) => p.install(|| (0..heads).into_par_iter().map(&head).collect::<Result<_>>())?,
+        None => (0..heads).map(&head).collect::<Result<_>>()?,
     };
     let mut out = vec![0.0f32; s * heads * width];
-    for (g, part) in parts.iter().enumerate() {
-        let (h0, n) = (g * size, size.min(heads - g * size));
+    for (h, part) in parts.iter().enumerate() {
         for r in 0..s {
-            out[(r * heads + h0) * width..(r * heads + h0 + n) * width]
-                .copy_from_slice(&part[r * n * width..(r + 1) * n * width]);
+            out[(r * heads + h) * width..(r * heads + h + 1) * width]
+                .copy_from_slice(&part[r * width..(r + 1) * width]);
         }
     }
     Ok(out)

@@ -234,6 +234,10 @@ mod tests {
             .collect()
     }
 
+    fn dot64(a: &[f32], b: &[f32]) -> f64 {
+        a.iter().zip(b).map(|(a, b)| *a as f64 * *b as f64).sum()
+    }
+
     /// Softmax and weighted sum in f64, the textbook two passes.
     fn reference(x: &Inputs<'_>) -> Vec<f64> {
         let (heads, kl) = (x.heads, x.kl);
@@ -244,19 +248,8 @@ mod tests {
                 let scores: Vec<f64> = keys
                     .iter()
                     .map(|&j| {
-                        let c: f64 = x
-                            .q_lat(r, h)
-                            .iter()
-                            .zip(x.latent(j))
-                            .map(|(a, b)| *a as f64 * *b as f64)
-                            .sum();
-                        let k: f64 = x
-                            .q_rope(r, h)
-                            .iter()
-                            .zip(x.rope_key(j))
-                            .map(|(a, b)| *a as f64 * *b as f64)
-                            .sum();
-                        (c + k) * x.scale as f64
+                        let c = dot64(x.q_lat(r, h), x.latent(j));
+                        (c + dot64(x.q_rope(r, h), x.rope_key(j))) * x.scale as f64
                     })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);

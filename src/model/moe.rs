@@ -335,23 +335,13 @@ impl Moe {
                 .iter()
                 .zip(&rows)
                 .zip(&xs)
-                .map(|(((_, w), rows), xs)| kernels::ExpertCall {
-                    gate: w.gate,
-                    up: w.up,
-                    down: w.down,
-                    x: xs,
-                    s: rows.len(),
+                .map(|(((_, w), rows), xs)| {
+                    kernels::ExpertCall::new(&w.gate, &w.up, &w.down, xs, rows.len())
                 })
                 .collect();
             let shared_views = shared.take().map(Mlp::views);
-            if let Some([gate, up, down]) = shared_views {
-                calls.push(kernels::ExpertCall {
-                    gate,
-                    up,
-                    down,
-                    x: h,
-                    s,
-                });
+            if let Some([gate, up, down]) = &shared_views {
+                calls.push(kernels::ExpertCall::new(gate, up, down, h, s));
             }
             let mut ys: Vec<Vec<f32>> = calls.iter().map(|c| vec![0.0f32; c.s * hidden]).collect();
             let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();

@@ -28,6 +28,24 @@ pub struct ExpertCall<'a> {
     pub s: usize,
 }
 
+impl<'a> ExpertCall<'a> {
+    pub fn new(
+        gate: &QMatrix<'a>,
+        up: &QMatrix<'a>,
+        down: &QMatrix<'a>,
+        x: &'a [f32],
+        s: usize,
+    ) -> Self {
+        ExpertCall {
+            gate: *gate,
+            up: *up,
+            down: *down,
+            x,
+            s,
+        }
+    }
+}
+
 /// Fused expert: `out[S×H] = down · (silu(gate · x) ⊙ (up · x))` for S rows of `x` ([S, H]),
 /// gate and up [F, H], down [H, F]. Gate and up rows are computed together, sharing each
 /// loaded activation vector. Equals `matmul(gate)`, `matmul(up)`, silu, product and
@@ -56,13 +74,7 @@ pub fn expert_ffn_with(
     out: &mut [f32],
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
-    let call = ExpertCall {
-        gate: *gate,
-        up: *up,
-        down: *down,
-        x,
-        s,
-    };
+    let call = ExpertCall::new(gate, up, down, x, s);
     experts_ffn_with(path, &[call], &mut [out], pool)
 }
 
@@ -157,13 +169,7 @@ pub fn expert_ffn_in(
     out: &mut [f32],
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
-    let call = ExpertCall {
-        gate: *gate,
-        up: *up,
-        down: *down,
-        x,
-        s,
-    };
+    let call = ExpertCall::new(gate, up, down, x, s);
     experts_ffn_in(arith, &[call], &mut [out], pool)
 }
 

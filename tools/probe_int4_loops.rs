@@ -1,13 +1,15 @@
 //! Stand-alone probe of the exact S = 1 int4-g64 inner loop (developer tool, not part of the
 //! crate): the kept forms of `src/quant/kernels/avx2_int4.rs` (AVX2) and `avx512.rs`
 //! (`Int4Lut`: a 16-entry table `(k − 8)·s_g` per group, looked up by `vpermps`) against
-//! alternatives — nibble planes with and without an exponent trick, the scale factored out
+//! alternatives — the same lookups on a repacked layout (one 64-byte load per two groups, no
+//! widening), nibble planes with and without an exponent trick, the scale factored out
 //! of each group in 16 lanes, split-int8 forms (`vpdpbusd` against the activations as K int8
 //! pieces: what decode could use to approach the bandwidth) — and a plain streaming read of
 //! the same bytes. Each variant computes two weight rows per pass over 6,144 columns; the
 //! values are not checked against each other (the activation layouts differ), only timed.
 //! The AVX-512 and VNNI variants run where the CPU has them. docs/benchmarks.md ("Session
-//! 14" for AVX2, "Side by side on AMD EPYC Zen 4" for AVX-512) has the figures.
+//! 14" for AVX2, "Side by side on AMD EPYC Zen 4" for AVX-512, "What bounds exact decode in
+//! cache on Zen 4" for the repacked layout) has the figures.
 //!
 //! ```text
 //! rustc -O -C target-cpu=native tools/probe_int4_loops.rs -o /tmp/probe_int4_loops
@@ -255,6 +257,52 @@ unsafe fn lut512(j: Job<'_>, out: &mut [f32]) {
     }
 }
 
+/// The kept table decode on a *repacked* layout (weights rearranged once, at load time): each
+/// 64 bytes hold two g64 groups, dword lane i carrying group A's elements `16j + i` in its low
+/// 16 bits (nibble j) and group B's in its high 16 bits, so a plain 64-byte load, seven
+/// immediate shifts and eight `vpermps` (each with its own group's scaled table) decode 128
+/// weights in element order: no `vpmovzxbd` (which shares the permute unit on Zen 4), and the
+/// activations need no rearranging. Same exact weights `(k − 8)·s_g` as the kept form.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn repacked512(j: Job<'_>, out: &mut [f32]) {
+    let (rb, groups) = (I / 2, I / GS);
+    let vals = _mm512_setr_ps(
+        -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
+    );
+    for r in (0..j.rows).step_by(2) {
+        let p = [j.w.as_ptr().add(r * rb), j.w.as_ptr().add((r + 1) * rb)];
+        let s = [j.sc.as_ptr().add(r * groups), j.sc.as_ptr().add((r + 1) * groups)];
+        let mut acc = [[_mm512_setzero_ps(); 4]; 2];
+        for q in 0..groups / 2 {
+            prefetch2(p, 64 * q, j.pf);
+            let x = j.x.as_ptr().add(128 * q);
+            for k in 0..2 {
+                let v = _mm512_loadu_si512(p[k].add(64 * q) as *const _);
+                let ta = _mm512_mul_ps(vals, _mm512_set1_ps(*s[k].add(2 * q)));
+                let tb = _mm512_mul_ps(vals, _mm512_set1_ps(*s[k].add(2 * q + 1)));
+                let w = [
+                    _mm512_permutexvar_ps(v, ta),
+                    _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), ta),
+                    _mm512_permutexvar_ps(_mm512_srli_epi32::<8>(v), ta),
+                    _mm512_permutexvar_ps(_mm512_srli_epi32::<12>(v), ta),
+                    _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(v), tb),
+                    _mm512_permutexvar_ps(_mm512_srli_epi32::<20>(v), tb),
+                    _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(v), tb),
+                    _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(v), tb),
+                ];
+                for (u, wu) in w.iter().enumerate() {
+                    acc[k][u % 4] = _mm512_fmadd_ps(*wu, _mm512_loadu_ps(x.add(16 * u)), acc[k][u % 4]);
+                }
+            }
+        }
+        for k in 0..2 {
+            let a = _mm512_add_ps(_mm512_add_ps(acc[k][0], acc[k][1]), _mm512_add_ps(acc[k][2], acc[k][3]));
+            out[r + k] = _mm512_reduce_add_ps(a);
+        }
+    }
+}
+
 /// By group, widened: as `lut` but the nibbles converted (`and`/shift, `vcvtdq2ps`) and the
 /// scale applied once per group to the group's sum (`avx2_int4.rs`'s form in 16 lanes).
 #[cfg(target_arch = "x86_64")]
@@ -468,6 +516,7 @@ fn main() {
         variants.extend([
             ("avx512 read only", read_only512 as Variant),
             ("avx512 lut (kept)", lut512),
+            ("avx512 lut, repacked layout", repacked512),
             ("avx512 widen by group", widen512),
             ("avx512 planes+magic, 2", planes512::<2>),
             ("avx512 planes+magic, 4", planes512::<4>),

@@ -94,7 +94,33 @@ def test_result_and_stats(model: colibri.Model) -> None:
     # Routed experts go through the expert store: 2 MoE layers x top-4 per token at least.
     assert s.expert_hits + s.expert_misses >= 2 * 4 * s.generated_tokens
     assert (s.expert_bytes_read > 0) == (s.expert_misses > 0)
-    assert s.prefetch_recall is not None and 0.0 <= s.prefetch_recall <= 1.0
+    # The fixture's budget holds every expert, so "auto" runs no lookahead and has no recall.
+    assert model.info()["lookahead"] is False
+    assert s.prefetch_recall is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "lookahead"),
+    [
+        ({}, False),
+        ({"prefetch": "off"}, False),
+        ({"prefetch": "real"}, True),
+        ({"prefetch": "hint"}, True),
+        # Too small for every expert: "auto" keeps the lookahead.
+        ({"ram_budget": "200KB"}, True),
+    ],
+)
+def test_lookahead_runs_unless_off_or_every_expert_fits(
+    test_model_dir: Path, model: colibri.Model, kwargs: dict[str, Any], lookahead: bool
+) -> None:
+    m = colibri.Model(test_model_dir, threads=1, **kwargs)
+    assert m.info()["lookahead"] is lookahead
+    kw: dict[str, Any] = {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": []}
+    out = m.generate("The quick brown fox", **kw)
+    # The lookahead's predictions are what recall counts; its absence changes no token.
+    r = out.stats.prefetch_recall
+    assert (r is not None and 0.0 <= r <= 1.0) if lookahead else r is None
+    assert out.token_ids == model.generate("The quick brown fox", **kw).token_ids
 
 
 def test_sampling_is_seeded(model: colibri.Model) -> None:

@@ -104,7 +104,11 @@ def stop_server(live: Live) -> None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Live]:
-    live = start_server("--max-queue", "3", "--sessions", "4", "--max-batch", "2")
+    # The lookahead on (the tiny model fits any budget, which turns "auto" off): the
+    # dashboard and metrics show its recall.
+    live = start_server(
+        "--max-queue", "3", "--sessions", "4", "--max-batch", "2", "--prefetch", "real"
+    )
     yield live
     stop_server(live)
 

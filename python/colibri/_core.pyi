@@ -171,7 +171,9 @@ class Engine:
     def info(self) -> dict[str, Any]:
         """Facts fixed at load: ``has_mtp``, ``uses_dsa``, ``max_context``, ``vocab_size``,
         ``hidden_size``, ``eos_token_ids``, ``kv_bytes_per_token``, ``idle_session_bytes``,
-        ``fingerprint``, ``prefill`` (the arithmetic of long prefills: "exact" or "int8")."""
+        ``fingerprint``, ``prefill`` (the arithmetic of long prefills: "exact" or "int8"),
+        ``lookahead`` (whether decode predicts the next layer's experts: off for
+        ``prefetch="off"``, and for "auto" when the budget holds every routed expert)."""
     @property
     def usage_path(self) -> Path | None:
         """Where the routing history is saved, or None when it is not saved."""

@@ -100,7 +100,9 @@ class Model:
         io: how experts are read: ``"mmap"``, ``"pread"``, ``"direct"`` (O_DIRECT), or
             ``"auto"``.
         prefetch: router-lookahead prefetch: ``"off"``, ``"hint"`` (page-cache hints),
-            ``"real"`` (loads into the cache), or ``"auto"``.
+            ``"real"`` (loads into the cache), or ``"auto"`` (``"real"``, and no lookahead at
+            all when ``ram_budget`` holds every routed expert: nothing is read twice then;
+            ``info()["lookahead"]`` says which).
         draft: default drafter for :meth:`generate`: ``"auto"`` (MTP when the model has a
             head, else n-gram), ``"mtp"``, ``"ngram"`` or ``"off"``.
         draft_depth: default draft depth, 1-8, or ``"auto"`` (chosen online from measured
@@ -1150,13 +1152,15 @@ class Model:
     # ----------------------------------------------------------------------------- info
     def info(self) -> dict[str, Any]:
         """Config summary, container formats and byte sizes per tensor role, and the memory
-        plan (see :func:`model_info`), and what was decided at load: ``max_context`` and
-        ``prefill`` (the arithmetic of long prefills, ``"exact"`` or ``"int8"``)."""
+        plan (see :func:`model_info`), and what was decided at load: ``max_context``,
+        ``prefill`` (the arithmetic of long prefills, ``"exact"`` or ``"int8"``) and
+        ``lookahead`` (whether decode predicts the next layer's experts to prefetch them)."""
         info = model_info(self.path, mtp_loaded=self.has_mtp)
         info["memory"]["ram_budget_bytes"] = self._engine.expert_stats()["budget_bytes"]
         info["memory"]["io_mode"] = self._engine.expert_stats()["io_mode"]
         info["max_context"] = self.max_context
         info["prefill"] = self._engine.info()["prefill"]
+        info["lookahead"] = self._engine.info()["lookahead"]
         return info
 
     def __repr__(self) -> str:

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::container::Container;
 use crate::decode::{self, FinishReason, GenerateOptions};
-use crate::experts::{self, ExpertStore};
+use crate::experts::{self, ExpertStore, PrefetchMode};
 use crate::model::{context, Model};
 use crate::{Error, Result};
 
@@ -54,6 +54,10 @@ pub struct EngineInfo {
     pub config_json: String,
     /// The arithmetic of long prefills, decided at open ("exact" or "int8").
     pub prefill: &'static str,
+    /// Whether decode runs the router lookahead (predicting the next layer's experts to
+    /// prefetch them): off when `prefetch` is "off", or "auto" and every expert fits the
+    /// budget.
+    pub lookahead: bool,
 }
 
 /// What one [`Engine::generate`] produced.
@@ -97,7 +101,15 @@ impl Engine {
         let store_opts = opts.store_options();
         let prefetch = store_opts.prefetch;
         let store = Arc::new(ExpertStore::open(container.clone(), store_opts)?);
-        let model_opts = opts.model_options(&container, prefetch);
+        // "auto" drops the router lookahead when the budget holds every expert: once each is
+        // resident a prediction can only repeat the next router's work and split the shared
+        // experts from the routed batch (decode +4% on the side-by-side model,
+        // docs/benchmarks.md, "The router lookahead when every expert fits").
+        let lookahead = match opts.prefetch {
+            None if store.holds_every_expert() => PrefetchMode::Off,
+            _ => prefetch,
+        };
+        let model_opts = opts.model_options(&container, lookahead);
         // Read before the model's dense weights are mapped and touched.
         let available = experts::mem_available();
         container.report_loads(opts.load_progress.as_ref().map(|p| p.0.clone()));
@@ -134,6 +146,7 @@ impl Engine {
             fingerprint: store.fingerprint().to_owned(),
             config_json,
             prefill: model.prefill_arithmetic().name(),
+            lookahead: model_opts.prefetch_top_k > 0,
         };
         let spill_dir = opts.spill_dir.clone().unwrap_or_else(|| {
             opts.cache_dir

@@ -186,6 +186,10 @@ impl<T> LayerCache<T> {
     pub fn capacity(&self) -> u64 {
         self.capacity
     }
+    /// Bytes the pin set still in force holds when all of it is resident.
+    pub fn pin_set_bytes(&self) -> u64 {
+        self.pinned.iter().flatten().sum()
+    }
     /// Bytes of LRU entries resident or reserved.
     pub fn used(&self) -> u64 {
         self.used

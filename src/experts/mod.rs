@@ -184,6 +184,15 @@ impl ExpertStore {
     pub fn budget_bytes(&self) -> u64 {
         self.inner.budget
     }
+
+    /// Whether every routed expert can be resident at once: each layer's LRU share and pins
+    /// hold all of its experts, so once each has been read no expert is ever read again.
+    pub fn holds_every_expert(&self) -> bool {
+        self.inner.layers.iter().flatten().all(|ls| {
+            let cache = lock(&ls.cache);
+            cache.capacity() + cache.pin_set_bytes() >= ls.est.iter().sum::<u64>()
+        })
+    }
 }
 
 impl Drop for ExpertStore {

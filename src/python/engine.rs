@@ -220,7 +220,7 @@ impl PyEngine {
     }
 
     /// Facts fixed at load: has_mtp, uses_dsa, max_context, vocab_size, hidden_size,
-    /// eos_token_ids, kv_bytes_per_token, idle_session_bytes, fingerprint.
+    /// eos_token_ids, kv_bytes_per_token, idle_session_bytes, fingerprint, prefill, lookahead.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let i = self.engine.info();
         let d = PyDict::new(py);
@@ -234,6 +234,7 @@ impl PyEngine {
         d.set_item("idle_session_bytes", i.idle_session_bytes)?;
         d.set_item("fingerprint", i.fingerprint.clone())?;
         d.set_item("prefill", i.prefill)?;
+        d.set_item("lookahead", i.lookahead)?;
         Ok(d)
     }
 

@@ -103,7 +103,7 @@ impl Engine {
         let store = Arc::new(ExpertStore::open(container.clone(), store_opts)?);
         // "auto" drops the router lookahead when the budget holds every expert: once each is
         // resident a prediction can only repeat the next router's work and split the shared
-        // experts from the routed batch (decode +4% on the side-by-side model,
+        // experts from the routed batch (decode +2.5% on the side-by-side model,
         // docs/benchmarks.md, "The router lookahead when every expert fits").
         let lookahead = match opts.prefetch {
             None if store.holds_every_expert() => PrefetchMode::Off,

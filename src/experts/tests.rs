@@ -965,11 +965,11 @@ fn holds_every_expert_exactly_when_no_expert_is_read_twice() {
     let (_d, src) = make(&spec);
     let probe = ExpertStore::open_source(src.clone(), opts(IoMode::Pread, 0)).expect("open");
     let layers = probe.layers();
-    let layer_bytes: Vec<u64> = layers
+    let total: u64 = layers
         .iter()
-        .map(|&(l, n)| (0..n).map(|e| probe.charged_bytes(l, e).expect("charged")).sum())
-        .collect();
-    let total: u64 = layer_bytes.iter().sum();
+        .flat_map(|&(l, n)| (0..n).map(move |e| (l, e)))
+        .map(|(l, e)| probe.charged_bytes(l, e).expect("charged"))
+        .sum();
     assert!(!probe.holds_every_expert(), "a zero budget holds nothing");
     drop(probe);
     // Every expert of every layer, routed twice over: the second pass reads nothing when the
@@ -978,15 +978,13 @@ fn holds_every_expert_exactly_when_no_expert_is_read_twice() {
         .iter()
         .flat_map(|&(l, n)| (0..n).map(move |e| (l, vec![e], Vec::new())))
         .collect();
-    let pins_one_layer = PinPolicy::Explicit(
-        (0..layers[0].1).map(|e| (layers[0].0, e)).collect(),
-    );
+    let pins_one_layer = PinPolicy::Explicit((0..layers[0].1).map(|e| (layers[0].0, e)).collect());
     for (budget, pin, holds) in [
         (total, PinPolicy::Off, true),
         (2 * total, PinPolicy::Off, true),
         (total - 1, PinPolicy::Off, false),
-        // The pins are one layer's experts: the others share what is left equally, and with
-        // the budget at the total each of them is one layer short of its own.
+        // The pins are one layer's experts: with the budget at the total, the other layers'
+        // equal shares of what is left come to less than each of them holds.
         (total, pins_one_layer.clone(), false),
         (total + total, pins_one_layer, true),
     ] {
@@ -995,11 +993,19 @@ fn holds_every_expert_exactly_when_no_expert_is_read_twice() {
             ..opts(IoMode::Pread, budget)
         };
         let store = ExpertStore::open_source(src.clone(), o).expect("open");
-        assert_eq!(store.holds_every_expert(), holds, "budget {budget}, pins {pin:?}");
+        assert_eq!(
+            store.holds_every_expert(),
+            holds,
+            "budget {budget}, pins {pin:?}"
+        );
         run(&store, &every, false);
         let first = store.stats().total.loads;
         run(&store, &every, false);
         let second = store.stats().total.loads - first;
-        assert_eq!(second == 0, holds, "budget {budget}, pins {pin:?}: {second} reloads");
+        assert_eq!(
+            second == 0,
+            holds,
+            "budget {budget}, pins {pin:?}: {second} reloads"
+        );
     }
 }

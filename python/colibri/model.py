@@ -1156,11 +1156,12 @@ class Model:
         ``prefill`` (the arithmetic of long prefills, ``"exact"`` or ``"int8"``) and
         ``lookahead`` (whether decode predicts the next layer's experts to prefetch them)."""
         info = model_info(self.path, mtp_loaded=self.has_mtp)
-        info["memory"]["ram_budget_bytes"] = self._engine.expert_stats()["budget_bytes"]
-        info["memory"]["io_mode"] = self._engine.expert_stats()["io_mode"]
+        stats, decided = self._engine.expert_stats(), self._engine.info()
+        info["memory"]["ram_budget_bytes"] = stats["budget_bytes"]
+        info["memory"]["io_mode"] = stats["io_mode"]
         info["max_context"] = self.max_context
-        info["prefill"] = self._engine.info()["prefill"]
-        info["lookahead"] = self._engine.info()["lookahead"]
+        info["prefill"] = decided["prefill"]
+        info["lookahead"] = decided["lookahead"]
         return info
 
     def __repr__(self) -> str:

@@ -157,7 +157,7 @@ pub fn experts_ffn_in(
     Ok(())
 }
 
-/// [`expert_ffn_in`] for one call.
+/// [`experts_ffn_in`] for one call (as [`expert_ffn`] is [`experts_ffn`] for one).
 #[allow(clippy::too_many_arguments)]
 pub fn expert_ffn_in(
     arith: Arithmetic,

@@ -16,6 +16,7 @@ pub mod error;
 pub mod experts;
 pub mod model;
 pub mod quant;
+pub mod routing;
 
 mod python;
 

@@ -9,6 +9,7 @@ mod container;
 mod engine;
 mod errors;
 mod kernels;
+mod plan;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -70,6 +71,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(engine::generation_stats_fields, m)?)?;
     container::register(m)?;
     kernels::register(m)?;
+    plan::register(m)?;
     Ok(())
 }
 

@@ -271,6 +271,22 @@ def limits() -> dict[str, int]:
 def generation_stats_fields() -> list[str]:
     """The names of the fields a generation's stats carry."""
 
+# --- plan (src/python/plan.rs) ----------------------------------------------------------
+
+def plan_model(
+    model: str,
+    ram_bytes: int,
+    disk_bytes_per_second: float | None = None,
+    compute_bytes_per_second: float | None = None,
+    cache_dir: str | None = None,
+    probe_dir: str | None = None,
+    reserve_bytes: int = ...,
+    seed: int = 1,
+    probe_seconds: float = 2.0,
+) -> str:
+    """Plan ``model`` (a container directory or a known config) for ``ram_bytes`` of RAM;
+    the report as JSON (see ``colibri.plan.plan``)."""
+
 # --- kernels (src/python/kernels.rs) ---------------------------------------------------
 
 def kernel_path() -> str:

@@ -500,6 +500,96 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from colibri.plan import plan
+
+    r = plan(
+        args.model,
+        args.ram,
+        disk_bw=args.disk_bw,
+        compute=args.compute,
+        cache_dir=args.cache_dir,
+        reserve=args.reserve,
+        seed=args.seed,
+    )
+    if args.json:
+        if not args.all:
+            r["plan"].pop("scenarios", None)
+        print(json.dumps(r, indent=2))
+        return 0
+    p, rec, d = r["plan"], r["recommended"], r["defaults"]
+    gb = 1e9
+    disk = (
+        "given"
+        if r["disk"] is None
+        else f"probed, {'O_DIRECT' if r['disk']['direct'] else 'buffered'}"
+    )
+    comp = (
+        "given"
+        if r["compute"] is None
+        else f"probed, {r['compute']['kernel_path']} x{r['compute']['threads']}"
+    )
+    m = p["model"]
+    print(
+        f"model      {m['name']}: {m['moe_layers']} MoE layers x {m['experts']} experts "
+        f"of {_human(m['expert_bytes'])}, dense {_human(m['dense_bytes'])}"
+    )
+    print(f"disk       {r['disk_bytes_per_second'] / gb:.2f} GB/s ({disk})")
+    print(f"compute    {r['compute_bytes_per_second'] / gb:.1f} GB/s of int4 weights ({comp})")
+    budget, share = _human(p["expert_budget_bytes"]), 100 * p["budget_share"]
+    print(f"budget     {budget} for experts = {share:.1f}% of them")
+    print(f"routing    {p['workload']}")
+    print(
+        f"predicted  {r['predicted_tokens_per_second']:.3f} tok/s, "
+        f"hit rate {100 * r['hit_rate']:.1f}%, {r['bytes_per_token'] / gb:.2f} GB read per token"
+    )
+    print(
+        f"defaults   {d['tokens_per_second']:.3f} tok/s, hit rate {100 * d['hit_rate']:.1f}% "
+        f"(pins 50%, prefetch, MTP depth {d['draft_depth']})"
+    )
+    kw = ", ".join(f"{k}={v!r}" for k, v in rec.items())
+    print(f"recommend  colibri.Model(..., {kw}); store pin share {r['pin_share']:.2f}")
+    if args.all:
+        print("pins  depth prefetch   hit   GB/token  tok/fwd   tok/s  io share")
+        for s in p["scenarios"]:
+            print(
+                f"{s['pin_share']:4.2f} {s['draft_depth']:6d} {s['prefetch']!s:>8} "
+                f"{100 * s['hit_rate']:5.1f}% {s['bytes_per_token'] / gb:8.2f} "
+                f"{s['tokens_per_forward']:8.2f} {s['tokens_per_second']:7.3f} "
+                f"{100 * s['io_share']:7.1f}%"
+            )
+    return 0
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "plan",
+        help="predict decode speed and hit rate for a RAM size, and the settings to use",
+        description="Replay a GLM-5.2-calibrated routing workload (or the model's own routing "
+        "history) through the expert cache with this host's disk and kernel speeds, and "
+        "predict decode tok/s, hit rate and disk bytes per token for each setting.",
+    )
+    p.add_argument("model", help="a container directory, or a known config: glm-5.2, deepseek-v3")
+    p.add_argument("--ram", required=True, type=_size, help="RAM for the process, e.g. 128GB")
+    p.add_argument(
+        "--disk-bw", help="disk read speed, e.g. 3.2GB/s (default: a 2 s O_DIRECT probe)"
+    )
+    p.add_argument(
+        "--compute",
+        help="int4 kernel speed in weight bytes/s, e.g. 20GB/s (default: probe this host)",
+    )
+    p.add_argument(
+        "--reserve", default="4GiB", help="RAM kept for KV caches and the runtime (default 4GiB)"
+    )
+    p.add_argument(
+        "--cache-dir", help="where the routing history lives (default: the colibri cache)"
+    )
+    p.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
+    p.add_argument("--all", action="store_true", help="also list every setting replayed")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_plan)
+
+
 def _add_model_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("generate", help="continue a prompt", description="Continue a prompt.")
     p.add_argument("prompt", nargs="?", help="the prompt; '-' or absent reads stdin")
@@ -691,6 +781,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_commands(sub)
     _add_serve(sub)
     _add_convert(sub)
+    _add_plan(sub)
     return parser
 
 

@@ -74,6 +74,71 @@ impl Histogram {
         }
     }
 
+    /// This histogram's skew carried to a model with `experts` experts per layer routing
+    /// `top_k` of them: each layer's popularity curve (sorted counts) resampled at `experts`
+    /// evenly spaced ranks and rescaled to `top_k` selections per row. The identity at the
+    /// histogram's own shape. Co-activation pairs do not carry over.
+    pub fn resized(&self, experts: usize, top_k: usize) -> Result<Self> {
+        if experts == self.experts && top_k == self.top_k {
+            return Ok(self.clone());
+        }
+        if experts == 0 || top_k == 0 || top_k >= experts {
+            return Err(Error::invalid(
+                "history",
+                format!("cannot route top-{top_k} of {experts} experts"),
+            ));
+        }
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                let mut sorted = l.heat.clone();
+                sorted.sort_unstable_by(|a, b| b.cmp(a));
+                let per_row =
+                    |v: &[u64]| v.iter().sum::<u64>().max(1) as f64 / self.rows.max(1) as f64;
+                // Each new expert takes the mean heat of its slice of the ranks, which keeps
+                // the Lorenz curve (the skew) at the slice boundaries.
+                let n = sorted.len();
+                let picked: Vec<u64> = (0..experts)
+                    .map(|i| {
+                        let lo = (i * n) / experts;
+                        let hi = (((i + 1) * n) / experts).max(lo + 1);
+                        sorted[lo..hi].iter().sum::<u64>() / (hi - lo) as u64
+                    })
+                    .collect();
+                let scale = top_k as f64 / per_row(&picked).max(1e-9);
+                // Spread the ranks over the ids (a fixed odd stride), as a router's are.
+                let mut heat = vec![0u64; experts];
+                let gcd = |mut a: usize, mut b: usize| {
+                    while b != 0 {
+                        (a, b) = (b, a % b);
+                    }
+                    a
+                };
+                let stride = (((experts / 2) | 1)..)
+                    .step_by(2)
+                    .find(|&s| gcd(s, experts) == 1)
+                    .unwrap_or(1);
+                for (rank, &c) in picked.iter().enumerate() {
+                    let id = (rank * stride + l.layer) % experts;
+                    heat[id] = (c as f64 * scale).round() as u64;
+                }
+                LayerHistogram {
+                    layer: l.layer,
+                    heat,
+                    pairs: Vec::new(),
+                }
+            })
+            .collect();
+        Ok(Histogram {
+            experts,
+            top_k,
+            rows: self.rows,
+            layers,
+            source: format!("{}, resized to top-{top_k} of {experts}", self.source),
+        })
+    }
+
     /// A user's routing history as a histogram (`top_k` the model's experts per token). Its
     /// rows are estimated as the largest layer total over `top_k` (the history counts each
     /// expert once per forward that routed to it).
@@ -248,6 +313,25 @@ mod tests {
             assert!((p.iter().sum::<f64>() - 8.0).abs() < 1e-6);
             assert!(p.iter().all(|&x| x > 0.0 && x < 1.0));
         }
+    }
+
+    #[test]
+    fn resizing_keeps_the_skew_and_the_selections_per_row() {
+        let h = Histogram::glm52();
+        for (n, k) in [(64, 6), (18, 2), (256, 8)] {
+            let r = h.resized(n, k).expect("resized");
+            for (a, b) in h.layers.iter().zip(&r.layers) {
+                assert_eq!(b.heat.len(), n);
+                let per_row = b.heat.iter().sum::<u64>() as f64 / r.rows as f64;
+                assert!((per_row - k as f64).abs() < 0.05 * k as f64, "{per_row}");
+                let (sa, sb) = (Skew::of(&a.heat, h.rows), Skew::of(&b.heat, r.rows));
+                assert!(
+                    (sa.half_share - sb.half_share).abs() < 0.06,
+                    "{n}: {sa:?} {sb:?}"
+                );
+            }
+        }
+        assert!(h.resized(8, 8).is_err());
     }
 
     #[test]

@@ -8,12 +8,17 @@
 //! - [`stats`]: a trace's routing statistics against those figures.
 
 pub mod histogram;
+pub mod host;
+pub mod plan;
+pub mod request;
 pub mod rng;
 pub mod sim;
 pub mod stats;
 pub mod trace;
 pub mod workload;
 
+#[cfg(test)]
+mod plan_tests;
 #[cfg(test)]
 mod tests;
 

@@ -30,9 +30,13 @@ pub struct DiskProbe {
 
 const ALIGN: u64 = 4096;
 
+/// Readers in flight at once: the store's demand I/O threads (`StoreOptions::io_threads`'s
+/// default), since a forward's misses are read in parallel.
+pub const PROBE_READERS: usize = 4;
+
 /// Read `read_len`-byte pieces at random 4 KiB-aligned offsets of the largest of `files`
-/// for about `seconds` (at least 4 reads), one read in flight at a time (as a demand load
-/// waits), and return the rate. Nothing is written.
+/// for about `seconds` (at least 4 reads per reader), [`PROBE_READERS`] reads in flight (as
+/// a forward's demand loads are), and return the aggregate rate. Nothing is written.
 pub fn probe_disk(files: &[PathBuf], read_len: usize, seconds: f64) -> Result<DiskProbe> {
     let (path, size) = files
         .iter()
@@ -49,32 +53,73 @@ pub fn probe_disk(files: &[PathBuf], read_len: usize, seconds: f64) -> Result<Di
             ),
         ));
     }
+    let start = Instant::now();
+    let budget = Duration::from_secs_f64(seconds.max(0.05));
+    let results: Vec<Result<(usize, usize, bool)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..PROBE_READERS)
+            .map(|r| {
+                let path = &path;
+                scope.spawn(move || read_randomly(path, size, len, r as u64, start, budget))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Internal("a disk probe reader failed".into())))
+            })
+            .collect()
+    });
+    let secs = start.elapsed().as_secs_f64().max(1e-9);
+    let (mut reads, mut bytes, mut direct) = (0usize, 0usize, true);
+    for r in results {
+        let (n, b, d) = r?;
+        reads += n;
+        bytes += b;
+        direct &= d;
+    }
+    Ok(DiskProbe {
+        bytes_per_second: bytes as f64 / secs,
+        reads,
+        read_bytes: bytes,
+        direct,
+        file: path,
+    })
+}
+
+/// One probe reader: (reads, bytes, whether they bypassed the page cache).
+fn read_randomly(
+    path: &Path,
+    size: u64,
+    len: u64,
+    seed: u64,
+    start: Instant,
+    budget: Duration,
+) -> Result<(usize, usize, bool)> {
     let direct = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
-        .open(&path);
+        .open(path);
     let (file, mut is_direct) = match direct {
         Ok(f) => (f, true),
-        Err(_) => (File::open(&path).map_err(|e| Error::io(&path, e))?, false),
+        Err(_) => (File::open(path).map_err(|e| Error::io(path, e))?, false),
     };
     // An anonymous mapping is page-aligned, as O_DIRECT needs.
-    let mut buf = MmapMut::map_anon(len as usize).map_err(|e| Error::io(&path, e))?;
-    let mut rng = Rng::new(size, 0xD15C);
+    let mut buf = MmapMut::map_anon(len as usize).map_err(|e| Error::io(path, e))?;
+    let mut rng = Rng::new(size ^ seed, 0xD15C + seed);
     let slots = (size - len) / ALIGN;
     let (mut reads, mut bytes) = (0usize, 0usize);
-    let start = Instant::now();
-    let budget = Duration::from_secs_f64(seconds.max(0.05));
     while reads < 4 || start.elapsed() < budget {
         let off = (rng.next_u64() % slots.max(1)) * ALIGN;
         let n = match file.read_at(&mut buf, off) {
             Ok(n) => n,
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) && is_direct => {
                 is_direct = false;
-                File::open(&path)
+                File::open(path)
                     .and_then(|f| f.read_at(&mut buf, off))
-                    .map_err(|e| Error::io(&path, e))?
+                    .map_err(|e| Error::io(path, e))?
             }
-            Err(e) => return Err(Error::io(&path, e)),
+            Err(e) => return Err(Error::io(path, e)),
         };
         reads += 1;
         bytes += n;
@@ -82,14 +127,7 @@ pub fn probe_disk(files: &[PathBuf], read_len: usize, seconds: f64) -> Result<Di
             break;
         }
     }
-    let secs = start.elapsed().as_secs_f64().max(1e-9);
-    Ok(DiskProbe {
-        bytes_per_second: bytes as f64 / secs,
-        reads,
-        read_bytes: bytes,
-        direct: is_direct,
-        file: path,
-    })
+    Ok((reads, bytes, is_direct))
 }
 
 /// Probe a disk through a scratch file written in `dir` (then removed): for a known model

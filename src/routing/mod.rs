@@ -10,6 +10,7 @@
 pub mod histogram;
 pub mod host;
 pub mod plan;
+pub mod replay;
 pub mod request;
 pub mod rng;
 pub mod sim;
@@ -19,6 +20,8 @@ pub mod workload;
 
 #[cfg(test)]
 mod plan_tests;
+#[cfg(test)]
+mod replay_tests;
 #[cfg(test)]
 mod tests;
 

@@ -2,18 +2,22 @@
 //! compute speed, by replaying the calibrated workload (or the user's own routing history)
 //! through the store's policy, and recommend the Model keywords that do best.
 //!
-//! The time model, per decode forward (docs/expert-store.md, "colibri plan"):
+//! The time model, per decode forward (docs/expert-store.md, "colibri plan"), as the store
+//! runs it (measured against the real store by tools/replay_routing.rs):
 //!
 //! ```text
-//! compute = rows · (dense + top_k · layers · expert) / compute_speed  (+ the MTP layer per draft)
-//! reads   = misses · expert / disk_speed
-//! t       = compute + reads                                   prefetch off
-//! t       = unpredicted reads + max(compute, predicted + wasted reads)   prefetch on
+//! per call:  C = rows · top_k · expert / compute_speed,   c = C / experts in the call
+//!            m = demand misses (prefetch off: all; on: those the lookahead did not predict)
+//!            t_call = C                                  if m = 0
+//!                   = max(C, m · expert / disk_speed + min(m, io_threads) · c)  otherwise
+//! forward:   t = max(rows · dense / compute_speed + Σ t_call,  all reads / disk_speed)
 //! ```
 //!
-//! Every verify row costs a full row of compute (today's exact, row-invariant decode), and a
-//! demand read waits; prefetched reads overlap the forward's compute and its wrong guesses
-//! cost disk time. The sampled layers (16, spaced over the model's) stand for all of them.
+//! A call computes its resident experts while its misses load (io_threads at a time) and the
+//! last batch after it arrives; prefetched reads run in the background, so only the disk's
+//! total time bounds them, wrong guesses included. Every verify row costs a full row of
+//! compute (today's exact decode). The sampled layers (16, spaced over the model's) stand for
+//! all of them.
 
 use serde::Serialize;
 
@@ -76,10 +80,6 @@ impl ModelShape {
         }
     }
 
-    fn row_compute_bytes(&self) -> f64 {
-        self.dense_bytes as f64 + (self.top_k * self.moe_layers) as f64 * self.expert_bytes as f64
-    }
-
     fn mtp_compute_bytes(&self) -> f64 {
         self.dense_bytes as f64 / (self.moe_layers + 3) as f64
             + self.top_k as f64 * self.expert_bytes as f64
@@ -135,15 +135,15 @@ pub struct Plan {
 const PIN_SHARES: [f64; 5] = [0.0, 0.25, 0.5, 0.75, 0.9];
 
 /// A forward's calls in the simulated trace, flattened as [`sim::calls`] orders them.
-struct ForwardCalls {
-    decode: bool,
-    rows: usize,
-    mtp_rows: usize,
-    tokens: u64,
-    calls: usize,
+pub(crate) struct ForwardCalls {
+    pub(crate) decode: bool,
+    pub(crate) rows: usize,
+    pub(crate) mtp_rows: usize,
+    pub(crate) tokens: u64,
+    pub(crate) calls: usize,
 }
 
-fn forward_calls(t: &Trace) -> Vec<ForwardCalls> {
+pub(crate) fn forward_calls(t: &Trace) -> Vec<ForwardCalls> {
     let nl = t.header.layers.len();
     t.forwards()
         .iter()
@@ -167,7 +167,7 @@ fn forward_calls(t: &Trace) -> Vec<ForwardCalls> {
 
 /// Per call of the trace, the experts the router lookahead predicted (the union over the
 /// forward's rows of each row's prediction for that layer); none for prompt and MTP calls.
-fn predicted(t: &Trace) -> Vec<Vec<u16>> {
+pub(crate) fn predicted(t: &Trace) -> Vec<Vec<u16>> {
     let nl = t.header.layers.len();
     let mut out = Vec::new();
     for f in t.forwards() {
@@ -231,6 +231,25 @@ impl PlanInput {
         }
     }
 
+    /// The learning and test traces [`PlanInput::plan`] replays at draft `depth`.
+    pub fn traces(&self, hist: &Histogram, depth: usize) -> Result<(Trace, Trace)> {
+        let learn = Workload::new(hist, self.spec(self.seed + 100, 5, depth))?.generate();
+        let test = Workload::new(hist, self.spec(self.seed, 3, depth))?.generate();
+        Ok((learn, test))
+    }
+
+    /// The predicted scenarios of one draft depth at `budget_share` of the expert bytes,
+    /// on the traces of [`PlanInput::traces`].
+    pub fn scenarios(
+        &self,
+        learn: &Trace,
+        test: &Trace,
+        budget_share: f64,
+        depth: usize,
+    ) -> Result<Vec<Scenario>> {
+        self.replay(learn, test, budget_share, depth)
+    }
+
     /// Replay every setting and pick the fastest.
     pub fn plan(&self) -> Result<Plan> {
         if !(self.disk_bytes_per_second > 0.0 && self.compute_bytes_per_second > 0.0) {
@@ -250,8 +269,7 @@ impl PlanInput {
         let depths: Vec<usize> = if s.mtp { vec![0, 1, 2, 3] } else { vec![0] };
         let mut scenarios = Vec::new();
         for &depth in &depths {
-            let learn = Workload::new(&hist, self.spec(self.seed + 100, 5, depth))?.generate();
-            let test = Workload::new(&hist, self.spec(self.seed, 3, depth))?.generate();
+            let (learn, test) = self.traces(&hist, depth)?;
             scenarios.extend(self.replay(&learn, &test, budget_share, depth)?);
         }
         let best = scenarios
@@ -292,8 +310,11 @@ impl PlanInput {
         let pred = predicted(test);
         let fw = forward_calls(test);
         let hist = history(learn);
-        let row_s = s.row_compute_bytes() / self.compute_bytes_per_second;
-        let mtp_s = s.mtp_compute_bytes() / self.compute_bytes_per_second;
+        let cs = self.compute_bytes_per_second;
+        // Per row: the resident dense part, then each routed layer's top-k experts.
+        let dense_s = s.dense_bytes as f64 / cs;
+        let mtp_dense_s = (s.mtp_compute_bytes() - s.top_k as f64 * s.expert_bytes as f64) / cs;
+        let expert_s = s.expert_bytes as f64 / cs;
         let eb = s.expert_bytes as f64;
         let bw = self.disk_bytes_per_second;
         let mut out = Vec::new();
@@ -301,54 +322,66 @@ impl PlanInput {
             let pins = top_pins(&hist, (slots as f64 * share) as usize);
             let lru = (slots - pins.len()) / nl;
             let r = sim::original(&c, nl, s.experts, &pins, lru);
+            let miss_rate = 1.0 - r.hits as f64 / r.lookups.max(1) as f64;
             for prefetch in [false, true] {
                 let (mut t, mut io, mut tokens, mut forwards) = (0.0, 0.0, 0u64, 0u64);
                 let (mut hits, mut lookups, mut read) = (0u64, 0u64, 0.0);
                 let mut at = 0usize;
                 let mut bit = 0usize;
                 for f in &fw {
-                    let (mut miss_pred, mut miss_other, mut wasted) = (0.0, 0.0, 0.0);
+                    // Calls run one after another; the background reads share the disk.
+                    let (mut calls_t, mut compute, mut background, mut demand_b) =
+                        (0.0, 0.0, 0.0, 0.0);
                     for (ci, call) in c[at..at + f.calls].iter().enumerate() {
                         let p = &pred[at + ci];
-                        let w = if call.0 < test.header.layers.len() {
-                            scale
-                        } else {
-                            1.0
-                        };
-                        let mut h = 0usize;
+                        let main = call.0 < test.header.layers.len();
+                        let w = if main { scale } else { 1.0 };
+                        let (mut h, mut demand, mut ahead) = (0usize, 0usize, 0usize);
                         for e in &call.1 {
                             let hit = r.hit_bits[bit];
                             bit += 1;
                             h += hit as usize;
                             if !hit {
                                 if prefetch && p.contains(e) {
-                                    miss_pred += w;
+                                    ahead += 1;
                                 } else {
-                                    miss_other += w;
+                                    demand += 1;
                                 }
                             }
-                        }
-                        if prefetch {
-                            // Predicted, not needed, and not resident (at the replay's hit rate).
-                            let idle = p.iter().filter(|e| !call.1.contains(e)).count() as f64;
-                            wasted += w * idle * (1.0 - r.hits as f64 / r.lookups.max(1) as f64);
                         }
                         if f.decode {
                             hits += h as u64;
                             lookups += call.1.len() as u64;
                         }
+                        if !f.decode {
+                            continue;
+                        }
+                        // Every verify row costs a full row of each of its experts; the MTP
+                        // layer runs one row per call.
+                        let rows = if main { f.rows as f64 } else { 1.0 };
+                        let call_compute = rows * s.top_k as f64 * expert_s;
+                        let per_expert = call_compute / call.1.len().max(1) as f64;
+                        calls_t += w * call_time(call_compute, per_expert, demand, eb / bw);
+                        compute += w * call_compute;
+                        let wasted = if prefetch {
+                            // Predicted, not routed, and not resident (at the sim's hit rate).
+                            p.iter().filter(|e| !call.1.contains(e)).count() as f64 * miss_rate
+                        } else {
+                            0.0
+                        };
+                        background += w * (ahead as f64 + wasted) * eb;
+                        demand_b += w * demand as f64 * eb;
+                        read += w * (demand + ahead) as f64 * eb + w * wasted * eb;
                     }
                     at += f.calls;
                     if !f.decode {
                         continue;
                     }
-                    let compute = f.rows as f64 * row_s + f.mtp_rows as f64 * mtp_s;
-                    let demand = miss_other * eb / bw;
-                    let background = (miss_pred + wasted) * eb / bw;
-                    let ft = demand + compute.max(background);
-                    io += ft - compute;
+                    let dense = f.rows as f64 * dense_s + f.mtp_rows as f64 * mtp_dense_s;
+                    let all_reads = (background + demand_b) / bw;
+                    let ft = (dense + calls_t).max(all_reads);
+                    io += ft - dense - compute;
                     t += ft;
-                    read += (miss_pred + miss_other + wasted) * eb;
                     tokens += f.tokens;
                     forwards += 1;
                 }
@@ -367,6 +400,19 @@ impl PlanInput {
         }
         Ok(out)
     }
+}
+
+/// The store's demand I/O threads (`StoreOptions::io_threads`'s default): a call's misses are
+/// read this many at a time.
+const IO_THREADS: usize = 4;
+
+/// One routed call with `demand` misses of `read_s` seconds each: the store computes the
+/// resident experts while the misses load, then the last batch of loads after it arrives.
+fn call_time(compute: f64, per_expert: f64, demand: usize, read_s: f64) -> f64 {
+    if demand == 0 {
+        return compute;
+    }
+    compute.max(demand as f64 * read_s + demand.min(IO_THREADS) as f64 * per_expert)
 }
 
 /// A model to plan for: its shape, the files a disk probe reads, its routing history.

@@ -49,6 +49,10 @@ pub(crate) struct InFlight<T> {
     pub origin: Origin,
     pub dest: Dest,
     pub bytes: u64,
+    /// The LRU stamp, taken when the load starts: entries of one call are ordered by the
+    /// order their loads were issued in, not by which read finished first, so the same
+    /// calls evict the same experts however the disk schedules the reads.
+    stamp: u64,
     /// A demand request is waiting for this prefetch (so it is not "unused" when it lands).
     claimed: AtomicBool,
     state: Mutex<FlightState<T>>,
@@ -60,11 +64,12 @@ struct FlightState<T> {
 }
 
 impl<T> InFlight<T> {
-    fn new(origin: Origin, dest: Dest, bytes: u64) -> Self {
+    fn new(origin: Origin, dest: Dest, bytes: u64, stamp: u64) -> Self {
         InFlight {
             origin,
             dest,
             bytes,
+            stamp,
             claimed: AtomicBool::new(false),
             state: Mutex::new(FlightState {
                 done: None,
@@ -299,7 +304,8 @@ impl<T> LayerCache<T> {
         } else {
             return None;
         };
-        let fl = Arc::new(InFlight::new(origin, dest, bytes));
+        self.clock += 1;
+        let fl = Arc::new(InFlight::new(origin, dest, bytes, self.clock));
         self.slots[id] = Slot::Loading(fl.clone());
         Some(fl)
     }
@@ -370,13 +376,12 @@ impl<T> LayerCache<T> {
         }
         match (fl.dest, res) {
             (Dest::Pinned | Dest::Lru, Ok(value)) => {
-                self.clock += 1;
                 let used_now = fl.origin == Origin::Demand || fl.claimed.load(Ordering::Relaxed);
                 self.slots[id] = Slot::Resident(Entry {
                     value: value.clone(),
                     bytes: fl.bytes,
                     pinned: fl.dest == Dest::Pinned,
-                    stamp: self.clock,
+                    stamp: fl.stamp,
                     last_tick: if used_now { self.tick } else { 0 },
                     prefetched_at: (!used_now).then_some(self.tick),
                 });

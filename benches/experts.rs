@@ -8,7 +8,7 @@
 //! (`iter_custom`, flat sampling, one iteration per sample in practice).
 //!
 //! Container: `$COLIBRI_SYNTH_DIR` when set (a GLM-5.2-shaped container, e.g.
-//! `cargo run --release --features testing --example make_synthetic -- --out /work/synth/glm52 --experts-only`),
+//! `cargo run --release --example make_synthetic -- --out /work/synth/glm52 --experts-only`),
 //! else a temporary one of 1 MoE layer × 24 GLM-5.2 experts (≈ 510 MB).
 
 use std::hint::black_box;

@@ -308,20 +308,32 @@ class _SlowEngine:
         return raw
 
 
-@pytest.mark.parametrize("how", ["break", "del", "gc"])
+@pytest.mark.parametrize("how", ["break", "break-held", "raise-held", "del", "gc"])
 def test_abandoned_stream_cancels_its_generation(model: colibri.Model, how: str) -> None:
-    """Breaking out of ``for chunk in generate(stream=True)`` (or dropping the stream) stops
-    the engine within a forward: the abandoned generation does not run to
-    ``max_new_tokens`` and the next call does not wait for it."""
+    """Breaking out of ``for chunk in generate(stream=True)`` (or an exception in the loop's
+    body, or dropping the stream) stops the engine within a forward, even while a variable
+    still holds the stream: the abandoned generation does not run to ``max_new_tokens`` and
+    the next call does not wait for it."""
     slow = _SlowEngine(model._engine, 0.01)  # 250 forwards: 2.5 s if it ran to the end
     real_engine = model._engine
     model._engine = slow
     try:
         kw: dict[str, Any] = {"max_new_tokens": 250, "stop_token_ids": [], "draft": "off"}
+        held = None
         if how == "break":
             for chunk in model.generate("abc", stream=True, **kw):
                 assert chunk
                 break
+        elif how == "break-held":
+            held = model.generate("abc", stream=True, **kw)
+            for chunk in held:
+                assert chunk
+                break
+        elif how == "raise-held":
+            held = model.generate("abc", stream=True, **kw)
+            with pytest.raises(KeyError):
+                for _chunk in held:
+                    raise KeyError("the consumer failed")
         else:
             stream = model.generate("abc", stream=True, **kw)
             assert next(stream)
@@ -338,6 +350,21 @@ def test_abandoned_stream_cancels_its_generation(model: colibri.Model, how: str)
     assert waited < 1.0, f"the second call waited {waited:.2f}s for the abandoned one"
     reason, n = slow.finished[0]
     assert reason == "cancelled" and n < 50, slow.finished
+    if held is not None:  # still referenced: its result is the partial generation
+        assert held.result is not None and held.result.finish_reason == "cancelled"
+        assert next(held, None) is None
+
+
+def test_stream_read_with_next_goes_on_after_a_pause(model: colibri.Model) -> None:
+    """Only a ``for`` loop's own iterator closes the stream: ``next()`` calls, and a second
+    loop over what is left, read the whole generation."""
+    kw: dict[str, Any] = {"max_new_tokens": 12, "temperature": 0, "draft": "off"}
+    whole = model.generate("abc", **kw).text
+    stream = model.generate("abc", stream=True, **kw)
+    head = next(stream)
+    rest = "".join(stream)
+    assert head + rest == whole
+    assert stream.result is not None and stream.result.finish_reason != "cancelled"
 
 
 def test_stream_errors_reach_the_consumer(model: colibri.Model) -> None:
@@ -1314,6 +1341,24 @@ def test_session_properties_wait_for_its_generation_without_deadlock(
     assert s.kv_tokens == 5 + len(stream.result.token_ids) - 1
 
 
+def test_a_context_saved_with_the_mtp_head_is_refused_without_it(tmp_path: Path) -> None:
+    """The docs promise ``SavedContextError`` for a context saved with other options: with
+    the MTP head on into a model without it, and the reverse (whose MTP rows would be
+    missing, so drafting would throw the whole context away)."""
+    with_head, without = colibri.Model(threads=1), colibri.Model(threads=1, mtp=False)
+    for saver, loader, needle in [
+        (with_head, without, "MTP head on, and this model has it off"),
+        (without, with_head, "MTP head off, and this model has it on"),
+    ]:
+        s = saver.session()
+        s.prefill("def add(a, b):")
+        path = tmp_path / f"{needle[:11]}.ctx"
+        s.save(path)
+        with pytest.raises(colibri.SavedContextError, match=needle):
+            loader.load_session(path)
+        assert saver.load_session(path).token_ids == s.token_ids
+
+
 def test_a_saved_context_loads_back_and_continues_like_the_live_session(
     test_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -1528,6 +1573,53 @@ def test_sampling_params_object_equals_keywords_and_conflicts_are_errors() -> No
     banned = greedy.token_ids[0]
     out = m.generate("x = ", max_tokens=5, temperature=0, logit_bias={banned: float("-inf")})
     assert banned not in out.token_ids
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"stop": 3}, "stop"),
+        ({"stop_token_ids": "1"}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"n": 0}, "n"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"logit_bias": {3: float("nan")}}, "logit_bias"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"guided_regex": "a", "guided_json": {"type": "object"}}, "one of"),
+    ],
+)
+def test_sampling_params_are_checked_when_made(fields: dict[str, Any], needle: str) -> None:
+    """A bad field is an error where the object is made, not at the first generate."""
+    with pytest.raises(colibri.InvalidArgumentError, match=needle):
+        colibri.SamplingParams(**fields)
+
+
+def test_sampling_params_checks_what_needs_the_model_at_generate(model: colibri.Model) -> None:
+    sp = colibri.SamplingParams(stop_token_ids=[10**9], max_tokens=2)  # no vocabulary yet
+    with pytest.raises(colibri.InvalidArgumentError, match="outside the vocabulary"):
+        model.generate("x", sp)
+
+
+def test_chat_takes_openai_style_content_parts(model: colibri.Model) -> None:
+    """A list content of text parts (what OpenAI clients send, and the server accepts) is
+    the same conversation as its joined text; other parts are a clear error."""
+    kw: dict[str, Any] = {"max_tokens": 6, "temperature": 0}
+    plain = model.chat([{"role": "user", "content": "hello there"}], **kw)
+    parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]
+    assert model.chat([{"role": "user", "content": parts}], **kw).token_ids == plain.token_ids
+    image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    with pytest.raises(colibri.InvalidArgumentError, match="text only"):
+        model.chat([{"role": "user", "content": image}], **kw)
+    with pytest.raises(colibri.InvalidArgumentError, match="content part"):
+        model.chat([{"role": "user", "content": ["hi"]}], **kw)
 
 
 def test_close_and_context_manager_release_the_model(test_model_dir: Path) -> None:

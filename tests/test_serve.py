@@ -161,6 +161,36 @@ def test_serve_without_the_extra_says_how_to_install() -> None:
     assert "Traceback" not in r.stderr
 
 
+def _serve_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "colibri.cli", "serve", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_serve_refuses_a_port_out_of_range(port: str) -> None:
+    t0 = time.monotonic()
+    r = _serve_cli("--port", port)
+    assert r.returncode == 1, r
+    assert r.stderr.startswith("error: invalid value for 'port'") and "0..65535" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert time.monotonic() - t0 < 30  # refused before the model loads
+
+
+def test_serve_on_a_port_in_use_says_so(server: Live) -> None:
+    """A taken port is ``error:`` and exit 1 (uvicorn would exit 3 with its own log line),
+    and the running server is unharmed."""
+    port = server.url.rsplit(":", 1)[1]
+    r = _serve_cli("--port", port)
+    assert r.returncode == 1, r
+    assert r.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}"), r.stderr
+    assert "another process" in r.stderr and "Traceback" not in r.stderr
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    with pytest.raises(colibri.ServerAddressError, match="in use"):
+        from colibri.serve import listen_socket
+
+        listen_socket("127.0.0.1", int(port))
+
+
 def test_completion_equals_the_library(client: openai.OpenAI, local: colibri.Model) -> None:
     want = local.generate(PROMPT, max_new_tokens=24, temperature=0)
     got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
@@ -331,6 +361,26 @@ def test_response_format_json_schema_through_the_openai_client(client: openai.Op
     value = json.loads(out.choices[0].message.content or "")
     assert value["pick"] in ("red", "green", "blue") and isinstance(value["n"], bool)
     assert out.choices[0].finish_reason == "stop"
+
+
+def test_bad_constraints_are_400s_before_any_answer(server: Live) -> None:
+    """An invalid schema, regex or grammar is the client's mistake: a 400 naming the field,
+    streamed or not (never a 500, nor a 200 whose stream then fails)."""
+    msgs = [{"role": "user", "content": "hi"}]
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "c", "schema": {"type": "x"}}}
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        ("chat/completions", {"messages": msgs, "response_format": bad_schema}, "response_format"),
+        ("chat/completions", {"messages": msgs, "guided_regex": "a(("}, "guided_regex"),
+        ("completions", {"prompt": "x", "guided_grammar": "start: nope"}, "guided_grammar"),
+        ("completions", {"prompt": "x", "guided_json": {"type": "x"}}, "guided_json"),
+    ]
+    for path, fields, param in cases:
+        for stream in (False, True):
+            body = {"model": MODEL, "max_tokens": 4, "stream": stream, **fields}
+            r = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=30)
+            assert r.status_code == 400, (path, fields, stream, r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and err["type"] == "invalid_request_error", err
 
 
 def test_n_choices_decode_together_each_as_alone(

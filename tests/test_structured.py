@@ -126,6 +126,10 @@ def test_bad_constraints_are_typed_errors(
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=f"'{param}'"):
         tiny.generate("x", max_new_tokens=4, **kwargs)
+    # A stream checks its constraint when it is made, not at its first chunk (the server
+    # answers 400 before it starts a response on this).
+    with pytest.raises(InvalidArgumentError, match=f"'{param}'"):
+        tiny.generate("x", max_new_tokens=4, stream=True, **kwargs)
 
 
 def test_conflicting_constraint_arguments(tiny: colibri.Model) -> None:

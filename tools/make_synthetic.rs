@@ -5,7 +5,7 @@
 //! complete model. Keep it outside the repository: 3 MoE layers × 256 experts ≈ 16.3 GB.
 //!
 //! ```text
-//! cargo run --release --features testing --example make_synthetic -- --out /work/synth/glm52 \
+//! cargo run --release --example make_synthetic -- --out /work/synth/glm52 \
 //!     [--moe-layers 3] [--experts 256] [--dense-layers 1] [--mtp] [--experts-only] \
 //!     [--experts-per-shard 64] [--vocab 1024] [--seed 1] [--index-topk-freq 1] \
 //!     [--index-skip-topk-offset 2] [--max-position-embeddings 4096]

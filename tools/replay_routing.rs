@@ -7,7 +7,7 @@
 //! from `make_synthetic`, with an MTP layer when drafting is replayed:
 //!
 //! ```text
-//! cargo run --release --features testing --example make_synthetic -- \
+//! cargo run --release --example make_synthetic -- \
 //!     --out /work/synth/glm52x4 --moe-layers 4 --dense-layers 0 --mtp --experts-only
 //! cargo run --release --example replay_routing -- --container /work/synth/glm52x4 \
 //!     [--budgets 0,0.13,0.5] [--pin-shares 0.5,0.75] [--prefetch off,on] [--depths 0] \

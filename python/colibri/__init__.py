@@ -22,6 +22,7 @@ from colibri.errors import (
     ModelNotFoundError,
     NonFiniteWeightError,
     SavedContextError,
+    ServerAddressError,
     UnsupportedModelError,
 )
 from colibri.model import Model, Session
@@ -52,6 +53,7 @@ __all__ = [
     "NonFiniteWeightError",
     "SamplingParams",
     "SavedContextError",
+    "ServerAddressError",
     "Session",
     "UnsupportedModelError",
     "__version__",

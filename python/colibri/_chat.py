@@ -273,7 +273,7 @@ def render_chat(
         if k.endswith("_token") and isinstance(v, (str, dict))
     }
     context = {
-        "messages": [dict(m) for m in messages],
+        "messages": [_flat_message(i, m) for i, m in enumerate(messages)],
         "add_generation_prompt": add_generation_prompt,
         **special,
     }
@@ -341,11 +341,52 @@ def check_messages(messages: object, max_chars: int | None = None) -> None:
                     f"at messages[{i}], more than this model's max_context can hold"
                 )
             check_text(f"messages[{i}]['content']", content)
-        elif not isinstance(content, list):
+        elif isinstance(content, list):
+            total += len(text_of_parts(f"messages[{i}]['content']", content))
+            if max_chars is not None and total > max_chars:
+                raise InvalidArgumentError(
+                    f"invalid value for 'messages': the contents pass {max_chars} characters "
+                    f"at messages[{i}], more than this model's max_context can hold"
+                )
+        else:
             raise InvalidArgumentError(
                 f"invalid value for 'messages[{i}]['content']': {type(content).__name__}; "
-                "expected a string"
+                "expected a string or a list of text parts"
             )
+
+
+def text_of_parts(name: str, parts: Sequence[object]) -> str:
+    """The text of an OpenAI-style content list (``[{"type": "text", "text": ...}, ...]``),
+    its parts joined; any other kind of part is an :class:`InvalidArgumentError` (these
+    models read text only)."""
+    texts: list[str] = []
+    for j, part in enumerate(parts):
+        where = f"{name}[{j}]"
+        if not isinstance(part, Mapping):
+            raise InvalidArgumentError(
+                f"invalid value for '{where}': {type(part).__name__}; expected a content part "
+                "such as {'type': 'text', 'text': ...}"
+            )
+        if part.get("type") != "text":
+            raise InvalidArgumentError(
+                f"invalid value for '{where}': {part.get('type')!r} parts are not supported; "
+                "this model reads text only"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidArgumentError(f"invalid value for '{where}['text']': expected a string")
+        check_text(f"{where}['text']", text)
+        texts.append(text)
+    return "".join(texts)
+
+
+def _flat_message(i: int, m: Mapping[str, Any]) -> dict[str, Any]:
+    """Message ``i`` as the chat templates of these models read it: a list content (OpenAI's
+    text parts) joined into its string, as the server and vLLM give the template."""
+    out = dict(m)
+    if isinstance(out.get("content"), list):
+        out["content"] = text_of_parts(f"messages[{i}]['content']", out["content"])
+    return out
 
 
 def check_text(name: str, text: str) -> None:

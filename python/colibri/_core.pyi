@@ -180,6 +180,9 @@ class Engine:
     def load_vocabulary(self, tokenizer_json: str) -> None:
         """Give structured output the model's vocabulary: the text of its
         ``tokenizer.json``. Done once; later calls do nothing."""
+    def check_grammar(self, kind: str, text: str) -> None:
+        """Compile a structured-output constraint (``generate``'s ``grammar``, after
+        :meth:`load_vocabulary`) and drop it; a bad one raises ``InvalidArgumentError``."""
     @property
     def has_vocabulary(self) -> bool:
         """Whether :meth:`load_vocabulary` was done."""

@@ -92,8 +92,9 @@ _WIRE_NAMES = {
 }
 
 
-def from_colibri_error(e: ColibriError, kind: Kind) -> ApiError:
-    """A colibri error met while preparing a request, as the 400 (or 500) to answer."""
+def from_colibri_error(e: ColibriError, kind: Kind, body: object = None) -> ApiError:
+    """A colibri error met while preparing a request (``body``), as the 400 (or 500) to
+    answer; its ``param`` is the field the request spelled."""
     if not isinstance(e, InvalidArgumentError):
         return ApiError(500, f"{type(e).__name__}: {e}", code="internal_error")
     message = str(e)
@@ -103,6 +104,8 @@ def from_colibri_error(e: ColibriError, kind: Kind) -> ApiError:
         param = _WIRE_NAMES.get(param, param)
         if param == "prompt" and kind == "chat":
             param = "messages"
+        if param == "guided_json" and isinstance(body, dict) and "response_format" in body:
+            param = "response_format"
     code = "context_length_exceeded" if "max_context" in message else "invalid_value"
     return ApiError(400, message, param=param, code=code)
 

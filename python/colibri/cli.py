@@ -666,11 +666,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             f"its own session, so 1..{args.sessions} (--sessions)"
         )
     try:
-        from colibri.serve import serve
+        from colibri.serve import check_port, listen_socket, serve
     except ImportError as e:
         hint = 'pip install "colibri[serve]"'
         print(f"error: {e}" if hint in str(e) else f"error: {e}; {hint}", file=sys.stderr)
         return 1
+    check_port(args.port)
+    # Bind before the model loads (minutes for a large one), so a taken port fails at once.
+    listen_socket(args.host, args.port).close()
     api_key = args.api_key if args.api_key is not None else os.environ.get("COLIBRI_API_KEY")
     m = _load(args)
     from colibri.serve.app import default_served_name

@@ -29,6 +29,7 @@ __all__ = [
     "ModelNotFoundError",
     "NonFiniteWeightError",
     "SavedContextError",
+    "ServerAddressError",
     "UnsupportedModelError",
 ]
 
@@ -93,6 +94,11 @@ class ColibriIOError(ColibriError, OSError):
         # The engine's message already names the file and the OS error; OSError would
         # rewrite it as "[Errno N] ..." once errno is set.
         return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class ServerAddressError(ColibriIOError):
+    """``colibri serve`` / :func:`colibri.serve.serve` cannot listen at its address: the
+    port is in use, privileged, or the host is not this machine's."""
 
 
 class ColibriFileNotFoundError(ColibriIOError, FileNotFoundError):

@@ -52,14 +52,19 @@ from colibri.validation import (
     PrefillMode,
     _check_choice,
     _check_depth,
-    _check_float,
+    _check_ignore_eos,
     _check_int,
     _check_processing,
+    _check_seed,
+    _check_stop_ids,
+    _check_stops,
+    _check_temperature,
+    _check_top_p,
     _choices,
     _default_max_new_tokens,
+    _guided_argument,
     _is_batch,
     _parse_bytes,
-    _schema_text,
     _template_text,
 )
 
@@ -674,46 +679,19 @@ class Model:
             top_k = int(gc.get("top_k", 0)) if sampling else 0
         if top_p is None:
             top_p = float(gc.get("top_p", 1.0)) if sampling else 1.0
-        temperature = _check_float("temperature", temperature)
-        if temperature < 0:
-            raise InvalidArgumentError(
-                f"invalid value for 'temperature': {temperature}; must be >= 0 (0 = greedy)"
-            )
-
-        top_p = _check_float("top_p", top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise InvalidArgumentError(
-                f"invalid value for 'top_p': {top_p}; must be in (0, 1] (1 = off)"
-            )
+        temperature = _check_temperature(temperature)
+        top_p = _check_top_p(top_p)
         top_k = _check_int("top_k", top_k, minimum=0)
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
-        seed = _check_int("seed", seed, minimum=0, maximum=2**64 - 1)
-        if stop is not None and not isinstance(stop, (str, list, tuple)):
-            raise InvalidArgumentError(
-                f"invalid value for 'stop': {stop!r}; expected a string or a list of strings"
-            )
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) and s for s in stops):
-            raise InvalidArgumentError("invalid value for 'stop': expected non-empty strings")
+        seed = _check_seed(seed)
+        stops = _check_stops(stop)
         if stop_token_ids is None:
             stop_ids = self.eos_token_ids
         else:
-            if isinstance(stop_token_ids, (str, bytes)) or not isinstance(
-                stop_token_ids, (list, tuple, set, frozenset)
-            ):
-                raise InvalidArgumentError(
-                    f"invalid value for 'stop_token_ids': {stop_token_ids!r}; expected a list "
-                    "of token ids"
-                )
-            stop_ids = [self._check_token("stop_token_ids", t) for t in stop_token_ids]
-        if given.get("ignore_eos") is not None:
-            if not isinstance(given["ignore_eos"], bool):
-                raise InvalidArgumentError(
-                    f"invalid value for 'ignore_eos': {given['ignore_eos']!r}; expected a bool"
-                )
-            if given["ignore_eos"]:
-                stop_ids = [t for t in stop_ids if t not in self.eos_token_ids]
+            stop_ids = _check_stop_ids(stop_token_ids, self._check_token)
+        if given.get("ignore_eos") is not None and _check_ignore_eos(given["ignore_eos"]):
+            stop_ids = [t for t in stop_ids if t not in self.eos_token_ids]
         processing = {
             **_check_processing(given, self._check_token),
             "grammar": self._grammar(given),
@@ -764,27 +742,13 @@ class Model:
     def _grammar(self, given: Mapping[str, Any]) -> tuple[str, str] | None:
         """The engine's ``grammar`` argument, ``(kind, text)``, of the ``guided_*`` keywords;
         gives the engine the vocabulary on first use."""
-        named = [k for k in ("guided_json", "guided_regex", "guided_grammar") if k in given]
-        if not named:
+        argument = _guided_argument(given)
+        if argument is None:
             return None
-        if len(named) > 1:
-            raise InvalidArgumentError(
-                f"give one of {', '.join(repr(k) for k in named)}: a generation follows one "
-                "structured-output constraint"
-            )
-        name = named[0]
-        value = given[name]
-        if name == "guided_json":
-            value = _schema_text(value)
-        elif not isinstance(value, str) or not value.strip():
-            raise InvalidArgumentError(
-                f"invalid value for {name!r}: {value!r}; expected a non-empty string"
-            )
         if not self._engine.has_vocabulary:
             text = (self.path / "tokenizer.json").read_text(encoding="utf-8")
             self._engine.load_vocabulary(text)
-        kind = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar"}
-        return kind[name], value
+        return argument
 
     def _run(
         self,
@@ -1053,6 +1017,8 @@ class Model:
     def _launch(self, params: dict[str, Any], stream: bool) -> GenerationResult | GenerationStream:
         """Run prepared ``params``: now, or as a :class:`GenerationStream`."""
         if stream:
+            if params["grammar"] is not None:  # a bad constraint is an error of this call
+                self._engine.check_grammar(*params["grammar"])
             return GenerationStream(lambda on_text, cancel: self._run(params, on_text, cancel))
         return self._run(params, on_text=None)
 

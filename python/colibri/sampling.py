@@ -76,6 +76,14 @@ class SamplingParams:
     #: alternatives (vLLM's ``prompt_logprobs``); ``None``: none.
     prompt_logprobs: int | None = None
 
+    def __post_init__(self) -> None:
+        # A mistake is reported where the object is made, not at the first generate; what
+        # needs the model (token ids against its vocabulary, the prompt's length, compiling
+        # a guided_* constraint) is checked there.
+        from colibri.validation import check_sampling_fields
+
+        check_sampling_fields(self.fields())
+
     def fields(self) -> dict[str, Any]:
         """The fields that are set (not ``None``)."""
         return {

@@ -58,8 +58,23 @@ class GenerationStream(Iterator[str]):
         )
         self._thread.start()
 
-    def __iter__(self) -> GenerationStream:
-        return self
+    def __iter__(self) -> Iterator[str]:
+        # A ``for`` loop holds the only reference to the iterator it gets here, so leaving
+        # the loop early drops it at once, and its ``finally`` stops the generation (an
+        # iterator returning itself would leave it running while the stream is referenced).
+        return self._chunks()
+
+    def _chunks(self) -> Iterator[str]:
+        try:
+            while True:
+                try:
+                    chunk = self.__next__()
+                except StopIteration:
+                    return
+                yield chunk
+        finally:
+            if not self._finished:
+                self.close()
 
     def __next__(self) -> str:
         if self._finished:

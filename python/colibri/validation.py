@@ -271,3 +271,104 @@ def _check_processing(
         )
     out["prefill_progress"] = progress
     return out
+
+
+def _check_temperature(value: object) -> float:
+    t = _check_float("temperature", value)
+    if t < 0:
+        raise InvalidArgumentError(
+            f"invalid value for 'temperature': {t}; must be >= 0 (0 = greedy)"
+        )
+    return t
+
+
+def _check_top_p(value: object) -> float:
+    p = _check_float("top_p", value)
+    if not 0.0 < p <= 1.0:
+        raise InvalidArgumentError(f"invalid value for 'top_p': {p}; must be in (0, 1] (1 = off)")
+    return p
+
+
+def _check_seed(value: object) -> int:
+    return _check_int("seed", value, minimum=0, maximum=2**64 - 1)
+
+
+def _check_stops(stop: object) -> list[str]:
+    """``stop`` (a string or a list of strings) as a list."""
+    if stop is not None and not isinstance(stop, (str, list, tuple)):
+        raise InvalidArgumentError(
+            f"invalid value for 'stop': {stop!r}; expected a string or a list of strings"
+        )
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if not all(isinstance(s, str) and s for s in stops):
+        raise InvalidArgumentError("invalid value for 'stop': expected non-empty strings")
+    return stops
+
+
+def _check_stop_ids(value: object, check_token: Callable[[str, object], int]) -> list[int]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise InvalidArgumentError(
+            f"invalid value for 'stop_token_ids': {value!r}; expected a list of token ids"
+        )
+    return [check_token("stop_token_ids", t) for t in value]
+
+
+def _check_ignore_eos(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"invalid value for 'ignore_eos': {value!r}; expected a bool")
+    return value
+
+
+_GUIDED_KINDS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar"}
+
+
+def _guided_argument(given: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The engine's ``grammar`` argument, ``(kind, text)``, of the ``guided_*`` keywords in
+    ``given`` (at most one), before it is compiled against a vocabulary."""
+    named = [k for k in _GUIDED_KINDS if given.get(k) is not None]
+    if not named:
+        return None
+    if len(named) > 1:
+        raise InvalidArgumentError(
+            f"give one of {', '.join(repr(k) for k in named)}: a generation follows one "
+            "structured-output constraint"
+        )
+    name = named[0]
+    value = given[name]
+    if name == "guided_json":
+        value = _schema_text(value)
+    elif not isinstance(value, str) or not value.strip():
+        raise InvalidArgumentError(
+            f"invalid value for {name!r}: {value!r}; expected a non-empty string"
+        )
+    return _GUIDED_KINDS[name], value
+
+
+def _token_id_shape(name: str, value: object) -> int:
+    """A token id checked without a vocabulary (its range is checked by the model)."""
+    return _check_int(name, value, minimum=0)
+
+
+def check_sampling_fields(fields: Mapping[str, Any]) -> None:
+    """Check the set fields of a :class:`SamplingParams` as far as no model is needed (types
+    and ranges; token ids against the vocabulary, the prompt's length and the constraint's
+    compilation are checked by the generation)."""
+    if fields.get("max_tokens") is not None:
+        _check_int("max_tokens", fields["max_tokens"], minimum=1)
+    if fields.get("temperature") is not None:
+        _check_temperature(fields["temperature"])
+    if fields.get("top_k") is not None:
+        _check_int("top_k", fields["top_k"], minimum=0)
+    if fields.get("top_p") is not None:
+        _check_top_p(fields["top_p"])
+    if fields.get("seed") is not None:
+        _check_seed(fields["seed"])
+    _check_stops(fields.get("stop"))
+    if fields.get("stop_token_ids") is not None:
+        _check_stop_ids(fields["stop_token_ids"], _token_id_shape)
+    if fields.get("ignore_eos") is not None:
+        _check_ignore_eos(fields["ignore_eos"])
+    if fields.get("n") is not None:
+        _check_int("n", fields["n"], minimum=1, maximum=_MAX_CHOICES)
+    _check_processing(fields, _token_id_shape)
+    _guided_argument(fields)

@@ -255,6 +255,7 @@ impl Engine {
             hidden_size: self.info.hidden_size,
             vocab_size: self.info.vocab_size,
             max_context: self.info.max_context,
+            mtp_head: self.info.has_mtp,
         }
     }
 
@@ -336,13 +337,7 @@ impl Engine {
         let _generating = self.lock_model()?;
         let mut st = session.lock()?;
         self.restore(session, &mut st);
-        saved::save(
-            path,
-            &self.info.fingerprint,
-            self.info.hidden_size,
-            &st.caches,
-            &st.cache,
-        )
+        saved::save(path, &self.context_checks(), &st.caches, &st.cache)
     }
 
     /// A new session holding the context saved at `path` by [`save_session`](Self::save_session).
@@ -435,13 +430,7 @@ impl Engine {
         if let Some(dir) = s.spill_path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         }
-        saved::save(
-            &s.spill_path,
-            &self.info.fingerprint,
-            self.info.hidden_size,
-            &st.caches,
-            &st.cache,
-        )?;
+        saved::save(&s.spill_path, &self.context_checks(), &st.caches, &st.cache)?;
         st.caches.release();
         st.cache = decode::CacheState::from_parts(
             std::mem::take(&mut st.cache.tokens),

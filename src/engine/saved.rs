@@ -39,14 +39,21 @@ struct Header {
     tokens: Vec<u32>,
     payload_bytes: u64,
     crc32: u32,
+    /// Whether the saving model had its MTP head loaded (absent in files written before it
+    /// was recorded; their MTP rows tell when they can).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    mtp_head: Option<bool>,
 }
 
-/// What the loading model must match.
+/// What the loading model must match (and what a saving model records).
 pub struct Expect<'a> {
     pub fingerprint: &'a str,
     pub hidden_size: usize,
     pub vocab_size: usize,
     pub max_context: usize,
+    /// The model's MTP head is loaded: a context saved with it on holds MTP rows a model
+    /// without it cannot use, and one saved with it off lacks the rows drafting needs.
+    pub mtp_head: bool,
 }
 
 fn payload_bytes(
@@ -69,13 +76,8 @@ fn payload_bytes(
 
 /// Write `caches` and `state` to `path` atomically (a temporary file in the same directory,
 /// synced, then renamed over it): a reader sees the old file or the new one, never a part.
-pub fn save(
-    path: &Path,
-    fingerprint: &str,
-    hidden_size: usize,
-    caches: &KvCaches,
-    state: &CacheState,
-) -> Result<u64> {
+pub fn save(path: &Path, model: &Expect<'_>, caches: &KvCaches, state: &CacheState) -> Result<u64> {
+    let (fingerprint, hidden_size) = (model.fingerprint, model.hidden_size);
     let widths: Vec<[usize; 3]> = caches.all().map(|kv| kv.widths()).collect();
     let pending = state.mtp_pending().values();
     let pending_rows = pending.len() / hidden_size.max(1);
@@ -104,6 +106,7 @@ pub fn save(
         pending_rows,
         tokens: state.tokens.clone(),
         crc32: crc.finalize(),
+        mtp_head: Some(model.mtp_head),
     };
     let json = serde_json::to_vec(&header).map_err(|e| Error::Internal(e.to_string()))?;
     let tmp = temporary_path(path);
@@ -197,6 +200,22 @@ pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<C
         return Err(bad(format!(
             "saved by another model (fingerprint {}, this model's is {}): a context is only valid for the weights that computed it",
             h.fingerprint, expect.fingerprint
+        )));
+    }
+    let saved_head = h.mtp_head.or(if h.mtp_rows > 0 || h.pending_rows > 0 {
+        Some(true)
+    } else {
+        None
+    });
+    if let Some(saved_head) = saved_head.filter(|&on| on != expect.mtp_head) {
+        let (then, now) = if saved_head {
+            ("on", "off")
+        } else {
+            ("off", "on")
+        };
+        return Err(bad(format!(
+            "saved with the MTP head {then}, and this model has it {now}: open the model with mtp={} to use it, or save the context again from this model",
+            if saved_head { "True" } else { "False" }
         )));
     }
     let widths: Vec<[usize; 3]> = caches.all().map(|kv| kv.widths()).collect();

@@ -178,6 +178,66 @@ fn damaged_or_foreign_contexts_are_refused_with_a_typed_error() {
     run(&e, None, &PROMPT, false);
 }
 
+fn open_without_mtp(rel: &str, spill: &Path) -> Engine {
+    let opts = EngineOptions {
+        usage_file: false,
+        threads: 2,
+        spill_dir: Some(spill.to_path_buf()),
+        load_mtp: false,
+        prefill: Some(crate::quant::kernels::Arithmetic::Exact),
+        ..EngineOptions::new()
+    };
+    Engine::open(&model_dir(rel), &opts).expect("the model opens")
+}
+
+#[test]
+fn a_context_saved_with_the_mtp_head_on_or_off_is_refused_by_the_other_kind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let with = open("python/colibri/models/tiny", tmp.path(), None);
+    let without = open_without_mtp("python/colibri/models/tiny", tmp.path());
+    let (on_file, on_bytes) = save_tiny(&with, tmp.path());
+    let off_file = tmp.path().join("off.colibri");
+    let s = without.new_session().unwrap();
+    let mut opts = options(&without, false);
+    opts.draft = DraftSource::Off;
+    without
+        .generate(
+            Some(&s),
+            &PROMPT,
+            &opts,
+            &mut |_| true,
+            &AtomicBool::new(false),
+        )
+        .unwrap();
+    without.save_session(Some(&s), &off_file).unwrap();
+    for (engine, file, needle) in [
+        (&without, &on_file, "MTP head on, and this model has it off"),
+        (&with, &off_file, "MTP head off, and this model has it on"),
+    ] {
+        let err = engine.load_session(file).err().expect("refused");
+        assert!(
+            matches!(err, Error::SavedContext { .. }) && err.to_string().contains(needle),
+            "{err}"
+        );
+    }
+    assert!(with.load_session(&on_file).is_ok());
+    assert!(without.load_session(&off_file).is_ok());
+    // A file written before the head was recorded: its MTP rows still tell.
+    let header_len = u64::from_le_bytes(on_bytes[24..32].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&on_bytes[32..32 + header_len]).unwrap();
+    assert!(header.contains(",\"mtp_head\":true"), "{header}");
+    let old = header.replace(",\"mtp_head\":true", "");
+    let mut bytes = on_bytes[..24].to_vec();
+    bytes.extend((old.len() as u64).to_le_bytes());
+    bytes.extend(old.as_bytes());
+    bytes.extend(&on_bytes[32 + header_len..]);
+    let old_file = tmp.path().join("old.colibri");
+    std::fs::write(&old_file, &bytes).unwrap();
+    assert!(with.load_session(&old_file).is_ok());
+    let err = without.load_session(&old_file).err().expect("refused");
+    assert!(err.to_string().contains("MTP head on"), "{err}");
+}
+
 #[test]
 fn idle_sessions_beyond_the_budget_go_to_disk_and_come_back_intact() {
     let tmp = tempfile::tempdir().unwrap();

@@ -37,7 +37,8 @@ mod prefetch;
 mod prefetch_queue;
 pub mod source;
 pub mod stats;
-#[cfg(any(test, feature = "testing"))]
+/// Synthetic containers of real shapes (stand-ins for benchmarks and replays): always
+/// built, so `cargo bench` and `make_synthetic` need no feature.
 pub mod synth;
 pub mod usage;
 

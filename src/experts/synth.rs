@@ -1,8 +1,8 @@
 //! Synthetic expert containers: safetensors shards of random int4/int8 experts in the layout
 //! of our converter (gate, up, down and their `.qs` scales adjacent, one expert after the
 //! other), plus a `config.json` that [`Container::open`](crate::container::Container::open)
-//! accepts. Test-only (the Cargo feature `testing`, or `cfg(test)`): used by the store's
-//! tests, `tools/make_synthetic.rs` and `benches/experts.rs` (GLM-5.2 expert shapes: hidden
+//! accepts. Not used by inference: the store's tests, `tools/make_synthetic.rs`, the
+//! replay and `benches/` write them (GLM-5.2 expert shapes: hidden
 //! 6144, moe_intermediate 2048, int4-gs64 = 21,233,664 bytes per expert).
 //!
 //! The bytes are a deterministic function of (seed, layer, expert, tensor), so two

@@ -198,6 +198,19 @@ impl PyEngine {
         Ok(())
     }
 
+    /// Compile a structured-output constraint, `(kind, text)` as `generate`'s `grammar`, and
+    /// drop it: a stream checks its constraint when it is created, not at its first chunk.
+    fn check_grammar(&self, py: Python<'_>, kind: &str, text: &str) -> PyResult<()> {
+        let spec = GrammarSpec::parse(kind, text).map_err(to_py_err)?;
+        let vocabulary = self.vocabulary.get().ok_or_else(|| {
+            to_py_err(Error::invalid(
+                spec.param(),
+                "the engine has no vocabulary: call load_vocabulary first",
+            ))
+        })?;
+        run(py, || vocabulary.compile(&spec).map(drop))
+    }
+
     /// Whether `load_vocabulary` was done.
     #[getter]
     fn has_vocabulary(&self) -> bool {

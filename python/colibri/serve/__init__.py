@@ -29,13 +29,62 @@ except ImportError as e:  # pragma: no cover - exercised by the CLI test in a ba
         name=e.name,
     ) from e
 
+import errno  # noqa: E402
+import socket  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
+from colibri.errors import InvalidArgumentError, ServerAddressError  # noqa: E402
 from colibri.model import Model  # noqa: E402
 from colibri.serve.app import create_app  # noqa: E402
 
-__all__ = ["INSTALL_HINT", "create_app", "serve"]
+__all__ = ["INSTALL_HINT", "check_port", "create_app", "listen_socket", "serve"]
+
+#: What to do about the usual reasons a socket cannot be bound.
+_BIND_HINTS = {
+    errno.EADDRINUSE: "another process listens there: stop it, or pick another --port "
+    "(0 takes a free one)",
+    errno.EACCES: "ports below 1024 need privileges: pick one above 1023",
+    errno.EADDRNOTAVAIL: "that address is not one of this machine's: use 127.0.0.1 (this "
+    "machine only) or 0.0.0.0 (every interface)",
+}
+
+
+def check_port(port: object) -> int:
+    """``port`` as a TCP port number (0 = any free port), else an
+    :class:`~colibri.InvalidArgumentError`."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidArgumentError(
+            f"invalid value for 'port': {port!r}; a TCP port is 0..65535 (0 takes a free one)"
+        )
+    return port
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``(host, port)``, ready for uvicorn; what stops it is a
+    :class:`~colibri.ServerAddressError` saying what to do (uvicorn's own binding would
+    exit the process instead)."""
+    check_port(port)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
+    except OSError as e:  # an unknown host name
+        raise ServerAddressError(
+            f"cannot listen on {host!r}: {e.strerror or e}; give an address such as 127.0.0.1"
+        ) from None
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(infos[0][4])
+    except OSError as e:
+        sock.close()
+        shown = f"[{host}]" if ":" in host else host
+        hint = _BIND_HINTS.get(e.errno or 0, "pick another --host or --port")
+        raise ServerAddressError(
+            f"cannot listen on {shown}:{port}: {e.strerror or e}; {hint}"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def serve(
@@ -73,7 +122,7 @@ def serve(
         timeout_graceful_shutdown=5,
     )
     state = app.state.server
-    sock = config.bind_socket()
+    sock = listen_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
 

@@ -284,7 +284,7 @@ class Server:
         try:
             self.model.generate(req.prompt_ids, stream=True, **req.generate).close()
         except ColibriError as e:
-            raise protocol.from_colibri_error(e, req.kind) from e
+            raise protocol.from_colibri_error(e, req.kind, body) from e
         return req
 
     async def _wait(self, request: Request, jobs: list[Job]) -> list[Any] | None:

@@ -383,6 +383,24 @@ def test_bad_constraints_are_400s_before_any_answer(server: Live) -> None:
             assert err["param"] == param and err["type"] == "invalid_request_error", err
 
 
+def test_clients_extra_fields_over_http(server: Live) -> None:
+    """llama.cpp's and vLLM's extra fields (docs/server.md has the table): a mapped one
+    answers as colibri's own field does, an ignored one is named in a ``Warning`` header,
+    streamed or not, and a refused one is a 400 naming it."""
+    url = f"{server.url}/v1/completions"
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    own = httpx.post(url, json={**base, "repetition_penalty": 1.2}, timeout=30)
+    mapped = httpx.post(url, json={**base, "repeat_penalty": 1.2, "cache_prompt": True}, timeout=30)
+    assert mapped.status_code == 200 and "warning" not in mapped.headers
+    assert mapped.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
+    for stream in (False, True):
+        r = httpx.post(url, json={**base, "mirostat": 2, "stream": stream}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.headers["warning"].startswith('299 colibri "ignored fields: mirostat')
+    r = httpx.post(url, json={**base, "include_stop_str_in_output": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include_stop_str_in_output"
+
+
 def test_n_choices_decode_together_each_as_alone(
     client: openai.OpenAI, local: colibri.Model
 ) -> None:

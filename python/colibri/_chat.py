@@ -258,10 +258,12 @@ def render_chat(
     add_generation_prompt: bool,
     max_output: int = 64 << 20,
     template: str | None = None,
+    variables: Mapping[str, Any] | None = None,
 ) -> str:
     """Render ``messages`` into the prompt text the model was trained on, at most
     ``max_output`` characters (longer is an :class:`InvalidArgumentError`), with
-    ``template`` instead of the model's own when given."""
+    ``template`` instead of the model's own when given, and ``variables`` (e.g.
+    ``enable_thinking``) defined for the template."""
     check_messages(messages, max_output)
     from jinja2.exceptions import TemplateError
 
@@ -272,10 +274,17 @@ def render_chat(
         for k, v in tokenizer_config.items()
         if k.endswith("_token") and isinstance(v, (str, dict))
     }
+    reserved = {"messages", "add_generation_prompt"} & set(variables or {})
+    if reserved:
+        raise InvalidArgumentError(
+            f"invalid keyword {sorted(reserved)[0]!r}: the conversation sets it; give it as "
+            "its own argument"
+        )
     context = {
+        **special,
+        **(variables or {}),
         "messages": [_flat_message(i, m) for i, m in enumerate(messages)],
         "add_generation_prompt": add_generation_prompt,
-        **special,
     }
     try:
         return _render_bounded(template, max_output, context)

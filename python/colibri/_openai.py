@@ -2,7 +2,9 @@
 generation arguments, and the response, chunk, usage and error bodies.
 
 Every field of OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` requests is either
-honoured or refused with a 400 that names it (``param``): nothing is silently ignored. This
+honoured or refused with a 400 that names it (``param``): nothing is silently ignored. The
+extra fields llama.cpp's and vLLM's clients send are in ``colibri._client_fields``: honoured,
+mapped, refused, or ignored with a ``Warning`` header naming them. This
 module needs no web framework: `colibri serve` answers with it, and
 ``Model.create_completion`` / ``Model.create_chat_completion`` return the same bodies.
 """
@@ -17,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from colibri import _client_fields
+from colibri._gbnf import gbnf_to_lark
 from colibri.errors import ColibriError, InvalidArgumentError
 from colibri.model import Model
 from colibri.results import GenerationResult, GenerationStats
@@ -104,8 +108,12 @@ def from_colibri_error(e: ColibriError, kind: Kind, body: object = None) -> ApiE
         param = _WIRE_NAMES.get(param, param)
         if param == "prompt" and kind == "chat":
             param = "messages"
-        if param == "guided_json" and isinstance(body, dict) and "response_format" in body:
-            param = "response_format"
+        if isinstance(body, dict):
+            sent = {"guided_json": "response_format", "guided_grammar": "grammar"}
+            if param in sent and sent[param] in body:
+                param = sent[param]
+            elif param == "guided_grammar" and "guided_choice" in body:
+                param = "guided_choice"
     code = "context_length_exceeded" if "max_context" in message else "invalid_value"
     return ApiError(400, message, param=param, code=code)
 
@@ -189,6 +197,8 @@ class Request:
     #: Choices to generate (OpenAI's ``n``): they decode together, choice i sampled with
     #: seed ``seed + i``.
     n: int = 1
+    #: Extra client fields accepted without effect (said in a ``Warning`` header).
+    ignored: list[str] = field(default_factory=list)
 
     def choice_generate(self, i: int) -> dict[str, Any]:
         """The ``Session.generate`` keywords of choice ``i``: the request's, its seed (when
@@ -308,6 +318,8 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     Raises :class:`ApiError` (400 naming the field; 404 for another model name)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    extra = _client_fields.normalise(body, kind, invalid, unsupported, _grammar_field)
+    body = extra.body
     allowed = _COMMON | (_CHAT_ONLY if kind == "chat" else _COMPLETION_ONLY)
     for name in body:
         if name not in allowed:
@@ -369,11 +381,13 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     # The prompt.
     echo = ""
     if kind == "chat":
-        prompt_ids = _chat_prompt(body.get("messages"), model)
+        prompt_ids = _chat_prompt(body.get("messages"), model, extra)
     else:
         prompt_ids = _completion_prompt(body.get("prompt"), model)
-        if _opt_bool(body, "echo"):
-            echo = model.decode(prompt_ids)
+    if extra.truncate_prompt_tokens is not None:
+        prompt_ids = prompt_ids[-extra.truncate_prompt_tokens :]
+    if kind == "completion" and _opt_bool(body, "echo"):
+        echo = model.decode(prompt_ids)
 
     # Sampling and length.
     max_tokens = _opt_int(body, "max_tokens", 1)
@@ -440,7 +454,24 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
         model=served,
         id=prefix + uuid.uuid4().hex[:24],
         n=n,
+        ignored=extra.ignored,
     )
+
+
+def _grammar_field(text: str) -> str:
+    """llama.cpp's ``grammar`` (GBNF) as ``guided_grammar`` text, or the 400 naming it."""
+    try:
+        return gbnf_to_lark(text)
+    except InvalidArgumentError as e:
+        raise ApiError(400, str(e), param="grammar", code="invalid_value") from None
+
+
+def ignored_warning(req: Request) -> str | None:
+    """The ``Warning`` header (RFC 9111's 299, "miscellaneous persistent warning") of a
+    request whose extra fields were accepted without effect, or None."""
+    if not req.ignored:
+        return None
+    return f'299 colibri "ignored fields: {", ".join(req.ignored)} (see docs/server.md)"'
 
 
 def _logit_processing(body: Mapping[str, Any], model: Model) -> dict[str, Any]:
@@ -578,8 +609,14 @@ def _parse_stop(stop: object) -> list[str] | None:
     return stops or None
 
 
-def _chat_prompt(messages: object, model: Model) -> list[int]:
-    """The token ids of ``messages`` rendered with the model's chat template."""
+def _chat_prompt(
+    messages: object, model: Model, extra: _client_fields.Normalised | None = None
+) -> list[int]:
+    """The token ids of ``messages`` rendered with the model's chat template (with the
+    template controls of ``extra``: vLLM's ``add_generation_prompt``,
+    ``continue_final_message``, ``chat_template_kwargs``)."""
+    if extra is None:
+        extra = _client_fields.Normalised({}, [])
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "expected a non-empty list of messages")
     clean: list[dict[str, str]] = []
@@ -630,12 +667,37 @@ def _chat_prompt(messages: object, model: Model) -> list[int]:
             msg["name"] = m["name"]
         clean.append(msg)
     try:
-        text = model.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+        text = model.apply_chat_template(
+            clean,
+            tokenize=False,
+            add_generation_prompt=extra.add_generation_prompt,
+            **(extra.chat_template_kwargs or {}),
+        )
+        if extra.continue_final_message:
+            text = _continued(text, clean[-1])
         return model.encode(text, add_special_tokens=False)
     except InvalidArgumentError as e:
         raise invalid("messages", str(e)) from e
     except ColibriError as e:  # a model without a chat template, a template that fails
         raise ApiError(400, str(e), param="messages", code="chat_template") from e
+
+
+def _continued(text: str, last: Mapping[str, str]) -> str:
+    """The rendered conversation cut after the last message's content, so that the model
+    continues it rather than closing it (vLLM's ``continue_final_message``)."""
+    content = last["content"]
+    if last["role"] != "assistant" or not content:
+        raise invalid(
+            "continue_final_message",
+            "the last message must be a non-empty assistant message to continue",
+        )
+    at = text.rfind(content)
+    if at < 0:  # the template rewrote it (stripped, escaped): there is no place to continue
+        raise invalid(
+            "continue_final_message",
+            "the chat template does not keep the last message's text as it is",
+        )
+    return text[: at + len(content)]
 
 
 def _completion_prompt(prompt: object, model: Model) -> list[int]:

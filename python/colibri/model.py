@@ -830,6 +830,7 @@ class Model:
         tokenize: Literal[True] = True,
         add_generation_prompt: bool = False,
         chat_template: str | None = None,
+        **template_kwargs: Any,
     ) -> list[int]: ...
 
     @overload
@@ -840,6 +841,7 @@ class Model:
         tokenize: Literal[False],
         add_generation_prompt: bool = False,
         chat_template: str | None = None,
+        **template_kwargs: Any,
     ) -> str: ...
 
     def apply_chat_template(
@@ -849,12 +851,14 @@ class Model:
         tokenize: bool = True,
         add_generation_prompt: bool = False,
         chat_template: str | None = None,
+        **template_kwargs: Any,
     ) -> str | list[int]:
         """Render ``messages`` with the chat template (sandboxed jinja2, as transformers
         renders it), with transformers' defaults: token ids (``tokenize=True``) and no
         generation prompt (``add_generation_prompt=False``; :meth:`chat` adds it).
         ``chat_template`` (template text) replaces the model's template for this call;
-        ``Model(chat_template=...)`` for every call."""
+        ``Model(chat_template=...)`` for every call. Other keywords are variables of the
+        template, as transformers passes them (e.g. ``enable_thinking=False`` for GLM)."""
         from colibri._chat import render_chat
 
         text = render_chat(
@@ -864,6 +868,7 @@ class Model:
             add_generation_prompt,
             max_output=self._max_prompt_chars,
             template=chat_template if chat_template is not None else self._chat_template,
+            variables=template_kwargs,
         )
         if tokenize:
             return self.encode(text, add_special_tokens=False)
@@ -1059,9 +1064,15 @@ class Model:
         served = body.get("model") if isinstance(body.get("model"), str) else self.path.name
         try:
             req = _openai.parse(body, kind, self, served)
-        except _openai.ApiError as e:
-            where = f"'{e.param}'" if e.param else "the request"
-            raise InvalidArgumentError(f"invalid value for {where}: {e.message}") from None
+        except _openai.ApiError as e:  # its message names the field
+            raise InvalidArgumentError(e.message) from None
+        if req.ignored:
+            warnings.warn(
+                f"ignored fields: {', '.join(req.ignored)} (colibri accepts them without "
+                "effect; docs/server.md lists what each client field does)",
+                UserWarning,
+                stacklevel=3,
+            )
         if req.n > 1:  # the choices decode together; a stream carries each one whole
             results = self.generate(req.prompt_ids, n=req.n, **req.generate)
             if not req.stream:

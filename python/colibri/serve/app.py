@@ -265,16 +265,23 @@ class Server:
             for job in jobs:
                 job.cancel()
             raise ApiError(503, str(e), code="shutting_down", headers={"Retry-After": "5"}) from e
+        warning = protocol.ignored_warning(req)
+        extra_headers = {"Warning": warning} if warning else {}
         if req.stream:
             return EventSourceResponse(
-                self._events(req, jobs), ping=15, headers={"Cache-Control": "no-store"}
+                self._events(req, jobs),
+                ping=15,
+                headers={"Cache-Control": "no-store", **extra_headers},
             )
         outcomes = await self._wait(request, jobs)
         if outcomes is None:  # the client went away: nobody reads an answer
             return Response(status_code=499)
         if any(o.result.finish_reason == "cancelled" for o in outcomes):  # the shutdown
             raise ApiError(503, "the server is shutting down", code="shutting_down")
-        return JSONResponse(protocol.response(req, [o.result for o in outcomes], self.model))
+        return JSONResponse(
+            protocol.response(req, [o.result for o in outcomes], self.model),
+            headers=extra_headers,
+        )
 
     def _prepare(self, body: object, kind: protocol.Kind) -> protocol.Request:
         """Check the request and tokenise its prompt (on a worker thread: a long prompt

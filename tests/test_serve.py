@@ -383,6 +383,62 @@ def test_bad_constraints_are_400s_before_any_answer(server: Live) -> None:
             assert err["param"] == param and err["type"] == "invalid_request_error", err
 
 
+def test_a_list_of_prompts_is_a_batch_each_as_alone(
+    client: openai.OpenAI, local: colibri.Model
+) -> None:
+    """``prompt`` as a list: every prompt's choices, in order, each what it gets alone
+    (greedy and seeded), streamed or not; ``usage`` counts each prompt once."""
+    prompts = [PROMPT, "class Stack:", [5, 6, 7]]
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 0.8, "seed": 4}
+    got = client.completions.create(prompt=prompts, n=2, **body)  # type: ignore[arg-type]
+    alone = [
+        local.generate(p, max_tokens=6, temperature=0.8, seed=4 + j)
+        for p in prompts
+        for j in (0, 1)
+    ]
+    assert [c.index for c in got.choices] == list(range(6))
+    assert [c.text for c in got.choices] == [a.text for a in alone]
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == sum(a.stats.prompt_tokens for a in alone[::2])
+    assert got.usage.completion_tokens == sum(len(a.token_ids) for a in alone)
+    texts = [""] * 3
+    for part in client.completions.create(prompt=prompts, stream=True, echo=True, **body):  # type: ignore[arg-type]
+        for c in part.choices:
+            texts[c.index] += c.text
+    want = [local.decode(local.encode(p) if isinstance(p, str) else p) for p in prompts]
+    assert texts == [w + a.text for w, a in zip(want, alone[::2], strict=True)]
+    py = local.create_completion(prompts, echo=True, **body)
+    assert isinstance(py, dict) and [c["text"] for c in py["choices"]] == texts
+
+
+def test_tokenize_and_detokenize_as_llama_server(server: Live, local: colibri.Model) -> None:
+    post = lambda path, body: httpx.post(server.url + path, json=body, timeout=30)  # noqa: E731
+    r = post("/tokenize", {"content": PROMPT})
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    assert ids == local.encode(PROMPT, add_special_tokens=False)
+    assert r.json()["count"] == len(ids) and r.json()["max_model_len"] == local.max_context
+    special = post("/tokenize", {"prompt": PROMPT, "add_special_tokens": True}).json()["tokens"]
+    assert special == local.encode(PROMPT)
+    pieces = post("/tokenize", {"content": PROMPT, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    assert "".join(p["piece"] for p in pieces if isinstance(p["piece"], str)) == PROMPT
+    back = post("/detokenize", {"tokens": ids})
+    assert back.status_code == 200 and back.json() == {"content": PROMPT}
+    for path, body, param in [
+        ("/tokenize", {"content": 5}, "content"),
+        ("/tokenize", {}, "content"),
+        ("/tokenize", {"content": "x", "prompt": "x"}, "content"),
+        ("/tokenize", {"content": "x", "frobnicate": 1}, "frobnicate"),
+        ("/tokenize", {"content": "x" * (local._max_prompt_chars + 1)}, "content"),
+        ("/detokenize", {"tokens": [1, -1]}, "tokens[1]"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ]:
+        r = post(path, body)
+        assert r.status_code == 400, (path, body, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+
+
 def test_clients_extra_fields_over_http(server: Live) -> None:
     """llama.cpp's and vLLM's extra fields (docs/server.md has the table): a mapped one
     answers as colibri's own field does, an ignored one is named in a ``Warning`` header,
@@ -453,7 +509,8 @@ def test_unsupported_fields_are_400s_naming_them(client: openai.OpenAI) -> None:
          "stream_options")  # fmt: skip
     _bad(lambda: chat(model=MODEL, messages=[]), "messages")
     comp = client.completions.create
-    _bad(lambda: comp(model=MODEL, prompt=["a", "b"]), "prompt")
+    _bad(lambda: comp(model=MODEL, prompt=["a", ""]), "prompt[1]")
+    _bad(lambda: comp(model=MODEL, prompt=["a"] * 33, n=2), "prompt")
     _bad(lambda: comp(model=MODEL, prompt="a", suffix="b"), "suffix")
     _bad(lambda: comp(model=MODEL, prompt="a", best_of=2), "best_of")
     _bad(lambda: comp(model=MODEL, prompt="", max_tokens=4), "prompt")
@@ -1034,6 +1091,14 @@ def test_dashboard_updates_in_a_browser(server: Live, tmp_path: Path) -> None:
 def test_stats_json(server: Live) -> None:
     s = server.stats()
     assert s["served_model"] == MODEL
+    # The request count is of API requests: the dashboard's polling and scrapes add none.
+    for _ in range(3):
+        server.stats()
+        httpx.get(server.url + "/health", timeout=10)
+        httpx.get(server.url + "/metrics", timeout=10)
+    assert server.stats()["totals"]["requests"] == s["totals"]["requests"]
+    httpx.get(server.url + "/v1/models", timeout=10)
+    assert server.stats()["totals"]["requests"] == s["totals"]["requests"] + 1
     assert s["totals"]["generations"] == len(s["history"]) or len(s["history"]) == 120
     assert s["layers"] and all(0.0 <= v["hit_rate"] <= 1.0 for v in s["layers"].values())
     json.dumps(s)

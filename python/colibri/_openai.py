@@ -181,36 +181,58 @@ class Request:
     """A checked request: what to generate and how to answer."""
 
     kind: Kind
-    #: The prompt as token ids (a chat rendered with the model's template).
-    prompt_ids: list[int]
+    #: The prompts as token ids (a chat: one, rendered with the model's template; a
+    #: completions request may carry several).
+    prompts: list[list[int]]
     #: Keywords for ``Session.generate`` (``max_new_tokens``, ``temperature``, ...).
     generate: dict[str, Any]
     stream: bool = False
     include_usage: bool = False
-    #: Completions' ``echo``: the prompt text put before the completion.
-    echo: str = ""
+    #: Completions' ``echo``: each prompt's text, put before its completions.
+    echoes: list[str] = field(default_factory=list)
     #: Top alternatives per token when log-probabilities are asked for, else None.
     logprobs: int | None = None
     model: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
-    #: Choices to generate (OpenAI's ``n``): they decode together, choice i sampled with
-    #: seed ``seed + i``.
+    #: Choices to generate per prompt (OpenAI's ``n``): they decode together; choice
+    #: ``p * n + j`` is prompt p's j-th, sampled with seed ``seed + j``.
     n: int = 1
     #: Extra client fields accepted without effect (said in a ``Warning`` header).
     ignored: list[str] = field(default_factory=list)
 
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The first (for a chat, the only) prompt."""
+        return self.prompts[0]
+
+    @property
+    def choices(self) -> int:
+        """Choices in the answer: ``n`` per prompt."""
+        return len(self.prompts) * self.n
+
+    def choice_prompt(self, i: int) -> list[int]:
+        """The prompt of choice ``i``."""
+        return self.prompts[i // self.n]
+
+    def choice_echo(self, i: int) -> str:
+        """The echoed prompt text of choice ``i`` ("" without ``echo``)."""
+        return self.echoes[i // self.n] if self.echoes else ""
+
     def choice_generate(self, i: int) -> dict[str, Any]:
         """The ``Session.generate`` keywords of choice ``i``: the request's, its seed (when
-        one was given) advanced by ``i``."""
+        one was given) advanced by its place among its prompt's ``n``."""
         g = dict(self.generate)
-        if i and g.get("seed") is not None:
-            g["seed"] = (int(g["seed"]) + i) % 2**64
+        j = i % self.n
+        if j and g.get("seed") is not None:
+            g["seed"] = (int(g["seed"]) + j) % 2**64
         return g
 
 
 #: Most choices one request may ask for (``n``).
 MAX_CHOICES = 16
+#: Most prompts times ``n`` one completions request may carry (each is a job in the batch).
+MAX_BATCH_CHOICES = 64
 
 #: Fields both endpoints accept, with no meaning of their own beyond what is checked below.
 _COMMON = {
@@ -379,15 +401,22 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     logprobs = _parse_logprobs(body, kind)
 
     # The prompt.
-    echo = ""
     if kind == "chat":
-        prompt_ids = _chat_prompt(body.get("messages"), model, extra)
+        prompts = [_chat_prompt(body.get("messages"), model, extra)]
     else:
-        prompt_ids = _completion_prompt(body.get("prompt"), model)
+        prompts = _completion_prompts(body.get("prompt"), model)
+        if len(prompts) * n > MAX_BATCH_CHOICES:
+            raise invalid(
+                "prompt",
+                f"{len(prompts)} prompts times n={n} choices; at most {MAX_BATCH_CHOICES} per "
+                "request: split the batch",
+            )
     if extra.truncate_prompt_tokens is not None:
-        prompt_ids = prompt_ids[-extra.truncate_prompt_tokens :]
+        prompts = [p[-extra.truncate_prompt_tokens :] for p in prompts]
+    echoes: list[str] = []
     if kind == "completion" and _opt_bool(body, "echo"):
-        echo = model.decode(prompt_ids)
+        echoes = [model.decode(p) for p in prompts]
+    prompt_ids = max(prompts, key=len)
 
     # Sampling and length.
     max_tokens = _opt_int(body, "max_tokens", 1)
@@ -445,11 +474,11 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     return Request(
         kind=kind,
-        prompt_ids=prompt_ids,
+        prompts=prompts,
         generate=gen,
         stream=stream,
         include_usage=include_usage,
-        echo=echo,
+        echoes=echoes,
         logprobs=logprobs,
         model=served,
         id=prefix + uuid.uuid4().hex[:24],
@@ -700,26 +729,32 @@ def _continued(text: str, last: Mapping[str, str]) -> str:
     return text[: at + len(content)]
 
 
-def _completion_prompt(prompt: object, model: Model) -> list[int]:
-    """The token ids of a completions ``prompt``: a string, token ids, or a list of one."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+def _completion_prompts(prompt: object, model: Model) -> list[list[int]]:
+    """The token ids of each prompt of a completions ``prompt``: a string, token ids, or a
+    list of strings or of token-id lists (a batch, answered choice by choice in order)."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise unsupported("prompt", "one prompt per request (batches are not supported yet)")
+        return [_completion_prompt(p, model, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_completion_prompt(prompt, model)]
+
+
+def _completion_prompt(prompt: object, model: Model, where: str = "prompt") -> list[int]:
+    """The token ids of one completions prompt: a string or token ids."""
     if isinstance(prompt, str):
         if not prompt:
-            raise invalid("prompt", "the prompt is empty")
+            raise invalid(where, "the prompt is empty")
         try:
             return model.encode(prompt)
         except InvalidArgumentError as e:
-            raise invalid("prompt", str(e)) from e
+            raise invalid(where, str(e)) from e
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         vocab = int(model.config["vocab_size"])
         for t in prompt:
             if not 0 <= t < vocab:
-                raise invalid("prompt", f"token id {t} is outside the vocabulary (0..{vocab - 1})")
+                raise invalid(where, f"token id {t} is outside the vocabulary (0..{vocab - 1})")
         return list(prompt)
-    raise invalid("prompt", "expected a string, a list of token ids, or a list of one of them")
+    raise invalid(
+        where, "expected a string, a list of token ids, or a list of strings or of token-id lists"
+    )
 
 
 # ----------------------------------------------------------------------------- responses
@@ -727,18 +762,19 @@ def _completion_prompt(prompt: object, model: Model) -> list[int]:
 FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "stop"}
 
 
-def usage(stats: GenerationStats | Sequence[GenerationStats]) -> dict[str, Any]:
+def usage(stats: GenerationStats | Sequence[GenerationStats], n: int = 1) -> dict[str, Any]:
     """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` counts the prompt
-    tokens whose KV a session already held (not prefilled again). With several choices the
-    prompt counts once and the completion tokens are summed."""
+    tokens whose KV a session already held (not prefilled again). ``stats`` are the choices',
+    ``n`` per prompt: each prompt counts once and the completion tokens are summed."""
     every = [stats] if isinstance(stats, GenerationStats) else list(stats)
-    first = every[0]
+    firsts = every[::n]
+    prompt = sum(s.prompt_tokens for s in firsts)
     completion = sum(s.generated_tokens for s in every)
     return {
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.prompt_cached_tokens},
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(s.prompt_cached_tokens for s in firsts)},
     }
 
 
@@ -788,7 +824,7 @@ def response(
             choices.append(
                 {
                     "index": index,
-                    "text": req.echo + result.text,
+                    "text": req.choice_echo(index) + result.text,
                     "logprobs": lp,
                     "finish_reason": finish,
                 }
@@ -797,7 +833,7 @@ def response(
     return {
         **_envelope(req, obj),
         "choices": choices,
-        "usage": usage([r.stats for r in every]),
+        "usage": usage([r.stats for r in every], req.n),
         "colibri": colibri_stats(every[0].stats),
     }
 
@@ -840,7 +876,8 @@ def opening_chunks(req: Request, index: int = 0) -> list[dict[str, Any]]:
     the echoed prompt."""
     if req.kind == "chat":
         return [chunk(req, text="", role=True, index=index)]
-    return [chunk(req, text=req.echo, index=index)] if req.echo else []
+    echo = req.choice_echo(index)
+    return [chunk(req, text=echo, index=index)] if echo else []
 
 
 def finish_chunk(
@@ -880,7 +917,7 @@ def usage_chunk(
     return {
         **_envelope(req, obj),
         "choices": [],
-        "usage": usage([r.stats for r in every]),
+        "usage": usage([r.stats for r in every], req.n),
         "colibri": colibri_stats(every[0].stats),
     }
 

@@ -1035,15 +1035,16 @@ class Model:
 
     # ----------------------------------------------------------------------------- OpenAI
     def create_completion(
-        self, prompt: str | Sequence[int], **request: Any
+        self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]], **request: Any
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """``prompt`` completed as OpenAI's ``/v1/completions`` (and llama-cpp-python's
         ``create_completion``) answers: the keywords are that request's fields
         (``max_tokens`` default 16, ``temperature``, ``top_p``, ``stop``, ``seed``,
         ``logprobs``, ``presence_penalty``, ``logit_bias``, ``echo``, ``stream``, ...; vLLM's
-        ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``), and
-        the result is the response body as a dict, or with ``stream=True`` an iterator of
-        its chunks. The same code answers ``colibri serve`` (``colibri._openai``); a field
+        ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``; and
+        llama.cpp's and vLLM's client fields, docs/server.md), and the result is the response
+        body as a dict, or with ``stream=True`` an iterator of its chunks. A list of prompts
+        is a batch. The same code answers ``colibri serve`` (``colibri._openai``); a field
         colibri cannot honour is an :class:`InvalidArgumentError` naming it."""
         return self._openai("completion", {"prompt": prompt, **request})
 
@@ -1073,8 +1074,13 @@ class Model:
                 UserWarning,
                 stacklevel=3,
             )
-        if req.n > 1:  # the choices decode together; a stream carries each one whole
-            results = self.generate(req.prompt_ids, n=req.n, **req.generate)
+        if req.choices > 1:  # the choices decode together; a stream carries each one whole
+            results: list[GenerationResult] = []
+            if req.n == 1:  # a list of prompts: one batch, its decode forwards shared
+                results = self.generate(req.prompts, **req.generate)
+            else:
+                for prompt in req.prompts:
+                    results.extend(self.generate(prompt, n=req.n, **req.generate))
             if not req.stream:
                 return _openai.response(req, results, self)
 

@@ -28,6 +28,7 @@ from colibri import _openai as protocol
 from colibri._openai import ApiError
 from colibri.errors import ColibriError
 from colibri.model import Model
+from colibri.serve import tokens
 from colibri.serve.metrics import ServerStats
 from colibri.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown
 
@@ -51,8 +52,18 @@ ENDPOINTS = frozenset(
         "/v1/models",
         "/v1/completions",
         "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
     }
 )
+
+#: The API's own paths: what the dashboard's request count counts (not its own polling of
+#: ``/stats``, nor ``/health`` or ``/metrics`` scrapes).
+API_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+
+
+def _is_api(path: str) -> bool:
+    return path in API_PATHS or path.startswith("/v1/models")
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -120,7 +131,7 @@ class _Guard:
                 return
             await self.app(scope, receive, counting_send)
         finally:
-            self.stats.request(endpoint, status)
+            self.stats.request(endpoint, status, api=_is_api(path))
 
 
 async def _read_json(request: Request) -> Any:
@@ -236,6 +247,14 @@ class Server:
             )
         return JSONResponse(self._model_card())
 
+    async def tokenize(self, request: Request) -> Response:
+        body = await _read_json(request)
+        return JSONResponse(await asyncio.to_thread(tokens.tokenize, body, self.model))
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await _read_json(request)
+        return JSONResponse(await asyncio.to_thread(tokens.detokenize, body, self.model))
+
     async def chat(self, request: Request) -> Response:
         return await self._complete(request, "chat")
 
@@ -246,14 +265,12 @@ class Server:
         body = await _read_json(request)
         req = await asyncio.to_thread(self._prepare, body, kind)
         jobs: list[Job] = []
-        try:
-            for i in range(req.n):  # the choices decode together in the batch
-                jobs.append(
-                    self.scheduler.submit(req.prompt_ids, req.choice_generate(i), request.url.path)
-                )
+        try:  # the choices decode together in the batch
+            jobs = self.scheduler.submit_all(
+                [(req.choice_prompt(i), req.choice_generate(i)) for i in range(req.choices)],
+                request.url.path,
+            )
         except QueueFull as e:
-            for job in jobs:
-                job.cancel()
             raise ApiError(
                 429,
                 f"the server is busy: {e.waiting} requests are queued (--max-queue "
@@ -262,8 +279,6 @@ class Server:
                 headers={"Retry-After": str(e.retry_after)},
             ) from e
         except ShuttingDown as e:
-            for job in jobs:
-                job.cancel()
             raise ApiError(503, str(e), code="shutting_down", headers={"Retry-After": "5"}) from e
         warning = protocol.ignored_warning(req)
         extra_headers = {"Warning": warning} if warning else {}
@@ -289,7 +304,8 @@ class Server:
         limit) done now, so that a bad request is a 400 before anything is queued."""
         req = protocol.parse(body, kind, self.model, self.name)
         try:
-            self.model.generate(req.prompt_ids, stream=True, **req.generate).close()
+            for prompt in req.prompts:
+                self.model.generate(prompt, stream=True, **req.generate).close()
         except ColibriError as e:
             raise protocol.from_colibri_error(e, req.kind, body) from e
         return req
@@ -443,6 +459,8 @@ def create_app(
         Route("/v1/models/{name:path}", server.model_card, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
     ]
     middleware = [Middleware(_Guard, api_key=api_key, stats=server.stats)]
     if allow_origins:

@@ -168,10 +168,12 @@ class ServerStats:
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
 
     # ----------------------------------------------------------------------------- feeding
-    def request(self, endpoint: str, status: int) -> None:
-        """Count an answered HTTP request."""
+    def request(self, endpoint: str, status: int, api: bool = True) -> None:
+        """Count an answered HTTP request (the Prometheus counter counts every one; the
+        dashboard's total only ``api`` requests, not its own polling)."""
         self.requests.labels(endpoint, str(status)).inc()
-        self.totals["requests"] += 1
+        if api:
+            self.totals["requests"] += 1
         if status in (429, 503):
             self.totals["refused"] += 1
 

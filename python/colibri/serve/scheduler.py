@@ -214,23 +214,35 @@ class Scheduler:
         """Queue a generation of prompt ``ids`` with ``Session.generate`` keywords
         ``kwargs`` (already checked); ``tag`` names it in the metrics. Raises
         :class:`QueueFull` or :class:`ShuttingDown`."""
+        return self.submit_all([(ids, kwargs)], tag)[0]
+
+    def submit_all(
+        self, requests: list[tuple[list[int], dict[str, Any]]], tag: str = ""
+    ) -> list[Job]:
+        """Queue the generations of one API request (its choices) together: all of them,
+        or none with :class:`QueueFull` when they do not fit beside what waits. An idle
+        server takes a request of any size (its choices then run ``max_batch`` at a time)."""
         if self._closing:
             raise ShuttingDown("the server is shutting down")
         room = self.max_batch - self.running
-        if self.waiting >= self.max_queue + max(0, room) and (self.running or self.waiting):
+        over = self.waiting + len(requests) > self.max_queue + max(0, room)
+        if over and (self.running or self.waiting):
             raise QueueFull(self.waiting, self.retry_after())
         self._loop = asyncio.get_running_loop()
-        job = Job(ids, kwargs, tag)
-        job._scheduler = self
-        self._jobs.add(job)
+        jobs = []
+        for ids, kwargs in requests:
+            job = Job(ids, kwargs, tag)
+            job._scheduler = self
+            self._jobs.add(job)
+            jobs.append(job)
         with self._wake:
-            self._pending.append(job)
-            self.waiting += 1
+            self._pending.extend(jobs)
+            self.waiting += len(jobs)
             self._wake.notify()
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="colibri-batch", daemon=True)
             self._worker.start()
-        return job
+        return jobs
 
     # ------------------------------------------------------------------ the worker thread
     def _work(self) -> None:

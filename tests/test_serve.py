@@ -1065,6 +1065,30 @@ def test_dashboard_updates_in_a_browser(server: Live, tmp_path: Path) -> None:
             )
         wait_for(lambda: int(text("generations")) == n0 + 2, what="the dashboard to update")
         assert int(text("tokens")) == tokens0 + 40
+        # While a long generation runs, its row in "Running now" counts up.
+        seen, stop = [0], threading.Event()
+        runner = threading.Thread(target=_long_stream, args=(server, seen, stop), daemon=True)
+        runner.start()
+        try:
+
+            def generated() -> int:
+                # Poll now rather than wait for the page's 1 s timer: on the tiny model
+                # the whole generation takes about two seconds.
+                driver.execute_script("return poll();")
+                rows = driver.find_elements("css selector", "#active tr")
+                if not rows:
+                    return 0
+                cells = rows[0].find_elements("tag name", "td")
+                return int(cells[3].text.split(" / ")[0])
+
+            a = wait_for(lambda: generated() >= 5, what="a running row on the page")
+            wait_for(lambda: generated() > a, what="the row to count up")
+            assert not driver.find_element("id", "active-empty").is_displayed()
+        finally:
+            stop.set()
+            runner.join(timeout=60)
+        wait_for(lambda: driver.find_element("id", "active-empty").is_displayed(),
+                 what="the row to go when the generation ends")  # fmt: skip
         assert float(text("tps")) > 0
         assert float(text("tpf")) >= 1.0
         assert text("hitrate").endswith("%")
@@ -1086,6 +1110,48 @@ def test_dashboard_updates_in_a_browser(server: Live, tmp_path: Path) -> None:
             shutil.copyfile(shot, ROOT / target)
     finally:
         driver.quit()
+
+
+def _long_stream(server: Live, seen: list[int], stop: threading.Event) -> None:
+    """A long streamed generation (the tiny model makes 1,900 tokens in ~2 s); counts its
+    chunks into ``seen[0]`` until ``stop``."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True,
+            "temperature": 0, "stream": True, "draft": "off"}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                seen[0] += 1
+            if stop.is_set():
+                return
+
+
+def test_stats_show_running_requests_live(server: Live) -> None:
+    """``/stats`` describes a generation while it runs, not only when it ends: its tokens
+    grow between polls, with its speed and an ETA against ``max_tokens``."""
+    seen, stop = [0], threading.Event()
+    t = threading.Thread(target=_long_stream, args=(server, seen, stop), daemon=True)
+    t.start()
+    try:
+        first = wait_for(
+            lambda: [a for a in server.stats()["active"] if a["generated_tokens"] >= 5],
+            what="a running generation in /stats",
+        )[0]
+        assert first["endpoint"] == "/v1/completions" and first["phase"] == "decode"
+        assert first["max_tokens"] == 1900 and first["prompt_tokens"] > 0
+        later = wait_for(
+            lambda: [
+                a
+                for a in server.stats()["active"]
+                if a["generated_tokens"] >= first["generated_tokens"] + 20
+            ],
+            what="its token count to grow",
+        )[0]
+        assert later["tokens_per_second"] > 0 and later["eta_seconds"] is not None
+        assert later["tokens_per_forward"] >= 1.0 and later["elapsed_seconds"] > 0
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    wait_for(lambda: not server.stats()["active"], what="the generation to end")
 
 
 def test_stats_json(server: Live) -> None:

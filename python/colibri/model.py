@@ -794,20 +794,27 @@ class Model:
         ``on_done(id, result or error)``. Returns once nothing runs and nothing is
         admitted."""
         lanes: dict[int, _Lane] = {}
+        progress: dict[int, Callable[[list[int]], None]] = {}
 
         def admit_core(live: int) -> list[tuple[int, dict[str, Any], Any]]:
             out = []
             for entry in admit(live):
                 lanes[entry.id] = _Lane(self.tokenizer, entry.params, entry.on_text, entry.cancel)
+                if entry.on_tokens is not None:
+                    progress[entry.id] = entry.on_tokens
                 request = {"ids": entry.params["ids"], **_engine_keywords(entry.params)}
                 out.append((entry.id, request, entry.session._core))
             return out
 
         def on_tokens(i: int, ids: list[int]) -> bool:
+            hook = progress.get(i)
+            if hook is not None:
+                hook(ids)
             return lanes[i].on_tokens(ids)
 
         def finished(i: int, raw: Any) -> None:
             lane = lanes.pop(i)
+            progress.pop(i, None)
             if isinstance(raw, BaseException):
                 on_done(i, raw)
                 return
@@ -1219,6 +1226,9 @@ class BatchEntry:
     session: Session
     on_text: Callable[[str], bool] | None
     cancel: threading.Event | None
+    #: Called with each burst of generated token ids as the engine emits them (live
+    #: progress: the server's ``/stats``), before the text is decoded.
+    on_tokens: Callable[[list[int]], None] | None = None
 
 
 #: What an MTP head needs besides its attention and MoE (the engine's `MtpHead::present`).

@@ -305,6 +305,8 @@ class ServerStats:
                 a / p if p else None for p, a in zip(self._proposed, self._accepted, strict=True)
             ],
             "layers": layers,
+            #: The requests running now, updated as their tokens come (not only at the end).
+            "active": [] if sched is None else sched.progress(),
             "memory": self.memory(),
             "history": list(self.history),
         }

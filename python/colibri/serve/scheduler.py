@@ -136,6 +136,44 @@ class Job:
         self._began = 0.0
         #: The session slot it runs on, once admitted into the batch.
         self._slot: _Slot | None = None
+        #: Live progress (written by the worker thread as tokens come): tokens generated,
+        #: the forwards that emitted them, when the first came (its prefill's end), and the
+        #: store's expert wait when the job began.
+        self.generated = 0
+        self.bursts = 0
+        self._first_token = 0.0
+        self._wait_at_start = 0.0
+
+    def progress(self, now: float, expert_wait: float) -> dict[str, Any]:
+        """Where a running job stands, for ``/stats``: its prompt and generated tokens, its
+        speed since its first token, tokens per forward, the expert wait since it began
+        (the batch's: the store's counters are shared by the requests decoding together)
+        and an estimate of the seconds left to ``max_tokens``."""
+        decoding = self._first_token > 0.0
+        elapsed = now - self._began
+        rate = None
+        if decoding and self.generated > 1 and now > self._first_token:
+            rate = (self.generated - 1) / (now - self._first_token)
+        limit = int(self.kwargs.get("max_new_tokens") or 0)
+        left = max(0, limit - self.generated)
+        return {
+            "endpoint": self.tag,
+            "phase": "decode" if decoding else "prefill",
+            "prompt_tokens": len(self.ids),
+            "generated_tokens": self.generated,
+            "max_tokens": limit or None,
+            "elapsed_seconds": elapsed,
+            "tokens_per_second": rate,
+            "tokens_per_forward": self.generated / self.bursts if self.bursts else None,
+            "expert_wait_seconds": max(0.0, expert_wait - self._wait_at_start),
+            "eta_seconds": left / rate if rate else None,
+        }
+
+    def _count(self, ids: list[int]) -> None:
+        if not self._first_token:
+            self._first_token = time.monotonic()
+        self.generated += len(ids)
+        self.bursts += 1
 
     def cancel(self) -> None:
         """Stop the generation (within one forward), or drop it from the queue."""
@@ -290,6 +328,7 @@ class Scheduler:
             job._slot = slot
             job.started = True
             job._began = time.monotonic()
+            job._wait_at_start = self.expert_wait_seconds()
             self.running += 1
             self.peak_running = max(self.peak_running, self.running)
             self._next_id += 1
@@ -301,9 +340,21 @@ class Scheduler:
                     session=slot.session,
                     on_text=self._text_sink(job),
                     cancel=job._cancel,
+                    on_tokens=job._count,
                 )
             )
         return entries
+
+    def expert_wait_seconds(self) -> float:
+        """The expert store's total wait for reads so far (all requests)."""
+        return float(self.model._engine.expert_stats()["total"]["wait_ns"]) / 1e9
+
+    def progress(self) -> list[dict[str, Any]]:
+        """Every running request's :meth:`Job.progress`, oldest first."""
+        now = time.monotonic()
+        wait = self.expert_wait_seconds()
+        jobs = sorted(self._by_id.items())
+        return [job.progress(now, wait) for _, job in jobs if job.started]
 
     def _text_sink(self, job: Job) -> Callable[[str], bool]:
         def on_text(delta: str) -> bool:

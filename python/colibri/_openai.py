@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from colibri import _client_fields
+from colibri import _client_fields, _reasoning
 from colibri._gbnf import gbnf_to_lark
 from colibri.errors import ColibriError, InvalidArgumentError
 from colibri.model import Model
@@ -200,6 +200,16 @@ class Request:
     n: int = 1
     #: Extra client fields accepted without effect (said in a ``Warning`` header).
     ignored: list[str] = field(default_factory=list)
+    #: A thinking model's chat: its ``<think>`` text is split into ``reasoning_content``
+    #: (``opens_reasoning``: the prompt left the model inside it); ``include_reasoning``
+    #: false (vLLM's) leaves the reasoning out of the answer.
+    reasoning: bool = False
+    opens_reasoning: bool = False
+    include_reasoning: bool = True
+
+    def splitter(self) -> _reasoning.ReasoningSplitter | None:
+        """A fresh splitter for one choice's streamed text, or None without reasoning."""
+        return _reasoning.ReasoningSplitter(self.opens_reasoning) if self.reasoning else None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -283,6 +293,7 @@ _CHAT_ONLY = {
     "web_search_options",
     "verbosity",
     "prompt_cache_key",
+    "include_reasoning",
 }
 _COMPLETION_ONLY = {"prompt", "best_of", "echo", "suffix"}
 
@@ -417,6 +428,8 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     if kind == "completion" and _opt_bool(body, "echo"):
         echoes = [model.decode(p) for p in prompts]
     prompt_ids = max(prompts, key=len)
+    thinks = kind == "chat" and _template_thinks(model)
+    include_reasoning = _opt_bool(body, "include_reasoning")
 
     # Sampling and length.
     max_tokens = _opt_int(body, "max_tokens", 1)
@@ -484,7 +497,24 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
         id=prefix + uuid.uuid4().hex[:24],
         n=n,
         ignored=extra.ignored,
+        reasoning=thinks,
+        opens_reasoning=thinks
+        and _reasoning.prompt_opens_reasoning(
+            model.decode(prompt_ids[-16:], skip_special_tokens=False)
+        ),
+        include_reasoning=include_reasoning is not False,
     )
+
+
+def _template_thinks(model: Model) -> bool:
+    """Whether the model's chat template is a thinking model's."""
+    from colibri._chat import template_source
+
+    try:
+        source = model._chat_template or template_source(model._tokenizer_config, model.path)
+    except ColibriError:
+        return False
+    return _reasoning.template_thinks(source)
 
 
 def _grammar_field(text: str) -> str:
@@ -654,7 +684,15 @@ def _chat_prompt(
         if not isinstance(m, dict):
             raise invalid(where, "expected an object with 'role' and 'content'")
         for k in m:
-            if k not in ("role", "content", "name", "refusal", "tool_calls", "function_call"):
+            if k not in (
+                "role",
+                "content",
+                "name",
+                "refusal",
+                "tool_calls",
+                "function_call",
+                "reasoning_content",
+            ):
                 raise ApiError(
                     400,
                     f"unrecognized request argument supplied: '{where}.{k}'",
@@ -690,6 +728,13 @@ def _chat_prompt(
         if not isinstance(content, str):
             raise invalid(f"{where}.content", "expected a string or a list of text parts")
         msg = {"role": "system" if role == "developer" else role, "content": content}
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None:  # a thinking model's earlier turn: its template decides
+            if not isinstance(reasoning, str) or role != "assistant":
+                raise invalid(
+                    f"{where}.reasoning_content", "expected a string on an assistant turn"
+                )
+            msg["reasoning_content"] = reasoning
         if m.get("name") is not None:
             if not isinstance(m["name"], str):
                 raise invalid(f"{where}.name", "expected a string")
@@ -812,10 +857,16 @@ def response(
         finish = FINISH_REASONS[result.finish_reason]
         lp = None if req.logprobs is None else logprobs_body(model, result, req.kind, req.logprobs)
         if req.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": result.text}
+            if req.reasoning:
+                reasoning, message["content"] = _reasoning.split(result.text, req.opens_reasoning)
+                if reasoning is not None and req.include_reasoning:
+                    message["reasoning_content"] = reasoning
+            message["refusal"] = None
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": result.text, "refusal": None},
+                    "message": message,
                     "logprobs": lp,
                     "finish_reason": finish,
                 }
@@ -846,13 +897,16 @@ def chunk(
     finish: str | None = None,
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     """One SSE chunk (``chat.completion.chunk`` / ``text_completion``) of a streamed answer,
-    for choice ``index``."""
+    for choice ``index`` (``reasoning``: a thinking model's reasoning delta)."""
     if req.kind == "chat":
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
+        if reasoning is not None:
+            delta["reasoning_content"] = reasoning
         if text is not None:
             delta["content"] = text
         choice: dict[str, Any] = {
@@ -869,6 +923,27 @@ def chunk(
     if req.include_usage:
         body["usage"] = None
     return body
+
+
+def text_chunks(
+    req: Request,
+    splitter: _reasoning.ReasoningSplitter | None,
+    text: str | None,
+    index: int = 0,
+) -> list[dict[str, Any]]:
+    """The chunks of a streamed text delta of choice ``index``: as it is, or split into
+    reasoning and content deltas by ``splitter`` (``text=None``: what it still holds, at
+    the end of the choice)."""
+    if splitter is None:
+        return [] if text is None else [chunk(req, text=text, index=index)]
+    pieces = splitter.flush() if text is None else splitter.push(text)
+    out = []
+    for kind, piece in pieces:
+        if kind == "content":
+            out.append(chunk(req, text=piece, index=index))
+        elif req.include_reasoning:
+            out.append(chunk(req, reasoning=piece, index=index))
+    return out
 
 
 def opening_chunks(req: Request, index: int = 0) -> list[dict[str, Any]]:

@@ -1094,7 +1094,9 @@ class Model:
             def choice_chunks() -> Iterator[dict[str, Any]]:
                 for i, r in enumerate(results):
                     yield from _openai.opening_chunks(req, i)
-                    yield _openai.chunk(req, text=r.text, index=i)
+                    splitter = req.splitter()
+                    yield from _openai.text_chunks(req, splitter, r.text, i)
+                    yield from _openai.text_chunks(req, splitter, None, i)
                 yield from _openai.closing_chunks(req, results, self)
 
             return choice_chunks()
@@ -1104,10 +1106,12 @@ class Model:
 
         def chunks() -> Iterator[dict[str, Any]]:
             yield from _openai.opening_chunks(req)
+            splitter = req.splitter()
             with self.generate(req.prompt_ids, stream=True, **req.generate) as stream:
                 for text in stream:
-                    yield _openai.chunk(req, text=text)
+                    yield from _openai.text_chunks(req, splitter, text)
                 result = stream.result
+            yield from _openai.text_chunks(req, splitter, None)
             if result is not None:
                 yield from _openai.closing_chunks(req, result, self)
 

@@ -348,6 +348,7 @@ class Server:
             await lines.put((i, None))
 
         pumps = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+        splitters = [req.splitter() for _ in jobs]
         try:
             for i in range(len(jobs)):
                 for opening in protocol.opening_chunks(req, i):
@@ -357,6 +358,8 @@ class Server:
                 i, item = await lines.get()
                 if item is None:
                     running -= 1
+                    for part in protocol.text_chunks(req, splitters[i], None, i):
+                        yield _json_line(part)
                 elif isinstance(item, ColibriError):
                     err = ApiError(500, f"{type(item).__name__}: {item}", code="engine_error")
                     yield _json_line(err.body())
@@ -364,7 +367,8 @@ class Server:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    yield _json_line(protocol.chunk(req, text=item, index=i))
+                    for part in protocol.text_chunks(req, splitters[i], item, i):
+                        yield _json_line(part)
             outcomes = [job.outcome for job in jobs]
             if any(o is None or o.result.finish_reason == "cancelled" for o in outcomes):
                 # Cancelled by the server's shutdown (a client that left reads nothing).

@@ -502,7 +502,10 @@ def test_unsupported_fields_are_400s_naming_them(client: openai.OpenAI) -> None:
     _bad(lambda: chat(model=MODEL, messages=msgs, response_format={"type": "xml"}),  # type: ignore[arg-type]
          "response_format")  # fmt: skip
     _bad(lambda: chat(model=MODEL, messages=msgs, audio={"voice": "x", "format": "mp3"}), "audio")
-    _bad(lambda: chat(model=MODEL, messages=[{"role": "tool", "content": "x"}]), "messages[0].role")
+    _bad(
+        lambda: chat(model=MODEL, messages=[{"role": "function", "content": "x"}]),
+        "messages[0].role",
+    )
     _bad(lambda: chat(model=MODEL, messages=msgs, extra_body={"min_q": 0.1}), "min_q")
     _bad(lambda: chat(model=MODEL, messages=msgs, temperature=2.5), "temperature")
     _bad(lambda: chat(model=MODEL, messages=msgs, stream_options={"include_usage": True}),

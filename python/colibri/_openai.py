@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from colibri import _client_fields, _reasoning
+from colibri import _client_fields, _reasoning, _tools
 from colibri._gbnf import gbnf_to_lark
 from colibri.errors import ColibriError, InvalidArgumentError
 from colibri.model import Model
@@ -207,9 +207,28 @@ class Request:
     opens_reasoning: bool = False
     include_reasoning: bool = True
 
-    def splitter(self) -> _reasoning.ReasoningSplitter | None:
-        """A fresh splitter for one choice's streamed text, or None without reasoning."""
-        return _reasoning.ReasoningSplitter(self.opens_reasoning) if self.reasoning else None
+    #: Tools the model may call (``tool_choice`` not ``none``), else None.
+    tool_use: ToolUse | None = None
+
+    def choice_stream(self) -> ChoiceStream:
+        """The state of one choice's streamed text (its reasoning and tool-call split)."""
+        return ChoiceStream(self)
+
+    def answer(self, text: str) -> tuple[str | None, str | None, list[_tools.Call]]:
+        """A finished choice's text as ``(reasoning, content, tool calls)``; content is None
+        when the answer is only calls."""
+        reasoning = None
+        if self.reasoning:
+            reasoning, text = _reasoning.split(text, self.opens_reasoning)
+        calls: list[_tools.Call] = []
+        if self.tool_use is not None:
+            text, calls = _tools.extract(text, self.tool_use.format, self.tool_use.tools)
+            if not self.tool_use.parallel:
+                calls = calls[:1]
+        content: str | None = text
+        if calls and not text.strip():
+            content = None
+        return reasoning, content, calls
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -237,6 +256,27 @@ class Request:
         if j and g.get("seed") is not None:
             g["seed"] = (int(g["seed"]) + j) % 2**64
         return g
+
+
+@dataclass
+class ToolUse:
+    """The tools a chat request offers: their format (the template's), the choice, and
+    whether several calls may come at once."""
+
+    tools: list[_tools.Tool]
+    format: _tools.Format
+    choice: _tools.Choice
+    parallel: bool = True
+
+
+class ChoiceStream:
+    """One streamed choice: reasoning split from the answer, tool calls held back."""
+
+    def __init__(self, req: Request) -> None:
+        self.reasoning = (
+            _reasoning.ReasoningSplitter(req.opens_reasoning) if req.reasoning else None
+        )
+        self.calls = None if req.tool_use is None else _tools.CallFilter(req.tool_use.format)
 
 
 #: Most choices one request may ask for (``n``).
@@ -412,8 +452,30 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     logprobs = _parse_logprobs(body, kind)
 
     # The prompt.
+    tool_use: ToolUse | None = None
     if kind == "chat":
-        prompts = [_chat_prompt(body.get("messages"), model, extra)]
+        template = _template_text(model)
+        fmt = _tools.detect(template)
+        tools, choice, forced = _tools.parse_request(body, invalid)
+        if tools and choice != "none":
+            if fmt is None:
+                raise unsupported(
+                    "tools",
+                    "this model's chat template writes no tool-call format colibri reads "
+                    "(GLM's <tool_call>, DeepSeek's tool-call tokens)",
+                )
+            parallel = _opt_bool(body, "parallel_tool_calls")
+            tool_use = ToolUse(tools, fmt, choice, parallel is not False)
+        prompts = [
+            _chat_prompt(
+                body.get("messages"),
+                model,
+                extra,
+                tools=tool_use.tools if tool_use else None,
+                fmt=fmt,
+                template_renders_tools="tools" in template,
+            )
+        ]
     else:
         prompts = _completion_prompts(body.get("prompt"), model)
         if len(prompts) * n > MAX_BATCH_CHOICES:
@@ -428,7 +490,7 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     if kind == "completion" and _opt_bool(body, "echo"):
         echoes = [model.decode(p) for p in prompts]
     prompt_ids = max(prompts, key=len)
-    thinks = kind == "chat" and _template_thinks(model)
+    thinks = kind == "chat" and _reasoning.template_thinks(_template_text(model))
     include_reasoning = _opt_bool(body, "include_reasoning")
 
     # Sampling and length.
@@ -480,6 +542,13 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
         gen["logprobs"] = logprobs
     gen.update(_logit_processing(body, model))
     gen.update(_structured_output(body))
+    if tool_use is not None and tool_use.choice == "required":
+        if any(k in gen for k in ("guided_json", "guided_regex", "guided_grammar")):
+            raise invalid(
+                "tool_choice", "a forced tool call and response_format/guided_*: give one"
+            )
+        offered = [t for t in tool_use.tools if forced is None or t.name == forced]
+        gen["guided_grammar"] = _tools.forced_grammar(tool_use.format, offered)
     for text_field in ("user", "safety_identifier", "prompt_cache_key"):
         v = body.get(text_field)
         if v is not None and not isinstance(v, str):
@@ -503,18 +572,18 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
             model.decode(prompt_ids[-16:], skip_special_tokens=False)
         ),
         include_reasoning=include_reasoning is not False,
+        tool_use=tool_use,
     )
 
 
-def _template_thinks(model: Model) -> bool:
-    """Whether the model's chat template is a thinking model's."""
+def _template_text(model: Model) -> str:
+    """The model's chat template ("" when it has none)."""
     from colibri._chat import template_source
 
     try:
-        source = model._chat_template or template_source(model._tokenizer_config, model.path)
+        return model._chat_template or template_source(model._tokenizer_config, model.path)
     except ColibriError:
-        return False
-    return _reasoning.template_thinks(source)
+        return ""
 
 
 def _grammar_field(text: str) -> str:
@@ -615,16 +684,12 @@ def _structured_output(body: Mapping[str, Any]) -> dict[str, Any]:
 def _refuse_chat_features(body: Mapping[str, Any]) -> None:
     """The 400s for chat features colibri has not got: tools, audio,
     stored completions, predicted outputs, reasoning controls."""
-    for name in ("tools", "functions"):
-        v = body.get(name)
-        if v not in (None, []):
-            raise unsupported(name, "colibri does not call tools yet")
-    for name in ("tool_choice", "function_call"):
-        v = body.get(name)
-        if v not in (None, "none"):
-            raise unsupported(name, "colibri does not call tools yet")
+    if body.get("functions") not in (None, []):
+        raise unsupported("functions", "the deprecated form: give 'tools'")
+    if body.get("function_call") not in (None, "none"):
+        raise unsupported("function_call", "the deprecated form: give 'tool_choice'")
     if body.get("parallel_tool_calls") is not None:
-        _opt_bool(body, "parallel_tool_calls")  # meaningless without tools, but typed
+        _opt_bool(body, "parallel_tool_calls")
     _must_be_off(body, "store", [False], "completions are not stored")
     md = body.get("metadata")
     if md not in (None, {}):
@@ -669,7 +734,13 @@ def _parse_stop(stop: object) -> list[str] | None:
 
 
 def _chat_prompt(
-    messages: object, model: Model, extra: _client_fields.Normalised | None = None
+    messages: object,
+    model: Model,
+    extra: _client_fields.Normalised | None = None,
+    *,
+    tools: Sequence[_tools.Tool] | None = None,
+    fmt: _tools.Format | None = None,
+    template_renders_tools: bool = True,
 ) -> list[int]:
     """The token ids of ``messages`` rendered with the model's chat template (with the
     template controls of ``extra``: vLLM's ``add_generation_prompt``,
@@ -678,7 +749,7 @@ def _chat_prompt(
         extra = _client_fields.Normalised({}, [])
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "expected a non-empty list of messages")
-    clean: list[dict[str, str]] = []
+    clean: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -692,6 +763,7 @@ def _chat_prompt(
                 "tool_calls",
                 "function_call",
                 "reasoning_content",
+                "tool_call_id",
             ):
                 raise ApiError(
                     400,
@@ -700,17 +772,26 @@ def _chat_prompt(
                     code="unknown_parameter",
                 )
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise unsupported(f"{where}.role", f"'{role}' messages: colibri has no tool calls")
-        if role not in ("system", "developer", "user", "assistant"):
+        if role == "function":
+            raise unsupported(f"{where}.role", "the deprecated 'function' role: use 'tool'")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
             raise invalid(
-                f"{where}.role", f"{role!r}; expected system, developer, user or assistant"
+                f"{where}.role", f"{role!r}; expected system, developer, user, assistant or tool"
             )
-        if m.get("tool_calls") or m.get("function_call"):
-            raise unsupported(f"{where}.tool_calls", "colibri has no tool calls")
+        if m.get("function_call"):
+            raise unsupported(f"{where}.function_call", "the deprecated form: use 'tool_calls'")
+        calls = None
+        if m.get("tool_calls"):
+            if role != "assistant":
+                raise invalid(f"{where}.tool_calls", "only an assistant turn makes tool calls")
+            if fmt is None:
+                raise unsupported(
+                    f"{where}.tool_calls", "this model's chat template has no tool calls"
+                )
+            calls = _tools.message_calls(f"{where}.tool_calls", m["tool_calls"], fmt, invalid)
         content = m.get("content")
         if content is None and role == "assistant":
-            content = ""
+            content = None if calls and fmt == "deepseek" else ""
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
@@ -725,9 +806,18 @@ def _chat_prompt(
                     raise invalid(f"{pw}.text", "expected a string")
                 parts.append(part["text"])
             content = "".join(parts)
-        if not isinstance(content, str):
+        if not isinstance(content, str) and not (content is None and calls):
             raise invalid(f"{where}.content", "expected a string or a list of text parts")
-        msg = {"role": "system" if role == "developer" else role, "content": content}
+        msg: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": content,
+        }
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise invalid(f"{where}.tool_call_id", "expected a string")
+            msg["tool_call_id"] = m["tool_call_id"]
         reasoning = m.get("reasoning_content")
         if reasoning is not None:  # a thinking model's earlier turn: its template decides
             if not isinstance(reasoning, str) or role != "assistant":
@@ -740,12 +830,20 @@ def _chat_prompt(
                 raise invalid(f"{where}.name", "expected a string")
             msg["name"] = m["name"]
         clean.append(msg)
+    variables = dict(extra.chat_template_kwargs or {})
+    if tools:
+        if template_renders_tools:
+            variables["tools"] = [t.openai() for t in tools]
+        else:  # the template leaves describing them to the caller (DeepSeek-V3.1's)
+            assert fmt is not None
+            prompt = _tools.tools_system_prompt(tools, fmt)
+            clean.insert(0, {"role": "system", "content": prompt})
     try:
         text = model.apply_chat_template(
             clean,
             tokenize=False,
             add_generation_prompt=extra.add_generation_prompt,
-            **(extra.chat_template_kwargs or {}),
+            **variables,
         )
         if extra.continue_final_message:
             text = _continued(text, clean[-1])
@@ -857,11 +955,13 @@ def response(
         finish = FINISH_REASONS[result.finish_reason]
         lp = None if req.logprobs is None else logprobs_body(model, result, req.kind, req.logprobs)
         if req.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": result.text}
-            if req.reasoning:
-                reasoning, message["content"] = _reasoning.split(result.text, req.opens_reasoning)
-                if reasoning is not None and req.include_reasoning:
-                    message["reasoning_content"] = reasoning
+            reasoning, content, calls = req.answer(result.text)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if reasoning is not None and req.include_reasoning:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [c.openai() for c in calls]
+                finish = "tool_calls"
             message["refusal"] = None
             choices.append(
                 {
@@ -926,23 +1026,28 @@ def chunk(
 
 
 def text_chunks(
-    req: Request,
-    splitter: _reasoning.ReasoningSplitter | None,
-    text: str | None,
-    index: int = 0,
+    req: Request, state: ChoiceStream, text: str | None, index: int = 0
 ) -> list[dict[str, Any]]:
-    """The chunks of a streamed text delta of choice ``index``: as it is, or split into
-    reasoning and content deltas by ``splitter`` (``text=None``: what it still holds, at
-    the end of the choice)."""
-    if splitter is None:
-        return [] if text is None else [chunk(req, text=text, index=index)]
-    pieces = splitter.flush() if text is None else splitter.push(text)
+    """The chunks of a streamed text delta of choice ``index``: split into reasoning and
+    content deltas, tool calls held back for the end (``text=None``: what ``state`` still
+    holds, at the end of the choice)."""
+    pieces: list[_reasoning.Piece]
+    if state.reasoning is None:
+        pieces = [] if text is None else [("content", text)]
+    else:
+        pieces = state.reasoning.flush() if text is None else state.reasoning.push(text)
     out = []
     for kind, piece in pieces:
         if kind == "content":
-            out.append(chunk(req, text=piece, index=index))
+            shown = piece if state.calls is None else state.calls.push(piece)
+            if shown:
+                out.append(chunk(req, text=shown, index=index))
         elif req.include_reasoning:
             out.append(chunk(req, reasoning=piece, index=index))
+    if text is None and state.calls is not None:
+        rest = state.calls.flush()
+        if rest:
+            out.append(chunk(req, text=rest, index=index))
     return out
 
 
@@ -961,13 +1066,17 @@ def finish_chunk(
     """The chunk that ends choice ``index``: its finish reason, with its logprobs (which
     come at the end: the stream carries text, not tokens)."""
     lp = None if req.logprobs is None else logprobs_body(model, result, req.kind, req.logprobs)
-    return chunk(
-        req,
-        text=None if req.kind == "chat" else "",
-        finish=FINISH_REASONS[result.finish_reason],
-        logprobs=lp,
-        index=index,
-    )
+    finish = FINISH_REASONS[result.finish_reason]
+    body = chunk(req, text=None if req.kind == "chat" else "", logprobs=lp, index=index)
+    if req.tool_use is not None:
+        calls = req.answer(result.text)[2]
+        if calls:  # held back from the stream: here whole, as OpenAI's deltas carry them
+            body["choices"][0]["delta"]["tool_calls"] = [
+                c.openai(index=k) for k, c in enumerate(calls)
+            ]
+            finish = "tool_calls"
+    body["choices"][0]["finish_reason"] = finish
+    return body
 
 
 def closing_chunks(

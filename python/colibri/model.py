@@ -1094,7 +1094,7 @@ class Model:
             def choice_chunks() -> Iterator[dict[str, Any]]:
                 for i, r in enumerate(results):
                     yield from _openai.opening_chunks(req, i)
-                    splitter = req.splitter()
+                    splitter = req.choice_stream()
                     yield from _openai.text_chunks(req, splitter, r.text, i)
                     yield from _openai.text_chunks(req, splitter, None, i)
                 yield from _openai.closing_chunks(req, results, self)
@@ -1106,7 +1106,7 @@ class Model:
 
         def chunks() -> Iterator[dict[str, Any]]:
             yield from _openai.opening_chunks(req)
-            splitter = req.splitter()
+            splitter = req.choice_stream()
             with self.generate(req.prompt_ids, stream=True, **req.generate) as stream:
                 for text in stream:
                     yield from _openai.text_chunks(req, splitter, text)

@@ -348,7 +348,7 @@ class Server:
             await lines.put((i, None))
 
         pumps = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
-        splitters = [req.splitter() for _ in jobs]
+        splitters = [req.choice_stream() for _ in jobs]
         try:
             for i in range(len(jobs)):
                 for opening in protocol.opening_chunks(req, i):

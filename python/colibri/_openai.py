@@ -385,23 +385,34 @@ def _must_be_off(body: Mapping[str, Any], name: str, off: Sequence[object], why:
     raise unsupported(name, why)
 
 
+def unknown_field(name: str) -> ApiError:
+    """The 400 for a field the endpoint does not define (OpenAI's wording)."""
+    return ApiError(
+        400,
+        f"unrecognized request argument supplied: '{name}'",
+        param=name,
+        code="unknown_parameter",
+    )
+
+
+def check_fields(body: object, allowed: set[str]) -> dict[str, Any]:
+    """``body`` as a JSON object whose fields are all in ``allowed`` (an empty set: any),
+    else the 400."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    for name in body:
+        if allowed and name not in allowed:
+            raise unknown_field(name)
+    return body
+
+
 def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     """Check an OpenAI request body for ``kind`` and prepare its generation.
 
     Raises :class:`ApiError` (400 naming the field; 404 for another model name)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    body = check_fields(body, set())  # an object; its fields are checked once normalised
     extra = _client_fields.normalise(body, kind, invalid, unsupported, _grammar_field)
-    body = extra.body
-    allowed = _COMMON | (_CHAT_ONLY if kind == "chat" else _COMPLETION_ONLY)
-    for name in body:
-        if name not in allowed:
-            raise ApiError(
-                400,
-                f"unrecognized request argument supplied: '{name}'",
-                param=name,
-                code="unknown_parameter",
-            )
+    body = check_fields(extra.body, _COMMON | (_CHAT_ONLY if kind == "chat" else _COMPLETION_ONLY))
     name = body.get("model")
     if name is not None and name != served:
         raise ApiError(
@@ -437,12 +448,7 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
             raise invalid("stream_options", f"{so!r}; expected an object")
         for k in so:
             if k not in ("include_usage", "include_obfuscation"):
-                raise ApiError(
-                    400,
-                    f"unrecognized request argument supplied: 'stream_options.{k}'",
-                    param=f"stream_options.{k}",
-                    code="unknown_parameter",
-                )
+                raise unknown_field(f"stream_options.{k}")
         include_usage = bool(_opt_bool(so, "include_usage"))
         if so.get("include_obfuscation"):
             raise unsupported(
@@ -765,12 +771,7 @@ def _chat_prompt(
                 "reasoning_content",
                 "tool_call_id",
             ):
-                raise ApiError(
-                    400,
-                    f"unrecognized request argument supplied: '{where}.{k}'",
-                    param=f"{where}.{k}",
-                    code="unknown_parameter",
-                )
+                raise unknown_field(f"{where}.{k}")
         role = m.get("role")
         if role == "function":
             raise unsupported(f"{where}.role", "the deprecated 'function' role: use 'tool'")

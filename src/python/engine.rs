@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::decode::{
-    DraftDepth, DraftSource, GrammarSpec, PrefillProgress, PromptLogprobs, SamplingParams,
+    DraftDepth, DraftSource, Grammar, GrammarSpec, PrefillProgress, PromptLogprobs, SamplingParams,
     Vocabulary,
 };
 use crate::engine::{BatchIo, BatchRequest, Engine, EngineOptions, LoadProgress, Session};
@@ -201,14 +201,7 @@ impl PyEngine {
     /// Compile a structured-output constraint, `(kind, text)` as `generate`'s `grammar`, and
     /// drop it: a stream checks its constraint when it is created, not at its first chunk.
     fn check_grammar(&self, py: Python<'_>, kind: &str, text: &str) -> PyResult<()> {
-        let spec = GrammarSpec::parse(kind, text).map_err(to_py_err)?;
-        let vocabulary = self.vocabulary.get().ok_or_else(|| {
-            to_py_err(Error::invalid(
-                spec.param(),
-                "the engine has no vocabulary: call load_vocabulary first",
-            ))
-        })?;
-        run(py, || vocabulary.compile(&spec).map(drop))
+        run(py, || self.compile_grammar(kind, text).map(drop))
     }
 
     /// Whether `load_vocabulary` was done.
@@ -648,6 +641,18 @@ struct RequestArgs {
 }
 
 impl PyEngine {
+    /// A structured-output constraint, `(kind, text)`, compiled against the vocabulary.
+    fn compile_grammar(&self, kind: &str, text: &str) -> crate::Result<Grammar> {
+        let spec = GrammarSpec::parse(kind, text)?;
+        let vocabulary = self.vocabulary.get().ok_or_else(|| {
+            Error::invalid(
+                spec.param(),
+                "the engine has no vocabulary: call load_vocabulary first",
+            )
+        })?;
+        vocabulary.compile(&spec)
+    }
+
     /// The engine's options for a request (its defaults where the request has none).
     fn options(&self, r: &RequestArgs) -> PyResult<crate::decode::GenerateOptions> {
         let mut opts = self.engine.default_generate_options();
@@ -666,16 +671,7 @@ impl PyEngine {
             prompt_logprobs: r.prompt_logprobs.map(PromptLogprobs::new),
             constraint: match &r.grammar {
                 None => None,
-                Some((kind, text)) => {
-                    let spec = GrammarSpec::parse(kind, text).map_err(to_py_err)?;
-                    let vocabulary = self.vocabulary.get().ok_or_else(|| {
-                        to_py_err(Error::invalid(
-                            spec.param(),
-                            "the engine has no vocabulary: call load_vocabulary first",
-                        ))
-                    })?;
-                    Some(vocabulary.compile(&spec).map_err(to_py_err)?)
-                }
+                Some((kind, text)) => Some(self.compile_grammar(kind, text).map_err(to_py_err)?),
             },
         };
         opts.logprobs = r.logprobs;

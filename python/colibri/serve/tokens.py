@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from colibri._openai import ApiError, invalid
+from colibri._openai import check_fields, invalid
 from colibri.errors import InvalidArgumentError
 from colibri.model import Model
 
@@ -18,7 +18,7 @@ def tokenize(body: object, model: Model) -> dict[str, Any]:
     "count": n, "max_model_len": max_context}``; with ``with_pieces`` each token is
     ``{"id", "piece"}``, the piece its text (or its bytes as a list when they are not
     valid UTF-8 on their own)."""
-    b = _object(
+    b = check_fields(
         body, {"content", "prompt", "add_special", "add_special_tokens", "with_pieces", "model"}
     )
     _model_name(b)
@@ -46,7 +46,7 @@ def tokenize(body: object, model: Model) -> dict[str, Any]:
 def detokenize(body: object, model: Model) -> dict[str, Any]:
     """``{"tokens": [ids]}`` → ``{"content": text}`` (special tokens kept, as
     llama-server does: it is the text of exactly these tokens)."""
-    b = _object(body, {"tokens", "model"})
+    b = check_fields(body, {"tokens", "model"})
     _model_name(b)
     ids = b.get("tokens")
     if not isinstance(ids, list):
@@ -56,20 +56,6 @@ def detokenize(body: object, model: Model) -> dict[str, Any]:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
             raise invalid(f"tokens[{i}]", f"{t!r}; expected a token id in 0..{vocab - 1}")
     return {"content": model.decode(ids, skip_special_tokens=False)}
-
-
-def _object(body: object, allowed: set[str]) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    for name in body:
-        if name not in allowed:
-            raise ApiError(
-                400,
-                f"unrecognized request argument supplied: '{name}'",
-                param=name,
-                code="unknown_parameter",
-            )
-    return body
 
 
 def _model_name(b: dict[str, Any]) -> None:

@@ -1,5 +1,7 @@
 """The OpenAI wire format: request bodies checked field by field and turned into colibri
-generation arguments, and the response, chunk, usage and error bodies.
+generation arguments (``colibri._openai_errors`` has the error bodies,
+``colibri._openai_prompts`` the prompts, ``colibri._openai_answer`` the response, chunk and
+usage bodies; this module re-exports what the server and the library use).
 
 Every field of OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` requests is either
 honoured or refused with a 400 that names it (``param``): nothing is silently ignored. The
@@ -12,165 +14,66 @@ module needs no web framework: `colibri serve` answers with it, and
 from __future__ import annotations
 
 import math
-import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from colibri import _client_fields, _reasoning, _tools
 from colibri._gbnf import gbnf_to_lark
+from colibri._openai_answer import (
+    FINISH_REASONS,
+    closing_chunks,
+    colibri_stats,
+    finish_chunk,
+    logprobs_body,
+    opening_chunks,
+    response,
+    system_fingerprint,
+    text_chunks,
+    usage,
+    usage_chunk,
+)
+from colibri._openai_errors import (
+    ApiError,
+    Kind,
+    check_fields,
+    from_colibri_error,
+    invalid,
+    is_int,
+    unknown_field,
+    unsupported,
+)
+from colibri._openai_prompts import _chat_prompt, _completion_prompts
 from colibri.errors import ColibriError, InvalidArgumentError
 from colibri.model import Model
-from colibri.results import GenerationResult, GenerationStats
 
-Kind = Literal["chat", "completion"]
-
-
-class ApiError(Exception):
-    """An error answered with an OpenAI-shaped body:
-    ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type or _ERROR_TYPES.get(status, "server_error")
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        """The JSON body of the error response."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "server_error",
-}
-
-
-def unsupported(param: str, why: str) -> ApiError:
-    """The 400 for a field (or a value of it) that colibri cannot honour."""
-    return ApiError(400, f"'{param}' is not supported: {why}", param=param, code="unsupported")
-
-
-def invalid(param: str, message: str) -> ApiError:
-    """The 400 for a field with a bad value."""
-    return ApiError(
-        400, f"invalid value for '{param}': {message}", param=param, code="invalid_value"
-    )
-
-
-_PARAM_IN_MESSAGE = re.compile(r"invalid (?:value for|keyword) '([^']+)'")
-
-#: colibri's own parameter names in its error messages, as the request spells them.
-_WIRE_NAMES = {
-    "max_new_tokens": "max_tokens",
-    "stop_token_ids": "stop_token_ids",
-    "prompt": "prompt",
-    "text": "prompt",
-}
-
-
-def from_colibri_error(e: ColibriError, kind: Kind, body: object = None) -> ApiError:
-    """A colibri error met while preparing a request (``body``), as the 400 (or 500) to
-    answer; its ``param`` is the field the request spelled."""
-    if not isinstance(e, InvalidArgumentError):
-        return ApiError(500, f"{type(e).__name__}: {e}", code="internal_error")
-    message = str(e)
-    m = _PARAM_IN_MESSAGE.search(message)
-    param = m.group(1) if m else None
-    if param is not None:
-        param = _WIRE_NAMES.get(param, param)
-        if param == "prompt" and kind == "chat":
-            param = "messages"
-        if isinstance(body, dict):
-            sent = {"guided_json": "response_format", "guided_grammar": "grammar"}
-            if param in sent and sent[param] in body:
-                param = sent[param]
-            elif param == "guided_grammar" and "guided_choice" in body:
-                param = "guided_choice"
-    code = "context_length_exceeded" if "max_context" in message else "invalid_value"
-    return ApiError(400, message, param=param, code=code)
-
-
-# ----------------------------------------------------------------------------- logprobs
-
-
-def logprobs_body(
-    model: Model, result: GenerationResult, kind: Kind, top: int
-) -> dict[str, Any] | None:
-    """The OpenAI ``logprobs`` object of a choice, from the engine's per-token
-    log-probabilities (``result.logprobs[i]`` for generated token ``i``,
-    ``result.top_logprobs[i]``: the ``top`` most likely ``(token_id, logprob)`` there).
-
-    Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}],
-    "refusal": None}``; completions: ``{"tokens", "token_logprobs", "top_logprobs",
-    "text_offset"}``. The one place that maps them, for JSON and SSE answers alike."""
-    lps: Sequence[float] | None = getattr(result, "logprobs", None)
-    if lps is None:
-        return None
-    tops: Sequence[Sequence[tuple[int, float]]] = getattr(result, "top_logprobs", None) or [
-        [] for _ in lps
-    ]
-    ids = result.token_ids[: len(lps)]
-
-    def text(t: int) -> str:
-        return model.decode([t], skip_special_tokens=False)
-
-    if kind == "chat":
-        content = []
-        for t, lp, alts in zip(ids, lps, tops, strict=False):
-            s = text(t)
-            content.append(
-                {
-                    "token": s,
-                    "logprob": float(lp),
-                    "bytes": list(s.encode("utf-8")),
-                    "top_logprobs": [
-                        {"token": text(a), "logprob": float(b), "bytes": list(text(a).encode())}
-                        for a, b in list(alts)[:top]
-                    ],
-                }
-            )
-        return {"content": content, "refusal": None}
-    tokens = [text(t) for t in ids]
-    offsets, at = [], 0
-    for s in tokens:
-        offsets.append(at)
-        at += len(s)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [float(lp) for lp in lps],
-        "top_logprobs": [{text(a): float(b) for a, b in list(alts)[:top]} for alts in tops]
-        if top
-        else None,
-        "text_offset": offsets,
-    }
+__all__ = [
+    "FINISH_REASONS",
+    "ApiError",
+    "ChoiceStream",
+    "Kind",
+    "Request",
+    "ToolUse",
+    "check_fields",
+    "closing_chunks",
+    "colibri_stats",
+    "finish_chunk",
+    "from_colibri_error",
+    "ignored_warning",
+    "invalid",
+    "logprobs_body",
+    "opening_chunks",
+    "parse",
+    "response",
+    "system_fingerprint",
+    "text_chunks",
+    "unknown_field",
+    "unsupported",
+    "usage",
+    "usage_chunk",
+]
 
 
 # ----------------------------------------------------------------------------- requests
@@ -338,10 +241,6 @@ _CHAT_ONLY = {
 _COMPLETION_ONLY = {"prompt", "best_of", "echo", "suffix"}
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -350,7 +249,7 @@ def _opt_int(body: Mapping[str, Any], name: str, lo: int, hi: int | None = None)
     v = body.get(name)
     if v is None:
         return None
-    if not _is_int(v):
+    if not is_int(v):
         raise invalid(name, f"{v!r}; expected an integer")
     if v < lo or (hi is not None and v > hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
@@ -385,27 +284,6 @@ def _must_be_off(body: Mapping[str, Any], name: str, off: Sequence[object], why:
     raise unsupported(name, why)
 
 
-def unknown_field(name: str) -> ApiError:
-    """The 400 for a field the endpoint does not define (OpenAI's wording)."""
-    return ApiError(
-        400,
-        f"unrecognized request argument supplied: '{name}'",
-        param=name,
-        code="unknown_parameter",
-    )
-
-
-def check_fields(body: object, allowed: set[str]) -> dict[str, Any]:
-    """``body`` as a JSON object whose fields are all in ``allowed`` (an empty set: any),
-    else the 400."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    for name in body:
-        if allowed and name not in allowed:
-            raise unknown_field(name)
-    return body
-
-
 def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     """Check an OpenAI request body for ``kind`` and prepare its generation.
 
@@ -425,7 +303,7 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     n = body.get("n", 1)
     if n is None:
         n = 1
-    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+    if not is_int(n) or not 1 <= n <= MAX_CHOICES:
         raise invalid("n", f"{n!r}; expected an integer in 1..{MAX_CHOICES}")
     # What colibri cannot do (yet): a 400 that says so, never a silent default.
     if kind == "chat":
@@ -516,7 +394,7 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     top_k = _opt_int(body, "top_k", 0)
     seed = body.get("seed")
     if seed is not None:
-        if not _is_int(seed):
+        if not is_int(seed):
             raise invalid("seed", f"{seed!r}; expected an integer")
         seed %= 2**64  # OpenAI takes any 64-bit integer, negative ones included
     stop = _parse_stop(body.get("stop"))
@@ -737,389 +615,3 @@ def _parse_stop(stop: object) -> list[str] | None:
     if any(not s for s in stops):
         raise invalid("stop", "empty strings never match; remove them")
     return stops or None
-
-
-def _chat_prompt(
-    messages: object,
-    model: Model,
-    extra: _client_fields.Normalised | None = None,
-    *,
-    tools: Sequence[_tools.Tool] | None = None,
-    fmt: _tools.Format | None = None,
-    template_renders_tools: bool = True,
-) -> list[int]:
-    """The token ids of ``messages`` rendered with the model's chat template (with the
-    template controls of ``extra``: vLLM's ``add_generation_prompt``,
-    ``continue_final_message``, ``chat_template_kwargs``)."""
-    if extra is None:
-        extra = _client_fields.Normalised({}, [])
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "expected a non-empty list of messages")
-    clean: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise invalid(where, "expected an object with 'role' and 'content'")
-        for k in m:
-            if k not in (
-                "role",
-                "content",
-                "name",
-                "refusal",
-                "tool_calls",
-                "function_call",
-                "reasoning_content",
-                "tool_call_id",
-            ):
-                raise unknown_field(f"{where}.{k}")
-        role = m.get("role")
-        if role == "function":
-            raise unsupported(f"{where}.role", "the deprecated 'function' role: use 'tool'")
-        if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise invalid(
-                f"{where}.role", f"{role!r}; expected system, developer, user, assistant or tool"
-            )
-        if m.get("function_call"):
-            raise unsupported(f"{where}.function_call", "the deprecated form: use 'tool_calls'")
-        calls = None
-        if m.get("tool_calls"):
-            if role != "assistant":
-                raise invalid(f"{where}.tool_calls", "only an assistant turn makes tool calls")
-            if fmt is None:
-                raise unsupported(
-                    f"{where}.tool_calls", "this model's chat template has no tool calls"
-                )
-            calls = _tools.message_calls(f"{where}.tool_calls", m["tool_calls"], fmt, invalid)
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = None if calls and fmt == "deepseek" else ""
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                pw = f"{where}.content[{j}]"
-                if not isinstance(part, dict):
-                    raise invalid(pw, "expected a content part object")
-                if part.get("type") != "text":
-                    raise unsupported(
-                        f"{pw}.type", f"'{part.get('type')}' parts: this model reads text only"
-                    )
-                if not isinstance(part.get("text"), str):
-                    raise invalid(f"{pw}.text", "expected a string")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str) and not (content is None and calls):
-            raise invalid(f"{where}.content", "expected a string or a list of text parts")
-        msg: dict[str, Any] = {
-            "role": "system" if role == "developer" else role,
-            "content": content,
-        }
-        if calls:
-            msg["tool_calls"] = calls
-        if role == "tool" and m.get("tool_call_id") is not None:
-            if not isinstance(m["tool_call_id"], str):
-                raise invalid(f"{where}.tool_call_id", "expected a string")
-            msg["tool_call_id"] = m["tool_call_id"]
-        reasoning = m.get("reasoning_content")
-        if reasoning is not None:  # a thinking model's earlier turn: its template decides
-            if not isinstance(reasoning, str) or role != "assistant":
-                raise invalid(
-                    f"{where}.reasoning_content", "expected a string on an assistant turn"
-                )
-            msg["reasoning_content"] = reasoning
-        if m.get("name") is not None:
-            if not isinstance(m["name"], str):
-                raise invalid(f"{where}.name", "expected a string")
-            msg["name"] = m["name"]
-        clean.append(msg)
-    variables = dict(extra.chat_template_kwargs or {})
-    if tools:
-        if template_renders_tools:
-            variables["tools"] = [t.openai() for t in tools]
-        else:  # the template leaves describing them to the caller (DeepSeek-V3.1's)
-            assert fmt is not None
-            prompt = _tools.tools_system_prompt(tools, fmt)
-            clean.insert(0, {"role": "system", "content": prompt})
-    try:
-        text = model.apply_chat_template(
-            clean,
-            tokenize=False,
-            add_generation_prompt=extra.add_generation_prompt,
-            **variables,
-        )
-        if extra.continue_final_message:
-            text = _continued(text, clean[-1])
-        return model.encode(text, add_special_tokens=False)
-    except InvalidArgumentError as e:
-        raise invalid("messages", str(e)) from e
-    except ColibriError as e:  # a model without a chat template, a template that fails
-        raise ApiError(400, str(e), param="messages", code="chat_template") from e
-
-
-def _continued(text: str, last: Mapping[str, str]) -> str:
-    """The rendered conversation cut after the last message's content, so that the model
-    continues it rather than closing it (vLLM's ``continue_final_message``)."""
-    content = last["content"]
-    if last["role"] != "assistant" or not content:
-        raise invalid(
-            "continue_final_message",
-            "the last message must be a non-empty assistant message to continue",
-        )
-    at = text.rfind(content)
-    if at < 0:  # the template rewrote it (stripped, escaped): there is no place to continue
-        raise invalid(
-            "continue_final_message",
-            "the chat template does not keep the last message's text as it is",
-        )
-    return text[: at + len(content)]
-
-
-def _completion_prompts(prompt: object, model: Model) -> list[list[int]]:
-    """The token ids of each prompt of a completions ``prompt``: a string, token ids, or a
-    list of strings or of token-id lists (a batch, answered choice by choice in order)."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return [_completion_prompt(p, model, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return [_completion_prompt(prompt, model)]
-
-
-def _completion_prompt(prompt: object, model: Model, where: str = "prompt") -> list[int]:
-    """The token ids of one completions prompt: a string or token ids."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise invalid(where, "the prompt is empty")
-        try:
-            return model.encode(prompt)
-        except InvalidArgumentError as e:
-            raise invalid(where, str(e)) from e
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        vocab = int(model.config["vocab_size"])
-        for t in prompt:
-            if not 0 <= t < vocab:
-                raise invalid(where, f"token id {t} is outside the vocabulary (0..{vocab - 1})")
-        return list(prompt)
-    raise invalid(
-        where, "expected a string, a list of token ids, or a list of strings or of token-id lists"
-    )
-
-
-# ----------------------------------------------------------------------------- responses
-
-FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "stop"}
-
-
-def usage(stats: GenerationStats | Sequence[GenerationStats], n: int = 1) -> dict[str, Any]:
-    """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` counts the prompt
-    tokens whose KV a session already held (not prefilled again). ``stats`` are the choices',
-    ``n`` per prompt: each prompt counts once and the completion tokens are summed."""
-    every = [stats] if isinstance(stats, GenerationStats) else list(stats)
-    firsts = every[::n]
-    prompt = sum(s.prompt_tokens for s in firsts)
-    completion = sum(s.generated_tokens for s in every)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(s.prompt_cached_tokens for s in firsts)},
-    }
-
-
-def colibri_stats(stats: GenerationStats) -> dict[str, Any]:
-    """The extension object ``"colibri"`` of a response: how the generation ran (of choice
-    0 when there are several)."""
-    return {
-        "prompt_cached_tokens": stats.prompt_cached_tokens,
-        "prefilled_tokens": stats.prompt_tokens - stats.prompt_cached_tokens,
-        "tokens_per_second": stats.tokens_per_second,
-        "prompt_tokens_per_second": stats.prompt_tokens_per_second,
-        "tokens_per_forward": stats.tokens_per_forward,
-        "forwards": stats.forwards,
-        "drafts_proposed": list(stats.drafts_proposed),
-        "drafts_accepted": list(stats.drafts_accepted),
-        "expert_hits": stats.expert_hits,
-        "expert_misses": stats.expert_misses,
-        "expert_bytes_read": stats.expert_bytes_read,
-        "expert_wait_seconds": stats.expert_wait_seconds,
-        "prefetch_recall": stats.prefetch_recall,
-    }
-
-
-def _results(results: GenerationResult | Sequence[GenerationResult]) -> list[GenerationResult]:
-    return [results] if isinstance(results, GenerationResult) else list(results)
-
-
-def response(
-    req: Request, results: GenerationResult | Sequence[GenerationResult], model: Model
-) -> dict[str, Any]:
-    """The JSON body of a finished, non-streamed request (one result per choice)."""
-    every = _results(results)
-    choices = []
-    for index, result in enumerate(every):
-        finish = FINISH_REASONS[result.finish_reason]
-        lp = None if req.logprobs is None else logprobs_body(model, result, req.kind, req.logprobs)
-        if req.kind == "chat":
-            reasoning, content, calls = req.answer(result.text)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if reasoning is not None and req.include_reasoning:
-                message["reasoning_content"] = reasoning
-            if calls:
-                message["tool_calls"] = [c.openai() for c in calls]
-                finish = "tool_calls"
-            message["refusal"] = None
-            choices.append(
-                {
-                    "index": index,
-                    "message": message,
-                    "logprobs": lp,
-                    "finish_reason": finish,
-                }
-            )
-        else:
-            choices.append(
-                {
-                    "index": index,
-                    "text": req.choice_echo(index) + result.text,
-                    "logprobs": lp,
-                    "finish_reason": finish,
-                }
-            )
-    obj = "chat.completion" if req.kind == "chat" else "text_completion"
-    return {
-        **_envelope(req, obj),
-        "choices": choices,
-        "usage": usage([r.stats for r in every], req.n),
-        "colibri": colibri_stats(every[0].stats),
-    }
-
-
-def chunk(
-    req: Request,
-    *,
-    text: str | None = None,
-    role: bool = False,
-    finish: str | None = None,
-    logprobs: dict[str, Any] | None = None,
-    index: int = 0,
-    reasoning: str | None = None,
-) -> dict[str, Any]:
-    """One SSE chunk (``chat.completion.chunk`` / ``text_completion``) of a streamed answer,
-    for choice ``index`` (``reasoning``: a thinking model's reasoning delta)."""
-    if req.kind == "chat":
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
-        if reasoning is not None:
-            delta["reasoning_content"] = reasoning
-        if text is not None:
-            delta["content"] = text
-        choice: dict[str, Any] = {
-            "index": index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": finish,
-        }
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        obj = "text_completion"
-    body: dict[str, Any] = {**_envelope(req, obj), "choices": [choice]}
-    if req.include_usage:
-        body["usage"] = None
-    return body
-
-
-def text_chunks(
-    req: Request, state: ChoiceStream, text: str | None, index: int = 0
-) -> list[dict[str, Any]]:
-    """The chunks of a streamed text delta of choice ``index``: split into reasoning and
-    content deltas, tool calls held back for the end (``text=None``: what ``state`` still
-    holds, at the end of the choice)."""
-    pieces: list[_reasoning.Piece]
-    if state.reasoning is None:
-        pieces = [] if text is None else [("content", text)]
-    else:
-        pieces = state.reasoning.flush() if text is None else state.reasoning.push(text)
-    out = []
-    for kind, piece in pieces:
-        if kind == "content":
-            shown = piece if state.calls is None else state.calls.push(piece)
-            if shown:
-                out.append(chunk(req, text=shown, index=index))
-        elif req.include_reasoning:
-            out.append(chunk(req, reasoning=piece, index=index))
-    if text is None and state.calls is not None:
-        rest = state.calls.flush()
-        if rest:
-            out.append(chunk(req, text=rest, index=index))
-    return out
-
-
-def opening_chunks(req: Request, index: int = 0) -> list[dict[str, Any]]:
-    """The chunks a stream (of choice ``index``) starts with: the assistant role (chat), or
-    the echoed prompt."""
-    if req.kind == "chat":
-        return [chunk(req, text="", role=True, index=index)]
-    echo = req.choice_echo(index)
-    return [chunk(req, text=echo, index=index)] if echo else []
-
-
-def finish_chunk(
-    req: Request, result: GenerationResult, model: Model, index: int = 0
-) -> dict[str, Any]:
-    """The chunk that ends choice ``index``: its finish reason, with its logprobs (which
-    come at the end: the stream carries text, not tokens)."""
-    lp = None if req.logprobs is None else logprobs_body(model, result, req.kind, req.logprobs)
-    finish = FINISH_REASONS[result.finish_reason]
-    body = chunk(req, text=None if req.kind == "chat" else "", logprobs=lp, index=index)
-    if req.tool_use is not None:
-        calls = req.answer(result.text)[2]
-        if calls:  # held back from the stream: here whole, as OpenAI's deltas carry them
-            body["choices"][0]["delta"]["tool_calls"] = [
-                c.openai(index=k) for k, c in enumerate(calls)
-            ]
-            finish = "tool_calls"
-    body["choices"][0]["finish_reason"] = finish
-    return body
-
-
-def closing_chunks(
-    req: Request, results: GenerationResult | Sequence[GenerationResult], model: Model
-) -> list[dict[str, Any]]:
-    """The chunks a finished stream ends with: each choice's finish chunk and, when asked,
-    the usage."""
-    every = _results(results)
-    out = [finish_chunk(req, r, model, i) for i, r in enumerate(every)]
-    if req.include_usage:
-        out.append(usage_chunk(req, every))
-    return out
-
-
-def usage_chunk(
-    req: Request, results: GenerationResult | Sequence[GenerationResult]
-) -> dict[str, Any]:
-    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the
-    usage (and the ``colibri`` extension object)."""
-    every = _results(results)
-    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-    return {
-        **_envelope(req, obj),
-        "choices": [],
-        "usage": usage([r.stats for r in every], req.n),
-        "colibri": colibri_stats(every[0].stats),
-    }
-
-
-def _envelope(req: Request, obj: str) -> dict[str, Any]:
-    """The fields every response and chunk body starts with."""
-    return {
-        "id": req.id,
-        "object": obj,
-        "created": req.created,
-        "model": req.model,
-        "system_fingerprint": system_fingerprint(),
-    }
-
-
-def system_fingerprint() -> str:
-    """``colibri-<version>``: the backend configuration a response came from."""
-    from colibri import __version__
-
-    return f"colibri-{__version__}"

@@ -1,0 +1,128 @@
+"""The OpenAI wire format's errors: the 400 (and other) bodies every endpoint answers with,
+and the checks of a request body's shape that they come from."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from colibri.errors import ColibriError, InvalidArgumentError
+
+Kind = Literal["chat", "completion"]
+
+
+def is_int(v: object) -> bool:
+    """An integer, not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-shaped body:
+    ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _ERROR_TYPES.get(status, "server_error")
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the error response."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+}
+
+
+def unsupported(param: str, why: str) -> ApiError:
+    """The 400 for a field (or a value of it) that colibri cannot honour."""
+    return ApiError(400, f"'{param}' is not supported: {why}", param=param, code="unsupported")
+
+
+def invalid(param: str, message: str) -> ApiError:
+    """The 400 for a field with a bad value."""
+    return ApiError(
+        400, f"invalid value for '{param}': {message}", param=param, code="invalid_value"
+    )
+
+
+_PARAM_IN_MESSAGE = re.compile(r"invalid (?:value for|keyword) '([^']+)'")
+
+#: colibri's own parameter names in its error messages, as the request spells them.
+_WIRE_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "prompt": "prompt",
+    "text": "prompt",
+}
+
+
+def from_colibri_error(e: ColibriError, kind: Kind, body: object = None) -> ApiError:
+    """A colibri error met while preparing a request (``body``), as the 400 (or 500) to
+    answer; its ``param`` is the field the request spelled."""
+    if not isinstance(e, InvalidArgumentError):
+        return ApiError(500, f"{type(e).__name__}: {e}", code="internal_error")
+    message = str(e)
+    m = _PARAM_IN_MESSAGE.search(message)
+    param = m.group(1) if m else None
+    if param is not None:
+        param = _WIRE_NAMES.get(param, param)
+        if param == "prompt" and kind == "chat":
+            param = "messages"
+        if isinstance(body, dict):
+            sent = {"guided_json": "response_format", "guided_grammar": "grammar"}
+            if param in sent and sent[param] in body:
+                param = sent[param]
+            elif param == "guided_grammar" and "guided_choice" in body:
+                param = "guided_choice"
+    code = "context_length_exceeded" if "max_context" in message else "invalid_value"
+    return ApiError(400, message, param=param, code=code)
+
+
+def unknown_field(name: str) -> ApiError:
+    """The 400 for a field the endpoint does not define (OpenAI's wording)."""
+    return ApiError(
+        400,
+        f"unrecognized request argument supplied: '{name}'",
+        param=name,
+        code="unknown_parameter",
+    )
+
+
+def check_fields(body: object, allowed: set[str]) -> dict[str, Any]:
+    """``body`` as a JSON object whose fields are all in ``allowed`` (an empty set: any),
+    else the 400."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    for name in body:
+        if allowed and name not in allowed:
+            raise unknown_field(name)
+    return body

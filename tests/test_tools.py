@@ -277,3 +277,28 @@ def test_fixture_templates_are_the_models(tmp_path: Path) -> None:
     ds = (TEMPLATES / "deepseek-v3.1.jinja").read_text(encoding="utf-8")
     assert glm.startswith("[gMASK]<sop>") and "<arg_key>" in glm
     assert "<｜tool▁calls▁begin｜>" in ds and "<｜Assistant｜>" in ds
+
+
+def test_model_chat_returns_the_parsed_calls(templated: colibri.Model) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    out = templated.chat(
+        ASK, tools=[WEATHER, NOOP], tool_choice=choice, max_tokens=300, temperature=0.7, seed=2
+    )
+    assert out.tool_calls is not None and len(out.tool_calls) == 1
+    assert out.tool_calls[0]["function"]["name"] == "get_weather"
+    _check_weather(out.tool_calls[0]["function"]["arguments"])
+    assert out.text == ""
+    # The same request through the OpenAI-shaped call makes the same call.
+    body = _call(templated, tools=[WEATHER, NOOP], tool_choice=choice, seed=2)
+    assert (
+        body["choices"][0]["message"]["tool_calls"][0]["function"]
+        == (out.tool_calls[0]["function"])
+    )
+    plain = templated.chat(ASK, max_tokens=4, temperature=0)
+    assert plain.tool_calls is None
+    none = templated.chat(ASK, tools=[WEATHER], tool_choice="none", max_tokens=4, temperature=0)
+    assert none.tool_calls == [] and none.text == plain.text
+    with pytest.raises(colibri.InvalidArgumentError, match="stream"):
+        templated.chat(ASK, tools=[WEATHER], stream=True)
+    with pytest.raises(colibri.InvalidArgumentError, match="tool_choice"):
+        templated.chat(ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {}})

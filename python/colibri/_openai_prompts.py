@@ -107,12 +107,8 @@ def _chat_prompt(
         clean.append(msg)
     variables = dict(extra.chat_template_kwargs or {})
     if tools:
-        if template_renders_tools:
-            variables["tools"] = [t.openai() for t in tools]
-        else:  # the template leaves describing them to the caller (DeepSeek-V3.1's)
-            assert fmt is not None
-            prompt = _tools.tools_system_prompt(tools, fmt)
-            clean.insert(0, {"role": "system", "content": prompt})
+        assert fmt is not None
+        clean = _tools.offer(clean, variables, tools, fmt, template_renders_tools)
     try:
         text = model.apply_chat_template(
             clean,

@@ -260,6 +260,22 @@ def forced_grammar(fmt: Format, tools: Sequence[Tool]) -> str:
     return "\n".join([head, *rules])
 
 
+def offer(
+    messages: list[dict[str, Any]],
+    variables: dict[str, Any],
+    tools: Sequence[Tool],
+    fmt: Format,
+    template_renders_tools: bool,
+) -> list[dict[str, Any]]:
+    """Show ``tools`` to the model: as the template's ``tools`` variable (set in
+    ``variables``), or, for a template that does not describe them itself (DeepSeek-V3.1's
+    leaves it to the caller), as a system message first; returns the messages to render."""
+    if template_renders_tools:
+        variables["tools"] = [t.openai() for t in tools]
+        return messages
+    return [{"role": "system", "content": tools_system_prompt(tools, fmt)}, *messages]
+
+
 def tools_system_prompt(tools: Sequence[Tool], fmt: Format) -> str:
     """A system message describing ``tools`` and the call format, for templates that do not
     render the tools themselves (DeepSeek-V3.1's leaves it to the caller)."""

@@ -907,6 +907,8 @@ class Model:
         guided_regex: str | None = ...,
         guided_grammar: str | None = ...,
         prompt_logprobs: int | None = ...,
+        tools: Sequence[Mapping[str, Any]] | None = ...,
+        tool_choice: str | Mapping[str, Any] | None = ...,
         prefill_progress: Callable[[int, int], object] | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
@@ -940,6 +942,8 @@ class Model:
         guided_regex: str | None = ...,
         guided_grammar: str | None = ...,
         prompt_logprobs: int | None = ...,
+        tools: Sequence[Mapping[str, Any]] | None = ...,
+        tool_choice: str | Mapping[str, Any] | None = ...,
         prefill_progress: Callable[[int, int], object] | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
@@ -972,6 +976,8 @@ class Model:
         guided_regex: str | None = ...,
         guided_grammar: str | None = ...,
         prompt_logprobs: int | None = ...,
+        tools: Sequence[Mapping[str, Any]] | None = ...,
+        tool_choice: str | Mapping[str, Any] | None = ...,
         prefill_progress: Callable[[int, int], object] | None = ...,
         draft: DraftMode | None = ...,
         draft_depth: int | Literal["auto"] | None = ...,
@@ -1003,6 +1009,8 @@ class Model:
         guided_regex: str | None = None,
         guided_grammar: str | None = None,
         prompt_logprobs: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
         prefill_progress: Callable[[int, int], object] | None = None,
         draft: DraftMode | None = None,
         draft_depth: int | Literal["auto"] | None = None,
@@ -1014,13 +1022,88 @@ class Model:
 
         Takes the keyword arguments of :meth:`generate`, with the same meaning; returns a
         :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`.
+        ``tools`` (OpenAI's tool objects) and ``tool_choice`` (``"auto"``, ``"none"``,
+        ``"required"`` or ``{"type": "function", "function": {"name": ...}}``) let the
+        model call functions, for GLM's and DeepSeek's chat templates: the result's
+        ``tool_calls`` holds the calls and ``text`` what came before them (docs/server.md,
+        "Tool calls"; not with ``stream=True``).
         """
         kw = {k: v for k, v in locals().items() if k in _GENERATE_KEYWORDS}
         choices = _choices(n, sampling_params)
+        if tools is not None or tool_choice is not None:
+            return self._chat_with_tools(
+                messages, sampling_params, kw, choices, stream, tools, tool_choice
+            )
         if choices > 1:
             return self._n_results(self._chat_ids(messages), sampling_params, kw, choices, stream)
         params = self._params(self._chat_ids(messages), sampling_params, kw)
         return self._launch(params, stream)
+
+    def _chat_with_tools(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: object,
+        kw: dict[str, Any],
+        choices: int,
+        stream: bool,
+        tools: object,
+        tool_choice: object,
+    ) -> GenerationResult | list[GenerationResult]:
+        """:meth:`chat` offering ``tools``: the calls parsed into ``tool_calls``."""
+        from dataclasses import replace
+
+        from colibri import _openai, _tools
+
+        def invalid(param: str, message: str) -> InvalidArgumentError:
+            return InvalidArgumentError(f"invalid value for '{param}': {message}")
+
+        if stream:
+            raise InvalidArgumentError(
+                "tools with stream=True: use create_chat_completion(..., stream=True), whose "
+                "chunks carry the calls, or stream=False"
+            )
+        offered, choice, forced = _tools.parse_request(
+            {"tools": tools, "tool_choice": tool_choice}, invalid
+        )
+        template = _openai._template_text(self)
+        fmt = _tools.detect(template)
+        if fmt is None and choice != "none":
+            raise InvalidArgumentError(
+                "invalid value for 'tools': this model's chat template writes no tool-call "
+                "format colibri reads (GLM's <tool_call>, DeepSeek's tool-call tokens)"
+            )
+        turns: list[dict[str, Any]] = []
+        for i, m in enumerate(messages):
+            turn = dict(m)
+            if turn.get("tool_calls"):
+                where = f"messages[{i}].tool_calls"
+                turn["tool_calls"] = _tools.message_calls(where, turn["tool_calls"], fmt, invalid)
+            turns.append(turn)
+        variables: dict[str, Any] = {}
+        if choice != "none" and fmt is not None:
+            turns = _tools.offer(turns, variables, offered, fmt, "tools" in template)
+        if choice == "required" and fmt is not None:
+            if any(
+                kw.get(k) is not None for k in ("guided_json", "guided_regex", "guided_grammar")
+            ):
+                raise invalid("tool_choice", "a forced tool call and guided_*: give one")
+            kw["guided_grammar"] = _tools.forced_grammar(
+                fmt, [t for t in offered if forced is None or t.name == forced]
+            )
+        ids = self.apply_chat_template(turns, add_generation_prompt=True, **variables)
+        if choices > 1:
+            results = self._n_results(ids, sampling_params, kw, choices, False)
+        else:
+            results = [self._launch(self._params(ids, sampling_params, kw), False)]
+        out = []
+        for r in results:
+            assert isinstance(r, GenerationResult)
+            calls: list[_tools.Call] = []
+            text = r.text
+            if fmt is not None and choice != "none":
+                text, calls = _tools.extract(r.text, fmt, offered)
+            out.append(replace(r, text=text, tool_calls=[c.openai() for c in calls]))
+        return out if choices > 1 else out[0]
 
     def _chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The prompt ids of a chat: ``messages`` rendered with the generation prompt."""

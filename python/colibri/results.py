@@ -97,6 +97,10 @@ class GenerationResult:
     #: With ``prompt_logprobs=k``: per prompt token, the k most likely ``(token id,
     #: logprob)`` at its position (``[]`` for the first).
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: The tool calls of the answer (``Model.chat(tools=...)``), as OpenAI's ``tool_calls``
+    #: (``{"id", "type": "function", "function": {"name", "arguments"}}``, the arguments
+    #: JSON text); ``text`` is then what came before them. None without tools.
+    tool_calls: list[dict[str, Any]] | None = None
 
     def __str__(self) -> str:
         return self.text

@@ -1235,10 +1235,12 @@ def test_logits_and_chat_are_typed() -> None:
             typing.Literal[False]: colibri.GenerationResult,
             typing.Literal[True]: colibri.GenerationStream,
         }, name
-    # chat takes generate's keyword arguments, spelled out.
+    # chat takes generate's keyword arguments, spelled out, and the tools of a chat.
     gen = inspect.signature(colibri.Model.generate).parameters
     chat = inspect.signature(colibri.Model.chat).parameters
-    assert [p for p in gen if p != "prompt"] == [p for p in chat if p != "messages"]
+    chat_only = {"messages", "tools", "tool_choice"}
+    assert [p for p in gen if p != "prompt"] == [p for p in chat if p not in chat_only]
+    assert {"tools", "tool_choice"} <= set(chat)
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 5}])

@@ -9,6 +9,7 @@ import gc
 import inspect
 import itertools
 import json
+import os
 import re
 import shutil
 import signal
@@ -1833,3 +1834,19 @@ def test_prefill_arithmetic_option_is_chosen_reported_and_keeps_drafting_lossles
         assert out.token_ids == b.token_ids, (draft, depth)
     with pytest.raises(colibri.InvalidArgumentError, match="prefill"):
         colibri.Model(prefill="fast")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [5, None, 1.5, ""])
+def test_context_paths_of_the_wrong_type_are_typed_errors(bad: Any, tmp_path: Path) -> None:
+    m = colibri.Model(threads=1)
+    s = m.session()
+    s.prefill("def add(a, b):")
+    with pytest.raises(colibri.InvalidArgumentError, match="'path'"):
+        s.save(bad)
+    with pytest.raises(colibri.InvalidArgumentError, match="'path'"):
+        m.load_session(bad)
+    as_bytes = os.fsencode(tmp_path / "ctx.colibri")  # bytes paths work, as in os
+    s.save(as_bytes)
+    assert m.load_session(as_bytes).token_ids == s.token_ids
+    with pytest.raises(colibri.InvalidArgumentError, match="not a regular file"):
+        s.save("/dev/null")

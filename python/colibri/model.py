@@ -1206,8 +1206,9 @@ class Model:
         Raises :class:`SavedContextError` for a truncated or corrupt file, one of another
         format version, or one saved by another model; :class:`ColibriFileNotFoundError`
         when there is no such file."""
+        file = _context_path(path)
         with self._lock:
-            core = self._engine.load_session(os.fspath(path))
+            core = self._engine.load_session(file)
         return Session(self, core)
 
     def _start(
@@ -1300,6 +1301,18 @@ def _engine_keywords(p: Mapping[str, Any]) -> dict[str, Any]:
         "prompt_logprobs",
     )
     return {"stop_ids": p["stop_ids"], **{k: p[k] for k in keys}}
+
+
+def _context_path(path: object) -> str:
+    """A saved context's path as text: a ``str``, ``bytes`` or ``os.PathLike``; anything
+    else is an :class:`InvalidArgumentError`."""
+    if isinstance(path, (str, bytes, os.PathLike)):
+        text = os.fsdecode(path)
+        if text:
+            return text
+    raise InvalidArgumentError(
+        f"invalid value for 'path': {path!r}; expected a file path (str or os.PathLike)"
+    )
 
 
 @dataclass
@@ -1435,8 +1448,9 @@ class Session:
         """Write the session's context (KV caches and tokens) to ``path`` atomically; returns
         the bytes written. The file is only valid for this model (its fingerprint is checked
         on load)."""
+        file = _context_path(path)
         with self._model._lock:
-            return int(self._model._engine.save_session(os.fspath(path), self._core))
+            return int(self._model._engine.save_session(file, self._core))
 
     @property
     def token_ids(self) -> list[int]:

@@ -4,13 +4,15 @@
 //! format; it is little-endian and versioned, and every field is checked on load.
 //!
 //! ```text
-//! magic "colibri-context\0" (16 B) | version u32 | reserved u32 | header length u64
+//! magic "colibri-context\0" (16 B) | version u32 | header CRC-32 u32 (0: not recorded,
+//! files of before it was) | header length u64
 //! header (JSON, `Header`) | payload: each cache's latents, roped keys, indexer keys
 //! (main layers in order, then the MTP layer), f32; then the MTP-pending hidden states
 //! ```
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -109,13 +111,19 @@ pub fn save(path: &Path, model: &Expect<'_>, caches: &KvCaches, state: &CacheSta
         mtp_head: Some(model.mtp_head),
     };
     let json = serde_json::to_vec(&header).map_err(|e| Error::Internal(e.to_string()))?;
+    check_target(path)?;
     let tmp = temporary_path(path);
     let write = || -> std::io::Result<()> {
-        let file = std::fs::File::create(&tmp)?;
+        // A name of our own, created new: never a file another save writes, nor whatever a
+        // symlink planted at a guessable name points to.
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
         let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
         w.write_all(MAGIC)?;
         w.write_all(&VERSION.to_le_bytes())?;
-        w.write_all(&0u32.to_le_bytes())?;
+        w.write_all(&header_crc(&json).to_le_bytes())?;
         w.write_all(&(json.len() as u64).to_le_bytes())?;
         w.write_all(&json)?;
         for kv in caches.all() {
@@ -136,7 +144,10 @@ pub fn save(path: &Path, model: &Expect<'_>, caches: &KvCaches, state: &CacheSta
         Ok(())
     };
     match write() {
-        Ok(()) => Ok((PREFIX_BYTES + json.len()) as u64 + header.payload_bytes),
+        Ok(()) => {
+            remove_stale_temporaries(path);
+            Ok((PREFIX_BYTES + json.len()) as u64 + header.payload_bytes)
+        }
         Err(e) => {
             let _ = std::fs::remove_file(&tmp);
             Err(Error::io(path, e))
@@ -144,12 +155,74 @@ pub fn save(path: &Path, model: &Expect<'_>, caches: &KvCaches, state: &CacheSta
     }
 }
 
-fn temporary_path(path: &Path) -> PathBuf {
+/// The CRC-32 of the header's JSON, as the prefix records it (never 0, which means "not
+/// recorded").
+fn header_crc(json: &[u8]) -> u32 {
+    crc32fast::hash(json).max(1)
+}
+
+/// A save replaces a regular file (or a symlink, itself), never a device, a FIFO or a
+/// directory that happens to be at the path.
+fn check_target(path: &Path) -> Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if !(m.is_file() || m.file_type().is_symlink()) => Err(Error::invalid(
+            "path",
+            format!(
+                "{} exists and is not a regular file: a context is saved to a file path, \
+                 and colibri does not replace anything else",
+                path.display()
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn temporary_prefix(path: &Path) -> String {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    path.with_file_name(format!(".{name}.tmp.{}", std::process::id()))
+    format!(".{name}.tmp.")
+}
+
+/// `.NAME.tmp.<pid>.<n>`: the process and a per-process count, so saves by two models of
+/// one process, or two threads, never share a temporary file.
+fn temporary_path(path: &Path) -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let name = format!("{}{}.{n}", temporary_prefix(path), std::process::id());
+    path.with_file_name(name)
+}
+
+/// Remove the temporary files of saves to `path` whose process is gone (killed mid-save):
+/// they are ours (our prefix, a regular file) and nobody will finish them. Only where
+/// `/proc` tells which processes live.
+fn remove_stale_temporaries(path: &Path) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let prefix = temporary_prefix(path);
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix(&prefix) else {
+            continue;
+        };
+        let Some(pid) = rest.split('.').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        let alive = Path::new("/proc").join(pid.to_string()).exists();
+        let regular = entry.file_type().is_ok_and(|t| t.is_file());
+        if !alive && regular {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// Read a context written by [`save`] into `caches` (made by the loading model's
@@ -158,7 +231,20 @@ fn temporary_path(path: &Path) -> PathBuf {
 /// [`Error::SavedContext`] saying which; `caches` is then left empty.
 pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<CacheState> {
     let bad = |msg: String| Error::saved_context(path, msg);
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    // Looked at before it is opened: opening a FIFO would wait for a writer forever. The
+    // open itself does not block either, should the path change in between.
+    let before = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if !before.is_file() {
+        return Err(bad("not a regular file".into()));
+    }
+    let file = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .map_err(|e| Error::io(path, e))?
+    };
     let meta = file.metadata().map_err(|e| Error::io(path, e))?;
     if !meta.is_file() {
         return Err(bad("not a regular file".into()));
@@ -194,6 +280,13 @@ pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<C
     }
     let mut json = vec![0u8; header_len as usize];
     r.read_exact(&mut json).map_err(|e| Error::io(path, e))?;
+    let recorded = word(20);
+    if recorded != 0 && recorded != header_crc(&json) {
+        return Err(bad(
+            "header checksum mismatch: the file is corrupt (its token list or sizes changed)"
+                .into(),
+        ));
+    }
     let h: Header =
         serde_json::from_slice(&json).map_err(|e| bad(format!("unreadable header: {e}")))?;
     if h.fingerprint != expect.fingerprint {
@@ -264,10 +357,12 @@ pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<C
         )));
     }
     let mut crc = crc32fast::Hasher::new();
+    let mut finite = true;
     let mut fill = |part: &mut [f32]| -> Result<()> {
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(part);
         r.read_exact(bytes).map_err(|e| Error::io(path, e))?;
         crc.update(bytes);
+        finite &= part.iter().all(|x| x.is_finite());
         Ok(())
     };
     let last = widths.len() - 1;
@@ -286,6 +381,13 @@ pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<C
     }
     if loaded.is_ok() && crc.finalize() != h.crc32 {
         loaded = Err(bad("checksum mismatch: the file is corrupt".into()));
+    }
+    if loaded.is_ok() && !finite {
+        loaded = Err(bad(
+            "it holds NaN or infinite values (its checksum matches, so it was written so): \
+             it cannot continue a generation; save the context again"
+                .into(),
+        ));
     }
     if let Err(e) = loaded {
         caches.release();

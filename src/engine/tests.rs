@@ -3,6 +3,7 @@
 //! refuse damaged or foreign files with a typed error, idle sessions are evicted to disk
 //! and come back intact.
 
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -151,7 +152,17 @@ fn damaged_or_foreign_contexts_are_refused_with_a_typed_error() {
     cases.push(("payload bit flip", flipped, "checksum"));
     let mut header = good.clone();
     header[33] = b'!';
-    cases.push(("header garbage", header, "unreadable header"));
+    cases.push(("header garbage", header.clone(), "header checksum"));
+    header[20..24].copy_from_slice(&[0; 4]); // a file from before the header's checksum
+    cases.push(("header garbage, unchecked", header, "unreadable header"));
+    // A token id of the header changed: the header's checksum catches it.
+    let text = String::from_utf8_lossy(&good[32..payload_at]).into_owned();
+    let at = text.find("\"tokens\":[").unwrap() + 10;
+    let digit = good[32 + at];
+    assert!(digit.is_ascii_digit());
+    let mut token = good.clone();
+    token[32 + at] = if digit == b'9' { b'8' } else { digit + 1 };
+    cases.push(("token changed", token, "header checksum"));
     for (what, bytes, needle) in cases {
         std::fs::write(&file, &bytes).unwrap();
         let err = e
@@ -227,7 +238,8 @@ fn a_context_saved_with_the_mtp_head_on_or_off_is_refused_by_the_other_kind() {
     let header = std::str::from_utf8(&on_bytes[32..32 + header_len]).unwrap();
     assert!(header.contains(",\"mtp_head\":true"), "{header}");
     let old = header.replace(",\"mtp_head\":true", "");
-    let mut bytes = on_bytes[..24].to_vec();
+    let mut bytes = on_bytes[..20].to_vec();
+    bytes.extend([0u8; 4]); // nor the header's checksum (recorded since)
     bytes.extend((old.len() as u64).to_le_bytes());
     bytes.extend(old.as_bytes());
     bytes.extend(&on_bytes[32 + header_len..]);
@@ -236,6 +248,109 @@ fn a_context_saved_with_the_mtp_head_on_or_off_is_refused_by_the_other_kind() {
     assert!(with.load_session(&old_file).is_ok());
     let err = without.load_session(&old_file).err().expect("refused");
     assert!(err.to_string().contains("MTP head on"), "{err}");
+}
+
+/// `bytes` (a saved context) with payload float `index` set to `value`, its checksums made
+/// to match: a file written so, not damaged after.
+fn with_float(bytes: &[u8], index: usize, value: f32) -> Vec<u8> {
+    let header_len = u64::from_le_bytes(bytes[24..32].try_into().unwrap()) as usize;
+    let at = 32 + header_len;
+    let mut payload = bytes[at..].to_vec();
+    payload[index * 4..index * 4 + 4].copy_from_slice(&value.to_le_bytes());
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[32..at]).unwrap();
+    header["crc32"] = crc32fast::hash(&payload).into();
+    let json = serde_json::to_vec(&header).unwrap();
+    let mut out = bytes[..20].to_vec();
+    out.extend(crc32fast::hash(&json).max(1).to_le_bytes());
+    out.extend((json.len() as u64).to_le_bytes());
+    out.extend(&json);
+    out.extend(payload);
+    out
+}
+
+#[test]
+fn saved_contexts_refuse_fifos_non_finite_values_and_special_targets() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = open("python/colibri/models/tiny", tmp.path(), None);
+    let (file, good) = save_tiny(&e, tmp.path());
+    // A FIFO is refused at once (opening it would wait for a writer).
+    let fifo = tmp.path().join("fifo.colibri");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let msg = e.load_session(&fifo).err().expect("refused").to_string();
+    assert!(msg.contains("not a regular file"), "{msg}");
+    // NaN written with a matching checksum: refused as the file's, not the weights', fault.
+    std::fs::write(&file, with_float(&good, 10, f32::NAN)).unwrap();
+    let err = e.load_session(&file).err().expect("refused");
+    assert!(
+        matches!(err, Error::SavedContext { .. }) && err.to_string().contains("NaN"),
+        "{err}"
+    );
+    std::fs::write(&file, with_float(&good, 10, 0.5)).unwrap();
+    assert!(
+        e.load_session(&file).is_ok(),
+        "a finite change with matching sums loads"
+    );
+    // A save never replaces what is not a regular file.
+    let s = e.new_session().unwrap();
+    run(&e, Some(&s), &PROMPT, false);
+    for target in [Path::new("/dev/null"), fifo.as_path(), tmp.path()] {
+        let err = e.save_session(Some(&s), target).expect_err("refused");
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+    }
+    assert!(
+        fifo.exists()
+            && std::fs::symlink_metadata(&fifo)
+                .unwrap()
+                .file_type()
+                .is_fifo()
+    );
+}
+
+#[test]
+fn concurrent_saves_to_one_path_never_mix_and_dead_saves_are_cleaned() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = open("python/colibri/models/tiny", tmp.path(), None);
+    let b = open("python/colibri/models/tiny", tmp.path(), None);
+    let target = tmp.path().join("shared.colibri");
+    let pid_max: u64 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(4_194_304);
+    let dead = tmp
+        .path()
+        .join(format!(".shared.colibri.tmp.{}.0", pid_max + 1));
+    let ours = tmp
+        .path()
+        .join(format!(".shared.colibri.tmp.{}.999", std::process::id()));
+    std::fs::write(&dead, b"left by a killed save").unwrap();
+    std::fs::write(&ours, b"a save of this process, in flight").unwrap();
+    std::thread::scope(|scope| {
+        for e in [&a, &b] {
+            let target = &target;
+            scope.spawn(move || {
+                let s = e.new_session().unwrap();
+                run(e, Some(&s), &PROMPT, false);
+                for _ in 0..10 {
+                    e.save_session(Some(&s), target)
+                        .expect("every save succeeds");
+                    e.load_session(target).expect("the target is always whole");
+                }
+            });
+        }
+    });
+    assert!(!dead.exists(), "a dead process's temporary file is removed");
+    assert!(ours.exists(), "a live process's is not");
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|d| d.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".shared.colibri.tmp.") && !n.ends_with(".999"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }
 
 #[test]

@@ -1171,3 +1171,54 @@ def test_stats_json(server: Live) -> None:
     assert s["totals"]["generations"] == len(s["history"]) or len(s["history"]) == 120
     assert s["layers"] and all(0.0 <= v["hit_rate"] <= 1.0 for v in s["layers"].values())
     json.dumps(s)
+
+
+def test_hostile_bodies_are_400s_and_bounded(server: Live, local: colibri.Model) -> None:
+    """Deeply nested JSON is a 400 ``invalid_json`` (not a 500), and a prompt longer than
+    the context can hold is refused before it is tokenised: at once, whatever its size."""
+    nested = "[" * 100_000 + "]" * 100_000
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=nested,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    big = "x" * (local._max_prompt_chars + 1)
+    t0 = time.monotonic()
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": big, "max_tokens": 1},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_queued_request_cancelled_by_the_shutdown_gets_503() -> None:
+    live = start_server("--max-batch", "1", "--sessions", "1")
+    seen, stop = [0], threading.Event()
+    runner = threading.Thread(target=_long_stream, args=(live, seen, stop), daemon=True)
+    runner.start()
+    try:
+        wait_for(lambda: seen[0] >= 3, what="the first request to run")
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(
+                httpx.post,
+                live.url + "/v1/completions",
+                json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4},
+                timeout=60,
+            )
+            wait_for(lambda: live.stats()["queue_depth"] == 1, what="the second to queue")
+            live.proc.send_signal(signal.SIGINT)
+            r = queued.result(timeout=60)
+        assert r.status_code == 503, (r.status_code, r.text)
+        assert r.json()["error"]["code"] == "shutting_down"
+    finally:
+        stop.set()
+        runner.join(timeout=60)
+        live.proc.wait(timeout=30)
+        live.pump.join(timeout=5)
+        assert live.proc.stdout is not None
+        live.proc.stdout.close()

@@ -156,6 +156,14 @@ def _completion_prompt(prompt: object, model: Model, where: str = "prompt") -> l
     if isinstance(prompt, str):
         if not prompt:
             raise invalid(where, "the prompt is empty")
+        if len(prompt) > model._max_prompt_chars:  # bounded before it is tokenised
+            raise ApiError(
+                400,
+                f"invalid value for '{where}': {len(prompt)} characters, more than this "
+                f"model's max_context of {model.max_context} tokens can hold; shorten it",
+                param=where,
+                code="context_length_exceeded",
+            )
         try:
             return model.encode(prompt)
         except InvalidArgumentError as e:

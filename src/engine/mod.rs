@@ -155,6 +155,7 @@ impl Engine {
                 .unwrap_or_else(std::env::temp_dir)
                 .join("sessions")
         });
+        sweep_spill_dir(&spill_dir);
         let id = NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed);
         let own = Arc::new(Session::new(
             id,
@@ -441,8 +442,61 @@ impl Engine {
     }
 }
 
+/// `<pid>-<nonce>-<engine>-<session>.ctx`: the process (for the sweep of dead ones' files)
+/// and a random per-process nonce, so processes sharing a cache volume with the same pid
+/// (PID 1 in two containers) never restore each other's files.
 fn spill_file(dir: &Path, engine: u64, session: u64) -> PathBuf {
-    dir.join(format!("{}-{engine}-{session}.ctx", std::process::id()))
+    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let nonce = NONCE.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        h.finish()
+    });
+    dir.join(format!(
+        "{}-{nonce:016x}-{engine}-{session}.ctx",
+        std::process::id()
+    ))
+}
+
+/// Remove the spill files (and their temporaries) of processes that are gone: ours by
+/// name and owner, regular files only. Where `/proc` does not tell which processes live,
+/// nothing is removed.
+fn sweep_spill_dir(dir: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(me) = std::fs::metadata("/proc/self") else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let pid_text = if let Some(tmp) = name.strip_prefix('.') {
+            // `.<spill name>.tmp.<pid>.<n>`: a save killed midway
+            tmp.split(".ctx.tmp.")
+                .nth(1)
+                .and_then(|r| r.split('.').next())
+        } else if name.ends_with(".ctx") {
+            name.split('-').next()
+        } else {
+            None
+        };
+        let Some(pid) = pid_text.and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(meta) = entry.path().symlink_metadata() else {
+            continue;
+        };
+        let dead = !Path::new("/proc").join(pid.to_string()).exists();
+        if dead && meta.is_file() && meta.uid() == me.uid() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// Bytes of float tensors a non-finite output's diagnosis reads at most (the resident

@@ -354,6 +354,54 @@ fn concurrent_saves_to_one_path_never_mix_and_dead_saves_are_cleaned() {
 }
 
 #[test]
+fn spill_files_are_named_apart_and_dead_processes_files_are_swept() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spill = tmp.path().join("spill");
+    std::fs::create_dir_all(&spill).unwrap();
+    let pid_max: u64 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(4_194_304);
+    let dead = pid_max + 1;
+    let me = std::process::id();
+    let stale = spill.join(format!("{dead}-00000000deadbeef-0-1.ctx"));
+    let stale_tmp = spill.join(format!(".{dead}-00000000deadbeef-0-1.ctx.tmp.{dead}.0"));
+    let live = spill.join(format!("{me}-00000000cafecafe-0-1.ctx"));
+    let other = spill.join("notes.txt");
+    for f in [&stale, &stale_tmp, &live, &other] {
+        std::fs::write(f, b"x").unwrap();
+    }
+    let e = open("python/colibri/models/tiny", &spill, Some(0));
+    assert!(
+        !stale.exists() && !stale_tmp.exists(),
+        "a dead process's files are swept"
+    );
+    assert!(
+        live.exists() && other.exists(),
+        "a live process's, and others', are kept"
+    );
+    // This engine's spill names carry the process and a random nonce.
+    let a = e.new_session().unwrap();
+    run(&e, Some(&a), &PROMPT, false);
+    let b = e.new_session().unwrap();
+    run(&e, Some(&b), &PROMPT, false);
+    assert!(a.is_evicted().unwrap());
+    let name = a
+        .spill_path
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let parts: Vec<&str> = name.trim_end_matches(".ctx").split('-').collect();
+    assert_eq!(parts.len(), 4, "{name}");
+    assert_eq!(parts[0], me.to_string());
+    assert!(
+        parts[1].len() == 16 && parts[1] != "00000000cafecafe",
+        "{name}"
+    );
+}
+
+#[test]
 fn idle_sessions_beyond_the_budget_go_to_disk_and_come_back_intact() {
     let tmp = tempfile::tempdir().unwrap();
     let spill = tmp.path().join("spill");

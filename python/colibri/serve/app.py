@@ -147,6 +147,10 @@ async def _read_json(request: Request) -> Any:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError:  # nested deeper than the parser goes
+        raise ApiError(
+            400, "the request body is nested too deeply to parse", code="invalid_json"
+        ) from None
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -289,6 +293,8 @@ class Server:
                 headers={"Cache-Control": "no-store", **extra_headers},
             )
         outcomes = await self._wait(request, jobs)
+        if outcomes is None and self.scheduler.closing:  # cancelled by the shutdown
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
         if outcomes is None:  # the client went away: nobody reads an answer
             return Response(status_code=499)
         if any(o.result.finish_reason == "cancelled" for o in outcomes):  # the shutdown

@@ -5,7 +5,7 @@
 //! index_topk each row attends to 2048 keys whatever the context, and only the indexer's
 //! scoring (one 128-wide key per token per full layer) grows with it.
 //!
-//! The context is `Model::append_synthetic_context` (random KV rows): prefilling 16k tokens
+//! The context is `KvCaches::append_synthetic` (random KV rows): prefilling 16k tokens
 //! of this model takes hours on a small machine, and a step's cost does not depend on the
 //! values in the cache. Layers: 1 dense + 3 MoE (16 experts each, top-8, all resident), DSA
 //! kinds full, shared, shared, shared (GLM-5.2 has 21 full of 78). Read the summary table's
@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use colibri::container::Container;
 use colibri::experts::synth::{self, SynthSpec};
-use colibri::model::{Model, ModelOptions};
+use colibri::model::{Model, ModelOptions, Sequence};
 use criterion::{criterion_group, Criterion, SamplingMode};
 
 const CONTEXTS: [usize; 3] = [1024, 4096, 16384];
@@ -60,7 +60,7 @@ fn decode_context(c: &mut Criterion) {
     let m = Model::load(cont.clone(), &ModelOptions::default()).expect("load model");
     assert!(m.uses_dsa(), "the synthetic container has DSA indexers");
     let kv_per_token = m.kv_bytes_per_token();
-    let m = RefCell::new(m);
+    let caches = RefCell::new(m.new_caches());
     // (context, seconds per step, indexer seconds per step) of every timed iteration.
     let samples: RefCell<Vec<(usize, f64, f64)>> = RefCell::new(Vec::new());
 
@@ -71,20 +71,21 @@ fn decode_context(c: &mut Criterion) {
     g.measurement_time(Duration::from_secs(8));
     for ctx in CONTEXTS {
         {
-            let mut m = m.borrow_mut();
-            m.reset();
-            m.append_synthetic_context(ctx, 0x5eed + ctx as u64);
+            let mut caches = caches.borrow_mut();
+            caches.clear();
+            caches.append_synthetic(ctx, 0x5eed + ctx as u64);
         }
         g.bench_function(format!("glm52_shape_dsa_{}k", ctx / 1024), |b| {
             b.iter_custom(|iters| {
-                let mut m = m.borrow_mut();
+                let mut caches = caches.borrow_mut();
+                let mut seq = Sequence::new(&m, &mut caches);
                 let mut total = Duration::ZERO;
                 for _ in 0..iters {
                     let ix = m.indexer_seconds();
                     let t = Instant::now();
-                    m.step(&[5], ctx, false).expect("decode step");
+                    seq.step(&[5], ctx, false).expect("decode step");
                     let dt = t.elapsed();
-                    m.truncate(ctx);
+                    seq.truncate(ctx);
                     total += dt;
                     let ix = m.indexer_seconds() - ix;
                     samples.borrow_mut().push((ctx, dt.as_secs_f64(), ix));
@@ -104,9 +105,13 @@ fn decode_context(c: &mut Criterion) {
         colibri::config::ModelConfig::from_json_str(&json.to_string(), dir.join("config.json"))
             .expect("config");
     let dense = Container::open_with_config(&dir, cfg).expect("open container");
+    drop(caches);
     drop(m); // free the first model's experts before loading the second
-    let mut dm = Model::load(Arc::new(dense), &ModelOptions::default()).expect("load model");
-    dm.append_synthetic_context(dense_ctx, 0x5eed + dense_ctx as u64);
+    let dm = Model::load(Arc::new(dense), &ModelOptions::default()).expect("load model");
+    let mut dense_seq = Sequence::owned(&dm);
+    dense_seq
+        .caches_mut()
+        .append_synthetic(dense_ctx, 0x5eed + dense_ctx as u64);
     g.bench_function(
         format!("glm52_shape_dense_mla_{}k", dense_ctx / 1024),
         |b| {
@@ -114,9 +119,9 @@ fn decode_context(c: &mut Criterion) {
                 let mut total = Duration::ZERO;
                 for _ in 0..iters {
                     let t = Instant::now();
-                    dm.step(&[5], dense_ctx, false).expect("decode step");
+                    dense_seq.step(&[5], dense_ctx, false).expect("decode step");
                     let dt = t.elapsed();
-                    dm.truncate(dense_ctx);
+                    dense_seq.truncate(dense_ctx);
                     total += dt;
                     samples
                         .borrow_mut()

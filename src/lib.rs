@@ -5,6 +5,7 @@
 //! `engine` (composes them: options, sessions, saved contexts, stats) → `python`
 //! (bindings that only convert types). Only `python` knows about Python.
 
+pub mod carried;
 pub mod config;
 pub mod container;
 pub mod convert;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use colibri::container::Container;
-use colibri::model::{Model, ModelOptions};
+use colibri::model::{Model, ModelOptions, Sequence};
 
 const FIXTURES: [&str; 5] = ["dsv3_a", "dsv3_b", "glm_a", "glm_b", "glm_dsa"];
 
@@ -109,7 +109,8 @@ fn prefill_logits_match_transformers() {
         let prompt = g.ids("prompt_ids");
         let (_, want) = g.f32("logits");
         let (_, want_hidden) = g.f32("hidden");
-        let mut m = load(name);
+        let model = load(name);
+        let mut m = Sequence::owned(&model);
         let f = m.step(&prompt, 0, true).unwrap();
         let err = rel_err(&f.logits, &want);
         eprintln!(
@@ -127,7 +128,8 @@ fn token_by_token_logits_match_transformers() {
         let prompt = g.ids("prompt_ids");
         let (shape, want) = g.f32("logits");
         let v = shape[1];
-        let mut m = load(name);
+        let model = load(name);
+        let mut m = Sequence::owned(&model);
         for (p, &t) in prompt.iter().enumerate() {
             let f = m.step(&[t], p, true).unwrap();
             let err = rel_err(&f.logits, &want[p * v..(p + 1) * v]);
@@ -144,7 +146,8 @@ fn greedy_continuation_is_token_identical() {
         let want = g.ids("greedy_ids");
         let (_, want_logits) = g.f32("greedy_logits");
         let v = want_logits.len() / want.len();
-        let mut m = load(name);
+        let model = load(name);
+        let mut m = Sequence::owned(&model);
         let mut f = m.step(&prompt, 0, false).unwrap();
         let mut got = Vec::new();
         for i in 0..want.len() {
@@ -165,7 +168,8 @@ fn chunked_prefill_equals_one_shot() {
     for name in FIXTURES {
         let g = Golden::load(name);
         let prompt = g.ids("prompt_ids");
-        let mut m = load(name);
+        let model = load(name);
+        let mut m = Sequence::owned(&model);
         let one = m.step(&prompt, 0, true).unwrap().logits;
         m.reset();
         let mut chunked = Vec::new();
@@ -186,26 +190,31 @@ fn kv_cache_holds_latent_rope_key_and_indexer_key_only() {
     for name in FIXTURES {
         let g = Golden::load(name);
         let prompt = g.ids("prompt_ids");
-        let mut m = load(name);
+        let model = load(name);
+        let mut m = Sequence::owned(&model);
         m.step(&prompt, 0, false).unwrap();
-        let cfg = m.config().clone();
+        let cfg = model.config().clone();
         let per = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4;
         assert_eq!(cfg.kv_bytes_per_token_per_layer(), per);
         let full_layers = cfg.indexer_full.iter().filter(|f| **f).count();
-        assert_eq!(m.uses_dsa(), name.starts_with("glm"), "{name}");
+        assert_eq!(model.uses_dsa(), name.starts_with("glm"), "{name}");
         let token = per * cfg.num_hidden_layers + full_layers * cfg.index_head_dim * 4;
-        assert_eq!(cfg.kv_bytes_per_token(m.uses_dsa(), false), token, "{name}");
+        assert_eq!(
+            cfg.kv_bytes_per_token(model.uses_dsa(), false),
+            token,
+            "{name}"
+        );
         let mtp_row = per
-            + if m.uses_dsa() {
+            + if model.uses_dsa() {
                 cfg.index_head_dim * 4
             } else {
                 0
             };
-        assert_eq!(m.kv_bytes_per_token(), token + mtp_row, "{name}");
-        assert_eq!(m.kv_bytes(), token * prompt.len(), "{name}");
+        assert_eq!(model.kv_bytes_per_token(), token + mtp_row, "{name}");
+        assert_eq!(m.caches().main_bytes(), token * prompt.len(), "{name}");
         m.truncate(5);
         assert_eq!(m.kv_len(), 5);
-        assert_eq!(m.kv_bytes(), token * 5, "{name}");
+        assert_eq!(m.caches().main_bytes(), token * 5, "{name}");
     }
 }
 
@@ -213,14 +222,15 @@ fn kv_cache_holds_latent_rope_key_and_indexer_key_only() {
 fn rollback_then_recompute_matches() {
     let g = Golden::load("dsv3_a");
     let prompt = g.ids("prompt_ids");
-    let mut m = load("dsv3_a");
+    let model = load("dsv3_a");
+    let mut m = Sequence::owned(&model);
     let want = m.step(&prompt, 0, true).unwrap().logits;
     // Feed garbage after position 6, roll back, and recompute the rest.
     m.truncate(6);
     m.step(&[3, 4, 5], 6, false).unwrap();
     m.truncate(6);
     let tail = m.step(&prompt[6..], 6, true).unwrap().logits;
-    let v = m.config().vocab_size;
+    let v = model.config().vocab_size;
     assert!(rel_err(&tail, &want[6 * v..]) <= 1e-5);
 }
 
@@ -230,12 +240,13 @@ fn mtp_head_matches_transformers() {
         let g = Golden::load(name);
         let prompt = g.ids("prompt_ids");
         let (_, want) = g.f32("mtp_logits");
-        let mut m = load(name);
-        assert!(m.has_mtp(), "{name}");
+        let model = load(name);
+        let mut m = Sequence::owned(&model);
+        assert!(model.has_mtp(), "{name}");
         let f = m.step(&prompt, 0, true).unwrap();
-        let h = m.config().hidden_size;
+        let h = model.config().hidden_size;
         let t = prompt.len();
-        let carried = m.final_norm(&f.pre_norm_hidden[..(t - 1) * h]);
+        let carried = model.final_norm(&f.pre_norm_hidden[..(t - 1) * h]);
         let d = m.mtp_step(&prompt[1..], &carried, 0, true).unwrap();
         let err = rel_err(&d.logits, &want);
         eprintln!("{name}: mtp logits rel err {err:.2e}");
@@ -251,11 +262,12 @@ fn chained_mtp_drafts_match_transformers_convention() {
         let greedy = g.ids("greedy_ids");
         let want_ids = g.ids("mtp_chain_ids");
         let (_, want_logits) = g.f32("mtp_chain_logits");
-        let mut m = load(name);
-        let v = m.config().vocab_size;
+        let model = load(name);
+        let mut m = Sequence::owned(&model);
+        let v = model.config().vocab_size;
         let t = prompt.len();
         let f = m.step(&prompt, 0, true).unwrap();
-        let carried = m.final_norm(&f.pre_norm_hidden);
+        let carried = model.final_norm(&f.pre_norm_hidden);
         // Absorb the prompt and draft from the last position in one batch.
         let mut tokens = prompt[1..].to_vec();
         tokens.push(greedy[0]);
@@ -287,8 +299,8 @@ fn output_is_identical_across_expert_sources_and_prefetch_modes() {
         let mut tokens = g.ids("prompt_ids");
         tokens.extend(g.ids("greedy_ids"));
         let c = Arc::new(Container::open(&fixture_dir(name)).unwrap());
-        let reference = Model::load(c.clone(), &ModelOptions::default())
-            .unwrap()
+        let reference_model = Model::load(c.clone(), &ModelOptions::default()).unwrap();
+        let reference = Sequence::owned(&reference_model)
             .step(&tokens, 0, true)
             .unwrap()
             .logits;
@@ -311,14 +323,15 @@ fn output_is_identical_across_expert_sources_and_prefetch_modes() {
                         prefetch_top_k: if prefetch == PrefetchMode::Off { 0 } else { 4 },
                         ..ModelOptions::default()
                     };
-                    let mut m =
+                    let model =
                         Model::load_with_experts(c.clone(), &opts, Arc::new(store)).unwrap();
+                    let mut m = Sequence::owned(&model);
                     // Token by token, so the lookahead runs many times.
                     let mut logits = Vec::new();
                     for (p, &t) in tokens.iter().enumerate() {
                         logits.extend(m.step(&[t], p, true).unwrap().logits);
                     }
-                    let v = m.config().vocab_size;
+                    let v = model.config().vocab_size;
                     for p in 0..tokens.len() {
                         assert!(
                             logits[p * v..(p + 1) * v]
@@ -382,9 +395,10 @@ fn default_quantized_container_matches_transformers_on_dequantized_weights() {
         assert_eq!(shape, [ids.len(), shape[1]]);
 
         let (_tmp, c) = default_container(name);
-        let mut m = Model::load(c, &ModelOptions::default()).unwrap();
+        let model = Model::load(c, &ModelOptions::default()).unwrap();
+        let mut m = Sequence::owned(&model);
         let got = m.step(&ids, 0, true).unwrap().logits;
-        let v = m.config().vocab_size;
+        let v = model.config().vocab_size;
         assert_eq!(v, shape[1]);
 
         let agree = top1_agreement(&got, &want, v);
@@ -455,12 +469,13 @@ fn worst_row_rel_err(a: &[f32], b: &[f32], v: usize) -> f32 {
 fn dsa_selects_transformers_keys_at_every_full_layer_and_row() {
     let g = Golden::load(DSA);
     let (ids, want) = g.forced();
-    let mut m = load(DSA);
-    assert!(m.uses_dsa());
-    let topk = m.config().index_topk.unwrap();
-    m.set_trace_selections(true);
+    let model = load(DSA);
+    let mut m = Sequence::owned(&model);
+    assert!(model.uses_dsa());
+    let topk = model.config().index_topk.unwrap();
+    model.set_trace_selections(true);
     let f = m.step(&ids, 0, true).unwrap();
-    let v = m.config().vocab_size;
+    let v = model.config().vocab_size;
     let err = worst_row_rel_err(&f.logits, &want, v);
     eprintln!("{DSA}: worst row rel err {err:.2e} over {} rows", ids.len());
     assert!(err <= 1e-3, "{DSA}: worst row rel err {err}");
@@ -483,8 +498,9 @@ fn dsa_selects_transformers_keys_at_every_full_layer_and_row() {
 fn dsa_selection_and_logits_do_not_depend_on_rows_per_forward() {
     let g = Golden::load(DSA);
     let (ids, _) = g.forced();
-    let mut m = load(DSA);
-    m.set_trace_selections(true);
+    let model = load(DSA);
+    let mut m = Sequence::owned(&model);
+    model.set_trace_selections(true);
     let one = m.step(&ids, 0, true).unwrap();
     for chunk in [1usize, 3, 5, 8, 13] {
         m.reset();
@@ -512,16 +528,17 @@ fn dsa_selection_and_logits_do_not_depend_on_rows_per_forward() {
 fn dsa_mtp_layer_selects_transformers_keys() {
     let g = Golden::load(DSA);
     let prompt = g.ids("prompt_ids");
-    let mut m = load(DSA);
-    m.set_trace_selections(true);
+    let model = load(DSA);
+    let mut m = Sequence::owned(&model);
+    model.set_trace_selections(true);
     let f = m.step(&prompt, 0, true).unwrap();
-    let (h, t) = (m.config().hidden_size, prompt.len());
-    let carried = m.final_norm(&f.pre_norm_hidden[..(t - 1) * h]);
+    let (h, t) = (model.config().hidden_size, prompt.len());
+    let carried = model.final_norm(&f.pre_norm_hidden[..(t - 1) * h]);
     let d = m.mtp_step(&prompt[1..], &carried, 0, true).unwrap();
     let (_, want) = g.f32("mtp_logits");
-    let err = worst_row_rel_err(&d.logits, &want, m.config().vocab_size);
+    let err = worst_row_rel_err(&d.logits, &want, model.config().vocab_size);
     assert!(err <= 1e-3, "mtp worst row rel err {err}");
-    let mtp_layer = m.config().num_hidden_layers;
+    let mtp_layer = model.config().num_hidden_layers;
     assert_eq!(d.selections.len(), 1);
     assert_eq!(d.selections[0].0, mtp_layer);
     assert_eq!(d.selections[0].1, g.selection("mtp_dsa_topk"));
@@ -547,7 +564,8 @@ fn dsa_negative_controls_fail_the_goldens() {
         base[field] = value.clone();
         let cfg = ModelConfig::from_json_str(&base.to_string(), dir.join("config.json")).unwrap();
         let c = Arc::new(Container::open_with_config(&dir, cfg).unwrap());
-        let mut m = Model::load(c, &ModelOptions::default()).unwrap();
+        let model = Model::load(c, &ModelOptions::default()).unwrap();
+        let mut m = Sequence::owned(&model);
         let got = m.step(&ids, 0, true).unwrap().logits;
         let err = rel_err(&got, &want);
         eprintln!("{DSA} with {field} = {value}: rel err {err:.2e}");
@@ -577,9 +595,9 @@ fn convert_dsa(options: &colibri::convert::ConvertOptions) -> (tempfile::TempDir
     }
     colibri::convert::convert(&src, &dst, options).unwrap();
     let c = Arc::new(Container::open(&dst).unwrap());
-    let mut m = Model::load(c, &ModelOptions::default()).unwrap();
-    m.set_trace_selections(true);
-    (tmp, m)
+    let model = Model::load(c, &ModelOptions::default()).unwrap();
+    model.set_trace_selections(true);
+    (tmp, model)
 }
 
 /// The default container (int4 weights, int8 indexer projections) selects what transformers
@@ -589,9 +607,10 @@ fn dsa_quantized_container_selects_transformers_keys_on_dequantized_weights() {
     let g = Golden::load(DSA);
     let q = Golden::load_file(DSA, "golden_int4.safetensors");
     let ids = q.ids("int4_ids");
-    let (_tmp, mut m) = convert_dsa(&Default::default());
+    let (_tmp, model) = convert_dsa(&Default::default());
+    let mut m = Sequence::owned(&model);
     let f = m.step(&ids, 0, true).unwrap();
-    let topk = m.config().index_topk.unwrap();
+    let topk = model.config().index_topk.unwrap();
     for (layer, sel) in &f.selections {
         assert_eq!(
             sel,
@@ -624,9 +643,10 @@ fn dsa_indexer_quantisation_cost_in_selection_agreement() {
             indexer_bits: bits,
             ..Default::default()
         };
-        let (_tmp, mut m) = convert_dsa(&options);
+        let (_tmp, model) = convert_dsa(&options);
+        let mut m = Sequence::owned(&model);
         let f = m.step(&ids, 0, true).unwrap();
-        let topk = m.config().index_topk.unwrap();
+        let topk = model.config().index_topk.unwrap();
         for (layer, sel) in &f.selections {
             let (same, total) = kept_keys(sel, &g.selection(&format!("dsa_topk_{layer}")), topk);
             let share = same as f64 / total as f64;
@@ -684,7 +704,8 @@ fn int8_prefill_stays_within_tolerance_of_transformers() {
                 prefill_arithmetic: arith,
                 ..ModelOptions::default()
             };
-            let mut m = Model::load(c.clone(), &opts).unwrap();
+            let model = Model::load(c.clone(), &opts).unwrap();
+            let mut m = Sequence::owned(&model);
             m.prefill(&ids, 0, true).unwrap().logits
         };
         let (int8, exact) = (run(Arithmetic::Int8), run(Arithmetic::Exact));
@@ -771,7 +792,9 @@ fn int8_prefill_keeps_the_tiny_models_held_out_top1() {
         };
         Model::load(c.clone(), &opts).unwrap()
     };
-    let (mut int8, mut exact) = (load(Arithmetic::Int8), load(Arithmetic::Exact));
+    let (int8_model, exact_model) = (load(Arithmetic::Int8), load(Arithmetic::Exact));
+    let mut int8 = Sequence::owned(&int8_model);
+    let mut exact = Sequence::owned(&exact_model);
     let (mut agree, mut agree_exact, mut same, mut loss, mut kl) = (0.0, 0.0, 0.0, 0.0, 0.0);
     for k in 0..seqs {
         let ids: Vec<u32> = ids_bytes[k * len * 8..(k + 1) * len * 8]
@@ -833,8 +856,10 @@ fn short_prefills_and_steps_stay_exact_under_int8() {
         prefill_arithmetic: Arithmetic::Int8,
         ..ModelOptions::default()
     };
-    let mut int8 = Model::load(c.clone(), &opts).unwrap();
-    let mut exact = Model::load(c, &ModelOptions::default()).unwrap();
+    let int8_model = Model::load(c.clone(), &opts).unwrap();
+    let exact_model = Model::load(c, &ModelOptions::default()).unwrap();
+    let mut int8 = Sequence::owned(&int8_model);
+    let mut exact = Sequence::owned(&exact_model);
     let short = &prompt[..colibri::quant::kernels::int8act::PREFILL_MIN_ROWS - 1];
     let a = int8.prefill(short, 0, true).unwrap().logits;
     let b = exact.prefill(short, 0, true).unwrap().logits;

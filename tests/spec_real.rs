@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use colibri::container::Container;
 use colibri::decode::{
-    generate, DraftDepth, DraftSource, GenerateOptions, GuardConfig, SamplingParams,
+    generate, DraftDepth, DraftSource, GenerateOptions, GuardConfig, SamplingParams, Target,
 };
-use colibri::model::{Model, ModelOptions};
+use colibri::model::{Model, ModelOptions, Sequence};
 
 fn load(name: &str) -> Model {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -45,7 +45,7 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn run(m: &mut Model, prompt: &[u32], opts: &GenerateOptions) -> Vec<u32> {
+fn run(m: &mut dyn Target, prompt: &[u32], opts: &GenerateOptions) -> Vec<u32> {
     let cancel = AtomicBool::new(false);
     let g = generate(m, prompt, opts, &mut |_| true, &cancel).unwrap();
     // The target is left consistent: every emitted token but the last is in the KV cache.
@@ -57,8 +57,9 @@ fn run(m: &mut Model, prompt: &[u32], opts: &GenerateOptions) -> Vec<u32> {
 #[test]
 fn drafting_never_changes_greedy_output() {
     for name in ["dsv3_a", "glm_b", "glm_dsa"] {
-        let mut m = load(name);
-        let vocab = m.config().vocab_size as u32;
+        let model = load(name);
+        let mut m = Sequence::owned(&model);
+        let vocab = model.config().vocab_size as u32;
         for prompt in prompts(vocab) {
             let base = GenerateOptions {
                 max_new_tokens: 24,
@@ -88,7 +89,8 @@ fn drafting_never_changes_greedy_output() {
 
 #[test]
 fn fixed_seed_reproduces_sampled_output_with_drafting() {
-    let mut m = load("dsv3_a");
+    let model = load("dsv3_a");
+    let mut m = Sequence::owned(&model);
     let prompt = [5u32, 17, 99, 3, 5, 17];
     let opts = |seed| GenerateOptions {
         max_new_tokens: 20,
@@ -123,9 +125,10 @@ fn fixed_seed_reproduces_sampled_output_with_drafting() {
 fn prefix_reuse_gives_the_fresh_output() {
     use colibri::decode::{generate_after, CacheState};
     for name in ["dsv3_a", "glm_dsa"] {
-        let mut warm = load(name);
-        let mut fresh = load(name);
-        let vocab = warm.config().vocab_size as u32;
+        let (warm_model, fresh_model) = (load(name), load(name));
+        let mut warm = Sequence::owned(&warm_model);
+        let mut fresh = Sequence::owned(&fresh_model);
+        let vocab = warm_model.config().vocab_size as u32;
         let p1: Vec<u32> = (0..14).map(|i| 2 + (i * 53 + 7) % (vocab - 2)).collect();
         for draft in [DraftSource::Off, DraftSource::Mtp, DraftSource::Ngram] {
             for temperature in [0.0f32, 1.0] {
@@ -149,7 +152,7 @@ fn prefix_reuse_gives_the_fresh_output() {
                 let cancel = AtomicBool::new(false);
                 let label = format!("{name} {draft:?} T={temperature}");
                 let mut state = CacheState::default();
-                let gen = |m: &mut Model, state: &mut CacheState, p: &[u32]| {
+                let gen = |m: &mut dyn Target, state: &mut CacheState, p: &[u32]| {
                     generate_after(m, state, p, &opts, &mut |_| true, &cancel).unwrap()
                 };
                 let g1 = gen(&mut warm, &mut state, &p1);

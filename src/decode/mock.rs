@@ -13,7 +13,7 @@ use std::sync::atomic::AtomicBool;
 use super::rng::Rng;
 use super::sampling::argmax;
 use super::{Drafter, StepOutput, Target};
-use crate::model::Carried;
+use crate::carried::Carried;
 use crate::{Error, Result};
 
 /// Hidden width of the mock: [prev token, token, position, kind] with kind 1 = main, 2 = MTP.

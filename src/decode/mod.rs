@@ -30,7 +30,7 @@ mod tests_real;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::model::Carried;
+use crate::carried::Carried;
 use crate::{Error, Result};
 
 pub use constraint::{Grammar, GrammarSpec, Vocabulary};

@@ -13,7 +13,7 @@ use std::sync::atomic::AtomicBool;
 
 use super::sampling::argmax;
 use super::{check_cancel, check_step, last_logits, Drafter, Target};
-use crate::model::Carried;
+use crate::carried::Carried;
 use crate::{Error, Result};
 
 /// While drafting is off, pending rows are absorbed once this many have piled up, so memory

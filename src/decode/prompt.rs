@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::sampling::{token_logprob, SamplingParams, TokenLogprob};
-use super::{check_step, StepOutput, Target};
+use super::{check_step, StepOutput};
 use crate::Result;
 
 /// Where the prefill writes the prompt tokens' log-probabilities, each with the `top` most
@@ -41,23 +41,23 @@ impl PartialEq for PromptLogprobs {
     }
 }
 
-/// The prefill forward over `prompt[start..end]` at positions `start..` (`Target::prefill`):
-/// the last row's logits, or, when `sampling` asks for the prompt's log-probabilities, every
-/// row's, each row scoring the prompt token after it (the last row of the prompt has none to
-/// score).
-pub(crate) fn prefill_forward(
-    target: &mut dyn Target,
+/// Score the prompt tokens `prompt[start + 1..=end]` (those there are) from the prefill's
+/// forward `out` over `prompt[start..end]`, whose every row's logits it holds, when
+/// `sampling` asks for the prompt's log-probabilities; each row scores the prompt token
+/// after it (the last row of the prompt has none to score).
+pub(crate) fn score_prompt_rows(
+    out: &StepOutput,
     prompt: &[u32],
     start: usize,
     end: usize,
     sampling: &SamplingParams,
-) -> Result<StepOutput> {
+    vocab: usize,
+    hidden: usize,
+) -> Result<()> {
     let Some(sink) = &sampling.prompt_logprobs else {
-        return target.prefill(&prompt[start..end], start, false);
+        return Ok(());
     };
-    let out = target.prefill(&prompt[start..end], start, true)?;
-    let vocab = target.vocab_size();
-    check_step(&out, end - start, vocab, target.hidden_size(), "step_all")?;
+    check_step(out, end - start, vocab, hidden, "step_all")?;
     let unit = SamplingParams {
         temperature: 1.0,
         ..SamplingParams::default()
@@ -70,5 +70,5 @@ pub(crate) fn prefill_forward(
         Ok(mut s) => s.extend(scored),
         Err(p) => p.into_inner().extend(scored),
     }
-    Ok(out)
+    Ok(())
 }

@@ -14,14 +14,14 @@ use super::depth::DepthController;
 use super::guard::{GuardConfig, PauseGuard};
 use super::mtp::MtpDrafter;
 use super::ngram::NgramDrafter;
-use super::prompt::prefill_forward;
+use super::prompt::score_prompt_rows;
 use super::rng::Rng;
 use super::sampling::{
     pick, token_logprob, History, SamplingParams, TokenLogprob, MAX_TOP_LOGPROBS,
 };
 use super::stats::{DecodeStats, MAX_DEPTH};
 use super::{check_cancel, check_step, last_logits, Drafter, StepOutput, Target};
-use crate::model::Carried;
+use crate::carried::Carried;
 use crate::{Error, Result};
 
 /// Where drafts come from.
@@ -452,11 +452,23 @@ pub(crate) struct Decoding<'d, 'c> {
     clock: Clock<'c>,
     /// First prompt position the prefill computes (the ones before were kept in the cache).
     prefilled_from: usize,
+    /// The next prompt position to prefill (= `prompt_len` once the prefill is done).
+    prefill_at: usize,
+    /// When the prefill's first forward began.
+    prefill_started: Option<f64>,
     /// When the generation started (its `clock`).
     started: f64,
     /// The cycle between `plan` and `verified`: the KV length before it, its drafts, and the
     /// rows to verify (the last context token, then the drafts).
     planned: Option<Planned>,
+}
+
+/// The rows of a prefill forward ([`Decoding::prefill_rows`]).
+pub(crate) struct PrefillRows<'a> {
+    pub tokens: &'a [u32],
+    pub start: usize,
+    /// Every row's logits are needed (the prompt's log-probabilities), not only the last.
+    pub all_logits: bool,
 }
 
 struct Planned {
@@ -537,6 +549,8 @@ impl<'d, 'c> Decoding<'d, 'c> {
             rng: Rng::from_seed(seed),
             stats: DecodeStats::new(prompt.len(), keep),
             prefilled_from: keep,
+            prefill_at: keep,
+            prefill_started: None,
             guard: PauseGuard::new(opts.guard.clone()),
             depth: DepthController::new(MAX_DEPTH),
             drafted_last_cycle: false,
@@ -627,35 +641,89 @@ impl<'d, 'c> Decoding<'d, 'c> {
         on_tokens: &mut dyn FnMut(&[u32]) -> bool,
         cancel: &AtomicBool,
     ) -> Result<Option<FinishReason>> {
-        let t = self.now();
-        let n = self.prompt_len;
-        let progress = self.opts.prefill_progress.clone();
-        let chunk = match (self.opts.prefill_chunk, &progress) {
+        loop {
+            let out = {
+                let Some(rows) = self.prefill_rows() else {
+                    return Ok(None);
+                };
+                check_cancel(cancel)?;
+                target.prefill(rows.tokens, rows.start, rows.all_logits)?
+            };
+            if let Some(f) = self.prefilled(&out, on_tokens)? {
+                return Ok(Some(f));
+            }
+        }
+    }
+
+    /// Whether prompt rows remain to prefill.
+    pub(crate) fn prefilling(&self) -> bool {
+        self.prefill_at < self.prompt_len
+    }
+
+    /// The prefill's next forward: the next chunk of the prompt (all of what is left, or
+    /// `prefill_chunk` rows, or [`PROGRESS_CHUNK`] when progress is reported), at positions
+    /// from the target's `kv_len()`; `None` once the prompt is in the cache. Its forward
+    /// goes to [`prefilled`](Self::prefilled).
+    pub(crate) fn prefill_rows(&mut self) -> Option<PrefillRows<'_>> {
+        if !self.prefilling() {
+            return None;
+        }
+        if self.prefill_started.is_none() {
+            self.prefill_started = Some(self.now());
+        }
+        let (start, end) = (self.prefill_at, self.prefill_end());
+        Some(PrefillRows {
+            tokens: &self.ctx[start..end],
+            start,
+            all_logits: self.opts.sampling.prompt_logprobs.is_some(),
+        })
+    }
+
+    /// The end of the chunk [`prefill_rows`](Self::prefill_rows) gives.
+    fn prefill_end(&self) -> usize {
+        let chunk = match (self.opts.prefill_chunk, &self.opts.prefill_progress) {
             (0, Some(_)) => PROGRESS_CHUNK,
-            (0, None) => n,
+            (0, None) => self.prompt_len,
             (c, _) => c,
         };
-        let mut last_row = Vec::new();
-        let mut start = self.prefilled_from;
-        while start < n {
-            let end = (start + chunk).min(n);
-            check_cancel(cancel)?;
-            let out = prefill_forward(target, &self.ctx, start, end, &self.opts.sampling)?;
-            self.stats.forwards += 1;
-            let last = last_logits(&out, end - start, self.vocab, self.hidden, "step_last")?;
-            if end == n {
-                last_row = last.to_vec();
-            }
-            if let Some(d) = self.drafter.as_mut() {
-                d.observe(&out.hidden);
-            }
-            if let Some(p) = &progress {
-                (p.0)(end - self.prefilled_from, n - self.prefilled_from);
-            }
-            start = end;
+        (self.prefill_at + chunk).min(self.prompt_len)
+    }
+
+    /// `out` is the target's prefill forward over [`prefill_rows`](Self::prefill_rows) (its
+    /// rows already in the target's caches): score the prompt's tokens when asked, hand the
+    /// rows to the drafter, report progress, and after the prompt's last chunk emit the
+    /// first generated token; returns the finish reason if that ends generation.
+    pub(crate) fn prefilled(
+        &mut self,
+        out: &StepOutput,
+        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    ) -> Result<Option<FinishReason>> {
+        let (start, end, n) = (self.prefill_at, self.prefill_end(), self.prompt_len);
+        let (vocab, hidden) = (self.vocab, self.hidden);
+        score_prompt_rows(
+            out,
+            &self.ctx,
+            start,
+            end,
+            &self.opts.sampling,
+            vocab,
+            hidden,
+        )?;
+        let last = last_logits(out, end - start, vocab, hidden, "step_last")?;
+        self.stats.forwards += 1;
+        if let Some(d) = self.drafter.as_mut() {
+            d.observe(&out.hidden);
         }
-        let first = self.choose(&last_row, &[], None)?;
-        self.stats.prefill_secs = self.now() - t;
+        if let Some(p) = &self.opts.prefill_progress {
+            (p.0)(end - self.prefilled_from, n - self.prefilled_from);
+        }
+        self.prefill_at = end;
+        if end < n {
+            return Ok(None);
+        }
+        let first = self.choose(last, &[], None)?;
+        let began = self.prefill_started.unwrap_or(self.started);
+        self.stats.prefill_secs = self.now() - began;
         Ok(self.emit(&[first], on_tokens))
     }
 

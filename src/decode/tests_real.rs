@@ -13,7 +13,7 @@ use super::sampling::{processed_distribution, SamplingParams};
 use super::spec::{run, Acceptance, Hooks};
 use super::*;
 use crate::container::Container;
-use crate::model::{Model, ModelOptions};
+use crate::model::{Model, ModelOptions, Sequence};
 
 /// Generations per distribution.
 const N: usize = 3_000;
@@ -41,7 +41,7 @@ fn params() -> SamplingParams {
 }
 
 /// Exact marginals of plain sampling at positions 1..=3, by enumerating the top-k tree.
-fn exact(m: &mut Model, prompt: &[u32]) -> [std::collections::HashMap<u32, f64>; 3] {
+fn exact(m: &mut Sequence<'_>, prompt: &[u32]) -> [std::collections::HashMap<u32, f64>; 3] {
     let sp = params();
     let mut dist = |ctx: &[u32]| -> Vec<(u32, f64)> {
         m.reset();
@@ -73,7 +73,7 @@ fn exact(m: &mut Model, prompt: &[u32]) -> [std::collections::HashMap<u32, f64>;
 }
 
 fn empirical(
-    m: &mut Model,
+    m: &mut Sequence<'_>,
     prompt: &[u32],
     acceptance: Acceptance,
 ) -> [std::collections::HashMap<u32, f64>; 3] {
@@ -122,8 +122,8 @@ fn tv(p: &std::collections::HashMap<u32, f64>, q: &std::collections::HashMap<u32
 
 /// MTP drafting at G=2 samples positions 1..3 from plain sampling's exact law, and accepting
 /// every draft (the negative control) does not.
-fn check_mtp_sampling(m: &mut Model, prompt: &[u32], label: &str) {
-    assert!(m.has_mtp(), "{label}");
+fn check_mtp_sampling(m: &mut Sequence<'_>, prompt: &[u32], label: &str) {
+    assert!(Target::has_mtp(m), "{label}");
     let want = exact(m, prompt);
     let got = empirical(m, prompt, Acceptance::Exact);
     for pos in 0..3 {
@@ -145,9 +145,11 @@ fn check_mtp_sampling(m: &mut Model, prompt: &[u32], label: &str) {
 
 #[test]
 fn mtp_sampling_on_the_trained_model_matches_plain_sampling() {
-    let Some(mut m) = tiny() else {
+    let Some(model) = tiny() else {
         panic!("python/colibri/models/tiny is missing: the embedded model must ship with the repo");
     };
+    let mut caches = model.new_caches();
+    let mut m = Sequence::new(&model, &mut caches);
     // `<|bos|>def fibonacci(n):` in the tiny tokenizer would do; any in-vocabulary ids work.
     let prompt: Vec<u32> = vec![0, 300, 301, 302, 303, 304];
     check_mtp_sampling(&mut m, &prompt, "real tiny model");
@@ -159,10 +161,12 @@ fn mtp_sampling_on_the_trained_model_matches_plain_sampling() {
 fn mtp_sampling_with_dsa_matches_plain_sampling() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/glm_dsa");
     let c = Container::open(&dir).expect("the glm_dsa fixture");
-    let mut m = Model::load(Arc::new(c), &ModelOptions::default()).expect("glm_dsa loads");
-    assert!(m.uses_dsa());
+    let model = Model::load(Arc::new(c), &ModelOptions::default()).expect("glm_dsa loads");
+    assert!(model.uses_dsa());
     let prompt: Vec<u32> = (0..20).map(|i| 2 + (i * 37 % 250)).collect();
-    assert!(prompt.len() > m.config().index_topk.unwrap());
+    assert!(prompt.len() > model.config().index_topk.unwrap());
+    let mut caches = model.new_caches();
+    let mut m = Sequence::new(&model, &mut caches);
     check_mtp_sampling(&mut m, &prompt, "glm_dsa (DSA)");
 }
 
@@ -170,11 +174,13 @@ fn mtp_sampling_with_dsa_matches_plain_sampling() {
 /// every row's hidden): prefill and MTP absorbs rely on it to skip the other rows' LM head.
 #[test]
 fn last_row_forwards_match_the_full_ones() {
-    let Some(mut m) = tiny() else {
+    let Some(model) = tiny() else {
         panic!("the embedded model must be present (python/colibri/models/tiny)");
     };
+    let mut caches = model.new_caches();
+    let mut m = Sequence::new(&model, &mut caches);
     let prompt: Vec<u32> = (10..30).collect();
-    let v = m.config().vocab_size;
+    let v = model.config().vocab_size;
     let full = Target::step_all(&mut m, &prompt, 0).unwrap();
     m.reset();
     let last = Target::step_last(&mut m, &prompt, 0).unwrap();

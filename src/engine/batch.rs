@@ -1,5 +1,5 @@
 //! Batched decode across sessions: several sessions' next rows — each its last token and
-//! its own drafts — go through one forward ([`Model::step_batch`]), so an expert that any
+//! its own drafts — go through one forward ([`Model::forward`]), so an expert that any
 //! of them routes to is read from disk once for all of them. docs/architecture.md, "Batched
 //! decode", has the design and its limits.
 //!
@@ -20,7 +20,7 @@ use std::time::Instant;
 use super::{explain_non_finite, Completion, Engine, GenerationStats, Session};
 use crate::decode::spec::Decoding;
 use crate::decode::{FinishReason, GenerateOptions, StepOutput};
-use crate::model::{KvCaches, Model};
+use crate::model::{KvCaches, Model, SeqRows, Sequence};
 use crate::{Error, Result};
 
 /// One generation of a batch.
@@ -106,7 +106,8 @@ impl Engine {
             on_tokens,
             on_done,
         } = io;
-        let mut model = self.lock_model()?;
+        let generating = self.lock_generating()?;
+        let model = &*self.model;
         self.store.reset_stats();
         let epoch = Instant::now();
         let clock = move || epoch.elapsed().as_secs_f64();
@@ -115,7 +116,7 @@ impl Engine {
             if !cancel.load(Ordering::Relaxed) {
                 for (id, request) in admit(lanes.len()) {
                     if let Some(lane) = self.admit_lane(
-                        &mut model, id, request, &clock, &lanes, on_tokens, on_done, cancel,
+                        model, id, request, &clock, &lanes, on_tokens, on_done, cancel,
                     ) {
                         lanes.push(lane);
                     }
@@ -126,7 +127,7 @@ impl Engine {
             }
             if cancel.load(Ordering::Relaxed) {
                 for lane in lanes.drain(..) {
-                    self.end_lane(&mut model, lane, Err(Error::Cancelled), on_done);
+                    self.end_lane(model, lane, Err(Error::Cancelled), on_done);
                 }
                 break;
             }
@@ -134,18 +135,18 @@ impl Engine {
             let mut i = 0;
             while i < lanes.len() {
                 let lane = &mut lanes[i];
-                model.swap_caches(&mut lane.caches);
-                let planned = lane.decoding.plan(&mut *model, cancel);
-                model.swap_caches(&mut lane.caches);
+                let planned = lane
+                    .decoding
+                    .plan(&mut Sequence::new(model, &mut lane.caches), cancel);
                 match planned {
                     Ok(None) => i += 1,
                     Ok(Some(finish)) => {
                         let lane = lanes.remove(i);
-                        self.end_lane(&mut model, lane, Ok(finish), on_done);
+                        self.end_lane(model, lane, Ok(finish), on_done);
                     }
                     Err(e) => {
                         let lane = lanes.remove(i);
-                        self.end_lane(&mut model, lane, Err(e), on_done);
+                        self.end_lane(model, lane, Err(e), on_done);
                     }
                 }
             }
@@ -157,33 +158,39 @@ impl Engine {
                 lane.decoding.restart_verify_clock();
             }
             let outputs = {
-                let mut seqs: Vec<(&mut KvCaches, &[u32])> = lanes
+                let mut seqs: Vec<SeqRows<'_>> = lanes
                     .iter_mut()
-                    .map(|l| (&mut l.caches, l.decoding.feed()))
+                    .map(|l| SeqRows {
+                        caches: &mut l.caches,
+                        tokens: l.decoding.feed(),
+                        all_logits: true,
+                    })
                     .collect();
-                model.step_batch(&mut seqs)
+                model.forward(&mut seqs)
             };
             let outputs = match outputs {
                 Ok(o) => o,
                 Err(e) => {
-                    let container = model.container().clone();
-                    let e = explain_non_finite(e, &container);
+                    let e = explain_non_finite(e, model.container());
                     for lane in lanes.drain(..) {
                         let err = Error::Internal(format!("a batched forward failed: {e}"));
-                        self.end_lane(&mut model, lane, Err(err), on_done);
+                        self.end_lane(model, lane, Err(err), on_done);
                     }
                     continue;
                 }
             };
             let mut ended = Vec::new();
-            for (k, (lane, (logits, hidden))) in lanes.iter_mut().zip(outputs).enumerate() {
-                let out = StepOutput { logits, hidden };
-                model.swap_caches(&mut lane.caches);
+            for (k, (lane, f)) in lanes.iter_mut().zip(outputs).enumerate() {
+                let out = StepOutput {
+                    logits: f.logits,
+                    hidden: f.carried,
+                };
                 let id = lane.id;
-                let verified = lane
-                    .decoding
-                    .verified(&mut *model, &out, &mut |t| on_tokens(id, t));
-                model.swap_caches(&mut lane.caches);
+                let verified = lane.decoding.verified(
+                    &mut Sequence::new(model, &mut lane.caches),
+                    &out,
+                    &mut |t| on_tokens(id, t),
+                );
                 match verified {
                     Ok(None) => {}
                     Ok(Some(finish)) => ended.push((k, Ok(finish))),
@@ -192,10 +199,10 @@ impl Engine {
             }
             for (k, finish) in ended.into_iter().rev() {
                 let lane = lanes.remove(k);
-                self.end_lane(&mut model, lane, finish, on_done);
+                self.end_lane(model, lane, finish, on_done);
             }
         }
-        drop(model);
+        drop(generating);
         Ok(())
     }
 
@@ -205,7 +212,7 @@ impl Engine {
     #[allow(clippy::too_many_arguments)]
     fn admit_lane<'c>(
         &self,
-        model: &mut Model,
+        model: &Model,
         id: u64,
         request: BatchRequest,
         clock: &'c dyn Fn() -> f64,
@@ -246,12 +253,11 @@ impl Engine {
             let caches = std::mem::replace(&mut st.caches, self.empty_caches.clone());
             (caches, std::mem::take(&mut st.cache))
         };
-        model.swap_caches(&mut caches);
-        let started = Decoding::start(&mut *model, previous, &prompt, &opts, clock);
+        let mut seq = Sequence::new(model, &mut caches);
+        let started = Decoding::start(&mut seq, previous, &prompt, &opts, clock);
         let mut decoding = match started {
             Ok(d) => d,
             Err(e) => {
-                model.swap_caches(&mut caches);
                 // The caches are as they were, but nothing is known of them any more.
                 if let Ok(mut st) = session.lock() {
                     st.caches = caches;
@@ -261,8 +267,7 @@ impl Engine {
                 return None;
             }
         };
-        let prefilled = decoding.prefill(&mut *model, &mut |t| on_tokens(id, t), cancel);
-        model.swap_caches(&mut caches);
+        let prefilled = decoding.prefill(&mut seq, &mut |t| on_tokens(id, t), cancel);
         let lane = Lane {
             id,
             session,
@@ -286,7 +291,7 @@ impl Engine {
     /// its completion.
     fn end_lane(
         &self,
-        model: &mut Model,
+        model: &Model,
         lane: Lane<'_>,
         finish: Result<FinishReason>,
         on_done: &mut dyn FnMut(u64, Result<Completion>),
@@ -297,10 +302,7 @@ impl Engine {
             mut caches,
             decoding,
         } = lane;
-        model.swap_caches(&mut caches);
-        let ended = decoding.end(&mut *model, finish);
-        model.swap_caches(&mut caches);
-        let container = model.container().clone();
+        let ended = decoding.end(&mut Sequence::new(model, &mut caches), finish);
         let result = match session.lock() {
             Ok(mut st) => {
                 st.caches = caches;
@@ -317,7 +319,7 @@ impl Engine {
                     }
                     Err(e) => {
                         st.cache.clear();
-                        Err(explain_non_finite(e, &container))
+                        Err(explain_non_finite(e, model.container()))
                     }
                 }
             }

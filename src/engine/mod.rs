@@ -4,8 +4,9 @@
 //! reuse ([`session`]), saved contexts ([`saved`]) and the stats a generation reports
 //! ([`stats`]). docs/architecture.md, "The engine and sessions", describes the model.
 //!
-//! Calls are serialised: one generation runs at a time (they share the model's scratch
-//! buffers and the store's counters). Every method takes `&self`; an `Engine` is `Sync`.
+//! The model holds only weights (shared, `Arc<Model>`); each session owns its caches. Calls
+//! are still serialised: one generation (or batch) runs at a time, because they share the
+//! compute pool and the store's counters. Every method takes `&self`; an `Engine` is `Sync`.
 
 pub mod batch;
 pub mod options;
@@ -24,7 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use crate::container::Container;
 use crate::decode::{self, FinishReason, GenerateOptions};
 use crate::experts::{self, ExpertStore, PrefetchMode};
-use crate::model::{context, Model};
+use crate::model::{context, KvCaches, Model, Sequence};
 use crate::{Error, Result};
 
 pub use batch::{BatchIo, BatchRequest};
@@ -74,7 +75,10 @@ pub struct Completion {
 /// A loaded model ready to generate: container, expert store (with its I/O and prefetch
 /// threads), model, and the sessions made on it.
 pub struct Engine {
-    model: Mutex<Model>,
+    model: Arc<Model>,
+    /// Held while a generation, a batch or a session operation that must not overlap one
+    /// runs (a batch keeps its sessions' caches out of them while it decodes).
+    generating: Mutex<()>,
     store: Arc<ExpertStore>,
     info: EngineInfo,
     id: u64,
@@ -86,9 +90,8 @@ pub struct Engine {
     /// Ticks of use, for least-recently-used eviction.
     tick: AtomicU64,
     spill_dir: PathBuf,
-    /// Empty caches shaped for the model: a new session's, made without waiting for the
-    /// model (a running batch holds it, and its admission makes sessions).
-    empty_caches: crate::model::KvCaches,
+    /// Empty caches shaped for the model: a new session's.
+    empty_caches: KvCaches,
 }
 
 impl Engine {
@@ -165,7 +168,8 @@ impl Engine {
         ));
         let empty_caches = model.new_caches();
         Ok(Engine {
-            model: Mutex::new(model),
+            model: Arc::new(model),
+            generating: Mutex::new(()),
             store,
             info,
             id,
@@ -211,11 +215,17 @@ impl Engine {
         }
     }
 
-    fn lock_model(&self) -> Result<MutexGuard<'_, Model>> {
+    /// Wait for the running generation, if any, and hold off the next.
+    fn lock_generating(&self) -> Result<MutexGuard<'_, ()>> {
         self.check_process()?;
-        self.model
+        self.generating
             .lock()
             .map_err(|_| Error::Internal("engine lock poisoned".into()))
+    }
+
+    /// The loaded model (weights only).
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
     }
 
     /// A new conversation with its own (empty) KV caches.
@@ -224,7 +234,7 @@ impl Engine {
         Ok(self.register(self.empty_caches.clone()))
     }
 
-    fn register(&self, caches: crate::model::KvCaches) -> Arc<Session> {
+    fn register(&self, caches: KvCaches) -> Arc<Session> {
         let n = self.next_session.fetch_add(1, Ordering::Relaxed);
         let s = Arc::new(Session::new(
             self.id,
@@ -275,27 +285,26 @@ impl Engine {
         let session = session.unwrap_or(&self.own);
         self.check_session(session)?;
         let opts = self.capped(opts);
-        let mut model = self.lock_model()?;
-        let mut st = session.lock()?;
-        self.restore(session, &mut st);
+        let generating = self.lock_generating()?;
+        let mut guard = session.lock()?;
+        let st = &mut *guard;
+        self.restore(session, st);
         if opts.sampling.prompt_logprobs.is_some() {
             // Every prompt row must be computed to be scored: no cached prefix.
             st.cache.clear();
         }
-        model.swap_caches(&mut st.caches);
         self.store.reset_stats();
-        let container = model.container().clone();
+        let mut seq = Sequence::new(&self.model, &mut st.caches);
         let result =
-            decode::generate_after(&mut *model, &mut st.cache, prompt, &opts, on_tokens, cancel)
-                .map_err(|e| explain_non_finite(e, &container));
-        model.swap_caches(&mut st.caches);
+            decode::generate_after(&mut seq, &mut st.cache, prompt, &opts, on_tokens, cancel)
+                .map_err(|e| explain_non_finite(e, self.model.container()));
         st.last_used = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
-        drop(st);
+        drop(guard);
         // The routing history teaches the pinned set; failing to save it (read-only cache
         // directory) must not fail the generation, and the store already warns about it.
         let _ = self.store.save_usage();
         self.enforce_idle_budget(session);
-        drop(model);
+        drop(generating);
         let generation = result?;
         Ok(Completion {
             stats: GenerationStats::new(&generation.stats, &self.store.stats()),
@@ -316,15 +325,14 @@ impl Engine {
     }
 
     /// Logits of one forward over `ids` as a fresh sequence: [len(ids), vocab], row-major.
-    /// Sessions are untouched (the model's own scratch caches compute it).
+    /// Sessions are untouched (the forward runs on caches of its own).
     pub fn logits(&self, ids: &[u32]) -> Result<Vec<f32>> {
-        let mut model = self.lock_model()?;
-        model.reset();
-        let out = model.step(ids, 0, true);
-        model.reset();
-        let container = model.container().clone();
-        out.map(|f| f.logits)
-            .map_err(|e| explain_non_finite(e, &container))
+        let _generating = self.lock_generating()?;
+        let mut caches = self.model.new_caches();
+        Sequence::new(&self.model, &mut caches)
+            .step(ids, 0, true)
+            .map(|f| f.logits)
+            .map_err(|e| explain_non_finite(e, self.model.container()))
     }
 
     /// Write `session`'s context (the engine's own when `None`) to `path` atomically; returns
@@ -335,7 +343,7 @@ impl Engine {
         self.check_session(session)?;
         // Held so that no generation runs meanwhile: a batch keeps its sessions' caches
         // out of them while it decodes.
-        let _generating = self.lock_model()?;
+        let _generating = self.lock_generating()?;
         let mut st = session.lock()?;
         self.restore(session, &mut st);
         saved::save(path, &self.context_checks(), &st.caches, &st.cache)
@@ -352,7 +360,7 @@ impl Engine {
             st.cache = cache;
             st.last_used = self.tick.fetch_add(1, Ordering::Relaxed) + 1;
         }
-        let _model = self.lock_model()?;
+        let _generating = self.lock_generating()?;
         self.enforce_idle_budget(&session);
         Ok(session)
     }
@@ -384,7 +392,7 @@ impl Engine {
     }
 
     /// Keep the idle sessions' caches (every session but `active`) within the budget by
-    /// writing the least recently used to disk. Called with the model lock held, so no
+    /// writing the least recently used to disk. Called with the generation lock held, so no
     /// generation is running; a session another thread is reading is skipped.
     fn enforce_idle_budget(&self, active: &Session) {
         let live: Vec<Arc<Session>> = match self.sessions.lock() {

@@ -16,8 +16,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
+use crate::carried::Carried;
 use crate::decode::CacheState;
-use crate::model::{Carried, KvCaches};
+use crate::model::KvCaches;
 use crate::{Error, Result};
 
 const MAGIC: &[u8; 16] = b"colibri-context\0";

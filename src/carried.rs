@@ -1,14 +1,14 @@
 //! The state the MTP head carries from one row to the next (docs/speculative.md, MTP
 //! bookkeeping): for a main-model row, `model.norm(h)` of its final residual; for an MTP row,
 //! the head's own output after `shared_head.norm`. Post-norm either way, never the raw
-//! residual ([`Forward::pre_norm_hidden`](super::Forward::pre_norm_hidden) is that).
+//! residual ([`Forward::pre_norm_hidden`](crate::model::Forward::pre_norm_hidden) is that).
 //!
-//! Only the model builds one: [`Model::final_norm`](super::Model::final_norm),
-//! [`MtpForward::post_norm_hidden`](super::MtpForward::post_norm_hidden) and
-//! `Model::step_batch`, plus the saved-context loader restoring rows the model built. The
-//! decode loop holds, slices, joins and passes them back to `Model::mtp_step`; it cannot make
-//! one itself, so whatever reaches the head went through the norm the model applies (a
-//! pre-norm residual passed by mistake does not type-check).
+//! Here, apart from `model`, so that the decode loop can hold it without depending on the
+//! model. Only the model builds one (its forwards and
+//! [`Model::final_norm`](crate::model::Model::final_norm)), plus the saved-context loader
+//! restoring rows the model built. The decode loop holds, slices, joins and passes them back
+//! to the MTP forward; it cannot make one itself, so whatever reaches the head went through
+//! the norm the model applies (a pre-norm residual passed by mistake does not type-check).
 
 use std::ops::Range;
 
@@ -21,7 +21,7 @@ pub struct Carried {
 
 impl Carried {
     /// Rows the model computed: `values` holds whole rows of `width`.
-    pub(in crate::model) fn new(values: Vec<f32>, width: usize) -> Self {
+    pub(crate) fn new(values: Vec<f32>, width: usize) -> Self {
         debug_assert!(width > 0 && values.len().is_multiple_of(width));
         Carried { values, width }
     }

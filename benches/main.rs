@@ -7,11 +7,13 @@ mod bandwidth;
 mod context;
 mod experts;
 mod kernels;
+mod prefill;
 mod probes;
 
 criterion_main!(
     bandwidth::benches,
     context::benches,
     experts::benches,
-    kernels::benches
+    kernels::benches,
+    prefill::benches
 );

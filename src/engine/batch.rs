@@ -9,9 +9,13 @@
 //! acceptance, rollback and emission are the loop's, so each session's output is the one
 //! it gets alone (greedy and seeded sampling, drafting or not).
 //!
-//! [`Engine::run_batch`] is continuous: between forwards it admits new requests (each
-//! prefilled before it joins) and hands back every finished one, so a server's requests
-//! join and leave a running batch.
+//! [`Engine::run_batch`] is continuous: between forwards it admits new requests and hands
+//! back every finished one, so a server's requests join and leave a running batch. Each
+//! round runs at most two forwards: one prefill forward over the next prompt chunk of every
+//! lane still in its prompt (so prompts that arrive together are prefilled together, each
+//! expert read once for all of them), then one exact forward verifying every other lane's
+//! rows (prefill and verify rows do not share a forward: a long prefill may run in the int8
+//! arithmetic, decode never does).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -20,7 +24,7 @@ use std::time::Instant;
 use super::{explain_non_finite, Completion, Engine, GenerationStats, Session};
 use crate::decode::spec::Decoding;
 use crate::decode::{FinishReason, GenerateOptions, StepOutput};
-use crate::model::{KvCaches, Model, SeqRows, Sequence};
+use crate::model::{Forward, KvCaches, Model, SeqRows, Sequence};
 use crate::{Error, Result};
 
 /// One generation of a batch.
@@ -115,9 +119,8 @@ impl Engine {
         loop {
             if !cancel.load(Ordering::Relaxed) {
                 for (id, request) in admit(lanes.len()) {
-                    if let Some(lane) = self.admit_lane(
-                        model, id, request, &clock, &lanes, on_tokens, on_done, cancel,
-                    ) {
+                    if let Some(lane) = self.admit_lane(model, id, request, &clock, &lanes, on_done)
+                    {
                         lanes.push(lane);
                     }
                 }
@@ -131,84 +134,19 @@ impl Engine {
                 }
                 break;
             }
-            // Each lane drafts on its own caches.
-            let mut i = 0;
-            while i < lanes.len() {
-                let lane = &mut lanes[i];
-                let planned = lane
-                    .decoding
-                    .plan(&mut Sequence::new(model, &mut lane.caches), cancel);
-                match planned {
-                    Ok(None) => i += 1,
-                    Ok(Some(finish)) => {
-                        let lane = lanes.remove(i);
-                        self.end_lane(model, lane, Ok(finish), on_done);
-                    }
-                    Err(e) => {
-                        let lane = lanes.remove(i);
-                        self.end_lane(model, lane, Err(e), on_done);
-                    }
-                }
-            }
-            if lanes.is_empty() {
-                continue;
-            }
-            // One forward verifies every lane's rows.
-            for lane in lanes.iter_mut() {
-                lane.decoding.restart_verify_clock();
-            }
-            let outputs = {
-                let mut seqs: Vec<SeqRows<'_>> = lanes
-                    .iter_mut()
-                    .map(|l| SeqRows {
-                        caches: &mut l.caches,
-                        tokens: l.decoding.feed(),
-                        all_logits: true,
-                    })
-                    .collect();
-                model.forward(&mut seqs)
-            };
-            let outputs = match outputs {
-                Ok(o) => o,
-                Err(e) => {
-                    let e = explain_non_finite(e, model.container());
-                    for lane in lanes.drain(..) {
-                        let err = Error::Internal(format!("a batched forward failed: {e}"));
-                        self.end_lane(model, lane, Err(err), on_done);
-                    }
-                    continue;
-                }
-            };
-            let mut ended = Vec::new();
-            for (k, (lane, f)) in lanes.iter_mut().zip(outputs).enumerate() {
-                let out = StepOutput {
-                    logits: f.logits,
-                    hidden: f.carried,
-                };
-                let id = lane.id;
-                let verified = lane.decoding.verified(
-                    &mut Sequence::new(model, &mut lane.caches),
-                    &out,
-                    &mut |t| on_tokens(id, t),
-                );
-                match verified {
-                    Ok(None) => {}
-                    Ok(Some(finish)) => ended.push((k, Ok(finish))),
-                    Err(e) => ended.push((k, Err(e))),
-                }
-            }
-            for (k, finish) in ended.into_iter().rev() {
-                let lane = lanes.remove(k);
-                self.end_lane(model, lane, finish, on_done);
-            }
+            // Lanes still in their prompt: the next chunk of each in one prefill forward.
+            self.prefill_lanes(model, &mut lanes, on_tokens, on_done);
+            // Lanes past it: a draft each, then one forward verifies them all.
+            self.decode_lanes(model, &mut lanes, on_tokens, on_done, cancel);
         }
         drop(generating);
         Ok(())
     }
 
-    /// Take a request into the batch: its session's caches out of the session, prefix
-    /// reuse and its prefill (alone), the first token emitted. Returns the lane, or `None`
-    /// when the request already ended (reported through `on_done`).
+    /// Take a request into the batch: its session's caches out of the session and the
+    /// reusable prefix kept (its prefill runs with the other lanes', in
+    /// [`prefill_lanes`](Self::prefill_lanes)). Returns the lane, or `None` when the request
+    /// already ended (reported through `on_done`).
     #[allow(clippy::too_many_arguments)]
     fn admit_lane<'c>(
         &self,
@@ -217,9 +155,7 @@ impl Engine {
         request: BatchRequest,
         clock: &'c dyn Fn() -> f64,
         lanes: &[Lane<'_>],
-        on_tokens: &mut dyn FnMut(u64, &[u32]) -> bool,
         on_done: &mut dyn FnMut(u64, Result<Completion>),
-        cancel: &AtomicBool,
     ) -> Option<Lane<'c>> {
         let BatchRequest {
             session,
@@ -253,10 +189,20 @@ impl Engine {
             let caches = std::mem::replace(&mut st.caches, self.empty_caches.clone());
             (caches, std::mem::take(&mut st.cache))
         };
-        let mut seq = Sequence::new(model, &mut caches);
-        let started = Decoding::start(&mut seq, previous, &prompt, &opts, clock);
-        let mut decoding = match started {
-            Ok(d) => d,
+        let started = Decoding::start(
+            &mut Sequence::new(model, &mut caches),
+            previous,
+            &prompt,
+            &opts,
+            clock,
+        );
+        match started {
+            Ok(decoding) => Some(Lane {
+                id,
+                session,
+                caches,
+                decoding,
+            }),
             Err(e) => {
                 // The caches are as they were, but nothing is known of them any more.
                 if let Ok(mut st) = session.lock() {
@@ -264,26 +210,149 @@ impl Engine {
                     st.cache.clear();
                 }
                 on_done(id, Err(e));
-                return None;
-            }
-        };
-        let prefilled = decoding.prefill(&mut seq, &mut |t| on_tokens(id, t), cancel);
-        let lane = Lane {
-            id,
-            session,
-            caches,
-            decoding,
-        };
-        match prefilled {
-            Ok(None) => Some(lane),
-            Ok(Some(finish)) => {
-                self.end_lane(model, lane, Ok(finish), on_done);
                 None
             }
+        }
+    }
+
+    /// One prefill forward over the next prompt chunk of every lane still in its prompt
+    /// ([`Model::prefill`]: the long chunks together in the prefill arithmetic); a lane whose
+    /// prompt is then done emits its first token. Lanes that end are settled.
+    fn prefill_lanes(
+        &self,
+        model: &Model,
+        lanes: &mut Vec<Lane<'_>>,
+        on_tokens: &mut dyn FnMut(u64, &[u32]) -> bool,
+        on_done: &mut dyn FnMut(u64, Result<Completion>),
+    ) {
+        let outputs = {
+            let mut seqs: Vec<SeqRows<'_>> = Vec::new();
+            for lane in lanes.iter_mut() {
+                let Lane {
+                    caches, decoding, ..
+                } = lane;
+                if let Some(rows) = decoding.prefill_rows() {
+                    debug_assert_eq!(rows.start, caches.len());
+                    seqs.push(SeqRows {
+                        caches,
+                        tokens: rows.tokens,
+                        all_logits: rows.all_logits,
+                    });
+                }
+            }
+            if seqs.is_empty() {
+                return;
+            }
+            model.prefill(&mut seqs)
+        };
+        let prefilling = |l: &Lane<'_>| l.decoding.prefilling();
+        self.take_outputs(model, lanes, prefilling, outputs, on_done, |lane, out| {
+            let id = lane.id;
+            lane.decoding.prefilled(out, &mut |t| on_tokens(id, t))
+        });
+    }
+
+    /// A cycle of every lane past its prompt: each drafts on its own caches, then one exact
+    /// forward verifies every lane's rows. Lanes that end are settled.
+    fn decode_lanes(
+        &self,
+        model: &Model,
+        lanes: &mut Vec<Lane<'_>>,
+        on_tokens: &mut dyn FnMut(u64, &[u32]) -> bool,
+        on_done: &mut dyn FnMut(u64, Result<Completion>),
+        cancel: &AtomicBool,
+    ) {
+        let mut i = 0;
+        while i < lanes.len() {
+            let lane = &mut lanes[i];
+            if lane.decoding.prefilling() {
+                i += 1;
+                continue;
+            }
+            let planned = lane
+                .decoding
+                .plan(&mut Sequence::new(model, &mut lane.caches), cancel);
+            match planned {
+                Ok(None) => i += 1,
+                Ok(Some(finish)) => {
+                    let lane = lanes.remove(i);
+                    self.end_lane(model, lane, Ok(finish), on_done);
+                }
+                Err(e) => {
+                    let lane = lanes.remove(i);
+                    self.end_lane(model, lane, Err(e), on_done);
+                }
+            }
+        }
+        let decoding = |l: &Lane<'_>| !l.decoding.prefilling();
+        let outputs = {
+            let mut seqs: Vec<SeqRows<'_>> = Vec::new();
+            for lane in lanes.iter_mut().filter(|l| decoding(l)) {
+                lane.decoding.restart_verify_clock();
+                seqs.push(SeqRows {
+                    caches: &mut lane.caches,
+                    tokens: lane.decoding.feed(),
+                    all_logits: true,
+                });
+            }
+            if seqs.is_empty() {
+                return;
+            }
+            model.forward(&mut seqs)
+        };
+        self.take_outputs(model, lanes, decoding, outputs, on_done, |lane, out| {
+            let id = lane.id;
+            lane.decoding
+                .verified(&mut Sequence::new(model, &mut lane.caches), out, &mut |t| {
+                    on_tokens(id, t)
+                })
+        });
+    }
+
+    /// Hand a shared forward's `outputs` to the lanes `member` picks (in order) through
+    /// `take`, and settle the lanes that end; a failed forward ends every one of them.
+    fn take_outputs(
+        &self,
+        model: &Model,
+        lanes: &mut Vec<Lane<'_>>,
+        member: impl Fn(&Lane<'_>) -> bool,
+        outputs: Result<Vec<Forward>>,
+        on_done: &mut dyn FnMut(u64, Result<Completion>),
+        mut take: impl FnMut(&mut Lane<'_>, &StepOutput) -> Result<Option<FinishReason>>,
+    ) {
+        let outputs = match outputs {
+            Ok(o) => o,
             Err(e) => {
-                self.end_lane(model, lane, Err(e), on_done);
-                None
+                let e = explain_non_finite(e, model.container());
+                let mut k = 0;
+                while k < lanes.len() {
+                    if member(&lanes[k]) {
+                        let lane = lanes.remove(k);
+                        let err = Error::Internal(format!("a batched forward failed: {e}"));
+                        self.end_lane(model, lane, Err(err), on_done);
+                    } else {
+                        k += 1;
+                    }
+                }
+                return;
             }
+        };
+        let mut ended = Vec::new();
+        let members = lanes.iter_mut().enumerate().filter(|(_, l)| member(l));
+        for ((k, lane), f) in members.zip(outputs) {
+            let out = StepOutput {
+                logits: f.logits,
+                hidden: f.carried,
+            };
+            match take(lane, &out) {
+                Ok(None) => {}
+                Ok(Some(finish)) => ended.push((k, Ok(finish))),
+                Err(e) => ended.push((k, Err(e))),
+            }
+        }
+        for (k, finish) in ended.into_iter().rev() {
+            let lane = lanes.remove(k);
+            self.end_lane(model, lane, finish, on_done);
         }
     }
 

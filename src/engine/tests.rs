@@ -586,6 +586,119 @@ fn a_batch_gives_each_session_what_it_gets_alone() {
     }
 }
 
+/// Prompts that arrive together are prefilled in one forward, the long ones in the int8
+/// prefill arithmetic: each lane still gets exactly what it gets alone on an engine with the
+/// same arithmetic (int8 rounds each row's activations by its own scales, so rows of other
+/// prompts in the forward change nothing), and a short prompt beside them stays exact.
+#[test]
+fn prompts_prefilled_together_in_int8_give_what_each_gets_alone() {
+    use crate::quant::kernels::int8act::PREFILL_MIN_ROWS;
+    let tmp = tempfile::tempdir().unwrap();
+    let open_int8 = || {
+        let opts = EngineOptions {
+            usage_file: false,
+            threads: 2,
+            spill_dir: Some(tmp.path().to_path_buf()),
+            prefill: Some(crate::quant::kernels::Arithmetic::Int8),
+            ..EngineOptions::new()
+        };
+        Engine::open(&model_dir("python/colibri/models/tiny"), &opts).expect("the model opens")
+    };
+    let e = open_int8();
+    let prompts: Vec<Vec<u32>> = [40usize, 64, PREFILL_MIN_ROWS, 100, 5]
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| {
+            (0..n as u32)
+                .map(|i| (i * 53 + 7 * k as u32 + 1) % 4096)
+                .collect()
+        })
+        .collect();
+    let opts: Vec<GenerateOptions> = (0..prompts.len())
+        .map(|k| GenerateOptions {
+            logprobs: Some(2),
+            ..options(&e, k % 2 == 1)
+        })
+        .collect();
+    let requests: Vec<BatchRequest> = prompts
+        .iter()
+        .zip(&opts)
+        .map(|(p, o)| BatchRequest {
+            session: e.new_session().unwrap(),
+            prompt: p.clone(),
+            options: o.clone(),
+        })
+        .collect();
+    let out = e
+        .generate_batch(requests, &mut |_, _| true, &AtomicBool::new(false))
+        .unwrap();
+    let alone = open_int8();
+    let exact = open(
+        "python/colibri/models/tiny",
+        &tmp.path().join("exact"),
+        None,
+    );
+    let mut differs_from_exact = 0;
+    for (k, r) in out.into_iter().enumerate() {
+        let got = r.unwrap();
+        let want = alone
+            .generate(
+                Some(&alone.new_session().unwrap()),
+                &prompts[k],
+                &opts[k],
+                &mut |_| true,
+                &AtomicBool::new(false),
+            )
+            .unwrap();
+        assert_eq!(
+            got.tokens,
+            want.tokens,
+            "prompt {k} of {} tokens",
+            prompts[k].len()
+        );
+        assert_eq!(got.tokens.len(), 12);
+        assert_eq!(
+            logprob_bits(&got.logprobs),
+            logprob_bits(&want.logprobs),
+            "prompt {k}: the batch's logprobs are bit for bit the lone run's"
+        );
+        let reference = exact
+            .generate(
+                Some(&exact.new_session().unwrap()),
+                &prompts[k],
+                &opts[k],
+                &mut |_| true,
+                &AtomicBool::new(false),
+            )
+            .unwrap();
+        let same_as_exact = reference.tokens == got.tokens
+            && logprob_bits(&reference.logprobs) == logprob_bits(&got.logprobs);
+        if prompts[k].len() < PREFILL_MIN_ROWS {
+            assert!(same_as_exact, "prompt {k} is short: exact prefill");
+        } else if !same_as_exact {
+            differs_from_exact += 1;
+        }
+    }
+    // The negative control: the int8 arithmetic did run on the long prompts (otherwise the
+    // comparison with the lone int8 engine would show nothing).
+    assert!(
+        differs_from_exact >= 1,
+        "a long prompt's int8 prefill differs from the exact one somewhere"
+    );
+}
+
+/// Every token id and logprob bit of `l`, flattened, so that two runs compare bit for bit.
+fn logprob_bits(l: &[crate::decode::TokenLogprob]) -> Vec<u32> {
+    let mut bits = Vec::new();
+    for t in l {
+        bits.extend([t.token, t.logprob.to_bits()]);
+        for &(id, p) in &t.top {
+            bits.extend([id, p.to_bits()]);
+        }
+    }
+    bits
+}
+
 #[test]
 fn a_batch_refuses_a_session_twice() {
     let tmp = tempfile::tempdir().unwrap();

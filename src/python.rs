@@ -10,6 +10,7 @@ mod engine;
 mod errors;
 mod kernels;
 mod plan;
+mod request;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -68,6 +69,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PySession>()?;
     m.add_function(wrap_pyfunction!(engine::choices, m)?)?;
     m.add_function(wrap_pyfunction!(engine::limits, m)?)?;
+    m.add_function(wrap_pyfunction!(request::check_request, m)?)?;
+    m.add_function(wrap_pyfunction!(request::request_fields, m)?)?;
     m.add_function(wrap_pyfunction!(engine::generation_stats_fields, m)?)?;
     container::register(m)?;
     kernels::register(m)?;

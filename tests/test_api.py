@@ -299,12 +299,12 @@ class _SlowEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def generate(self, ids: list[int], *, on_tokens: Any, **kw: Any) -> Any:
+    def generate(self, ids: list[int], request: Any, *, on_tokens: Any, **kw: Any) -> Any:
         def slow(toks: list[int]) -> bool:
             time.sleep(self._delay)
             return bool(on_tokens(toks))
 
-        raw = self._engine.generate(ids, on_tokens=slow, **kw)
+        raw = self._engine.generate(ids, request, on_tokens=slow, **kw)
         self.finished.append((str(raw["finish_reason"]), len(raw["tokens"])))
         return raw
 
@@ -744,7 +744,7 @@ class _EngineSpy:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def generate(self, ids: list[int], *, on_tokens: Any, **kw: Any) -> Any:
+    def generate(self, ids: list[int], request: Any, *, on_tokens: Any, **kw: Any) -> Any:
         def wrapped(toks: list[int]) -> bool:
             self.calls += 1
             if self.fired.is_set():
@@ -753,7 +753,7 @@ class _EngineSpy:
                 self._started.set()
             return bool(on_tokens(toks))
 
-        return self._engine.generate(ids, on_tokens=wrapped, **kw)
+        return self._engine.generate(ids, request, on_tokens=wrapped, **kw)
 
 
 def test_keyboard_interrupt_stops_generation_and_model_stays_usable(
@@ -1071,6 +1071,11 @@ def _stub_names() -> tuple[set[str], dict[str, set[str]]]:
     names: set[str] = set()
     classes: dict[str, set[str]] = {}
     for node in tree.body:
+        typed_dict = isinstance(node, ast.ClassDef) and any(
+            isinstance(b, ast.Name) and b.id == "TypedDict" for b in node.bases
+        )
+        if typed_dict:  # a type for checkers only (the dict a function takes)
+            continue
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
@@ -1141,6 +1146,19 @@ def test_a_legacy_history_next_to_the_weights_is_migrated(
     assert m.usage_path is not None
     saved = json.loads(m.usage_path.read_text())
     assert sum(map(sum, saved["layers"].values())) > legacy_total
+
+
+def test_the_engine_request_stub_lists_the_engine_fields() -> None:
+    """``_core.pyi``'s ``GenerateRequest`` is the Rust ``GenerateRequest``'s field list, and
+    a field the engine does not have is refused by name."""
+    tree = ast.parse((ROOT / "python" / "colibri" / "_core.pyi").read_text())
+    stub = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GenerateRequest")
+    fields = [n.target.id for n in stub.body if isinstance(n, ast.AnnAssign)]  # type: ignore[union-attr]
+    assert fields == _core.request_fields()
+    with pytest.raises(colibri.InvalidArgumentError, match="unknown field 'temprature'"):
+        _core.check_request({"temprature": 1.0})
+    with pytest.raises(colibri.InvalidArgumentError, match=r"'top_k'.*expected an integer"):
+        _core.check_request({"top_k": "3"})
 
 
 def test_core_stub_matches_the_binary() -> None:
@@ -1304,7 +1322,7 @@ def test_sessions_keep_their_own_conversations(test_model_dir: Path) -> None:
         a.generate(pa, max_length=3)
     other = colibri.Model(test_model_dir, threads=1).session()
     with pytest.raises(colibri.InvalidArgumentError, match="session"):
-        m._start(pa, dict(kw), other._core)
+        m._start(pa, None, False, dict(kw), other._core)
 
 
 def test_a_huge_layer_count_in_the_config_allocates_nothing_for_it(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 from collections.abc import Callable
 from os import PathLike
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,28 @@ def model_config(dir: str | PathLike[str]) -> dict[str, Any]:
     filled in, validated): ``model_type``, ``vocab_size``, ``hidden_size``,
     ``num_hidden_layers``, ``num_nextn_predict_layers``, ``n_routed_experts``, ... under their
     transformers names. Raises ``ConfigError`` / ``ColibriFileNotFoundError``."""
+
+class GenerateRequest(TypedDict, total=False):
+    """A generation request as the engine takes it (the Rust ``GenerateRequest``): every
+    field optional, its default the engine's."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: list[tuple[int, float]] | None
+    min_tokens: int
+    logprobs: int | None
+    prompt_logprobs: int | None
+    stop_ids: list[int] | None
+    grammar: tuple[str, str] | None
+    draft: str
+    draft_depth: int
 
 class Container:
     """An opened model directory: shard headers parsed; tensors are read when asked for."""
@@ -200,30 +222,17 @@ class Engine:
     def generate(
         self,
         ids: list[int],
+        request: GenerateRequest | None = None,
         *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        draft: str = "auto",
-        draft_depth: int = 0,
-        stop_ids: list[int] | None = None,
         on_tokens: Callable[[list[int]], bool] | None = None,
         session: Session | None = None,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logit_bias: list[tuple[int, float]] | None = None,
-        min_tokens: int = 0,
-        logprobs: int | None = None,
         prefill_progress: Callable[[int, int], object] | None = None,
-        grammar: tuple[str, str] | None = None,
-        prompt_logprobs: int | None = None,
+        **fields: Any,
     ) -> dict[str, Any]:
-        """Generate after ``ids``; returns ``{"tokens", "finish_reason", "stats"}`` (stats
-        keyed by ``generation_stats_fields()``). ``draft_depth`` 0 is auto; ``stop_ids``
+        """Generate after ``ids`` with ``request`` (any of :class:`GenerateRequest`'s fields, in
+        the dict or as keywords; one it does not have, or a value of the wrong type or range, raises
+        ``InvalidArgumentError`` naming it); returns ``{"tokens", "finish_reason", "stats"}``
+        (stats keyed by ``generation_stats_fields()``). ``draft_depth`` 0 is auto; ``stop_ids``
         None uses the EOS ids; ``on_tokens`` gets the tokens each forward accepted and
         returns False to stop. Ctrl-C raises KeyboardInterrupt within one forward. The KV
         cache reused is ``session``'s, or the engine's own. The penalties, ``logit_bias``
@@ -270,6 +279,14 @@ def choices() -> dict[str, list[str]]:
 
 def limits() -> dict[str, int]:
     """Limits the engine enforces: ``max_draft_depth``, ``max_top_logprobs``."""
+
+def request_fields() -> list[str]:
+    """The fields of :class:`GenerateRequest`, in the engine's order."""
+
+def check_request(request: GenerateRequest) -> None:
+    """Check a request's values as far as no model is needed (the checks of
+    :meth:`Engine.generate` but token ids against a vocabulary and the grammar's
+    compilation); raises ``InvalidArgumentError`` naming the first bad field."""
 
 def generation_stats_fields() -> list[str]:
     """The names of the fields a generation's stats carry."""

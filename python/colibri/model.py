@@ -37,7 +37,7 @@ from colibri.results import (
     GenerationResult,
     GenerationStats,
 )
-from colibri.sampling import SamplingParams
+from colibri.sampling import GENERATE_KEYWORDS, GenerateOptions, SamplingParams, Unpack
 from colibri.stream import GenerationStream, _Lane
 from colibri.validation import (
     _DRAFT_MODES,
@@ -66,6 +66,7 @@ from colibri.validation import (
     _is_batch,
     _parse_bytes,
     _template_text,
+    check_engine_request,
 )
 
 #: The public names of this module; the helpers' homes are named in the module docstring.
@@ -195,6 +196,7 @@ class Model:
         _check_choice("prefill", prefill, _PREFILL_MODES)
         self.default_draft: DraftMode = _check_choice("draft", draft, _DRAFT_MODES)  # type: ignore[assignment]
         self.default_draft_depth = _check_depth(draft_depth)
+        check_engine_request({"draft_depth": self.default_draft_depth})
         if self.default_draft == "mtp" and not mtp:
             raise InvalidArgumentError(
                 "invalid value for 'draft': 'mtp' drafts with the MTP head, which mtp=False "
@@ -374,31 +376,9 @@ class Model:
         prompt: str | Sequence[int],
         sampling_params: SamplingParams | None = None,
         *,
-        max_new_tokens: int | None = ...,
-        max_tokens: int | None = ...,
-        temperature: float | None = ...,
-        top_k: int | None = ...,
-        top_p: float | None = ...,
-        min_p: float | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool | None = ...,
-        repetition_penalty: float | None = ...,
-        presence_penalty: float | None = ...,
-        frequency_penalty: float | None = ...,
-        logit_bias: Mapping[int, float] | None = ...,
-        min_tokens: int | None = ...,
-        logprobs: int | None = ...,
-        guided_json: str | Mapping[str, Any] | None = ...,
-        guided_regex: str | None = ...,
-        guided_grammar: str | None = ...,
-        prompt_logprobs: int | None = ...,
-        prefill_progress: Callable[[int, int], object] | None = ...,
-        draft: DraftMode | None = ...,
-        draft_depth: int | Literal["auto"] | None = ...,
         n: int,
         stream: Literal[False] = False,
+        **options: Unpack[GenerateOptions],
     ) -> list[GenerationResult]: ...
 
     @overload
@@ -407,30 +387,8 @@ class Model:
         prompt: list[str] | list[list[int]],
         sampling_params: SamplingParams | None = None,
         *,
-        max_new_tokens: int | None = ...,
-        max_tokens: int | None = ...,
-        temperature: float | None = ...,
-        top_k: int | None = ...,
-        top_p: float | None = ...,
-        min_p: float | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool | None = ...,
-        repetition_penalty: float | None = ...,
-        presence_penalty: float | None = ...,
-        frequency_penalty: float | None = ...,
-        logit_bias: Mapping[int, float] | None = ...,
-        min_tokens: int | None = ...,
-        logprobs: int | None = ...,
-        guided_json: str | Mapping[str, Any] | None = ...,
-        guided_regex: str | None = ...,
-        guided_grammar: str | None = ...,
-        prompt_logprobs: int | None = ...,
-        prefill_progress: Callable[[int, int], object] | None = ...,
-        draft: DraftMode | None = ...,
-        draft_depth: int | Literal["auto"] | None = ...,
         stream: Literal[False] = False,
+        **options: Unpack[GenerateOptions],
     ) -> list[GenerationResult]: ...
 
     @overload
@@ -439,30 +397,8 @@ class Model:
         prompt: str | Sequence[int],
         sampling_params: SamplingParams | None = None,
         *,
-        max_new_tokens: int | None = ...,
-        max_tokens: int | None = ...,
-        temperature: float | None = ...,
-        top_k: int | None = ...,
-        top_p: float | None = ...,
-        min_p: float | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool | None = ...,
-        repetition_penalty: float | None = ...,
-        presence_penalty: float | None = ...,
-        frequency_penalty: float | None = ...,
-        logit_bias: Mapping[int, float] | None = ...,
-        min_tokens: int | None = ...,
-        logprobs: int | None = ...,
-        guided_json: str | Mapping[str, Any] | None = ...,
-        guided_regex: str | None = ...,
-        guided_grammar: str | None = ...,
-        prompt_logprobs: int | None = ...,
-        prefill_progress: Callable[[int, int], object] | None = ...,
-        draft: DraftMode | None = ...,
-        draft_depth: int | Literal["auto"] | None = ...,
         stream: Literal[False] = False,
+        **options: Unpack[GenerateOptions],
     ) -> GenerationResult: ...
 
     @overload
@@ -471,30 +407,8 @@ class Model:
         prompt: str | Sequence[int],
         sampling_params: SamplingParams | None = None,
         *,
-        max_new_tokens: int | None = ...,
-        max_tokens: int | None = ...,
-        temperature: float | None = ...,
-        top_k: int | None = ...,
-        top_p: float | None = ...,
-        min_p: float | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool | None = ...,
-        repetition_penalty: float | None = ...,
-        presence_penalty: float | None = ...,
-        frequency_penalty: float | None = ...,
-        logit_bias: Mapping[int, float] | None = ...,
-        min_tokens: int | None = ...,
-        logprobs: int | None = ...,
-        guided_json: str | Mapping[str, Any] | None = ...,
-        guided_regex: str | None = ...,
-        guided_grammar: str | None = ...,
-        prompt_logprobs: int | None = ...,
-        prefill_progress: Callable[[int, int], object] | None = ...,
-        draft: DraftMode | None = ...,
-        draft_depth: int | Literal["auto"] | None = ...,
         stream: Literal[True],
+        **options: Unpack[GenerateOptions],
     ) -> GenerationStream: ...
 
     def generate(
@@ -502,31 +416,9 @@ class Model:
         prompt: str | Sequence[int] | list[str] | list[list[int]],
         sampling_params: SamplingParams | None = None,
         *,
-        max_new_tokens: int | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        min_tokens: int | None = None,
-        logprobs: int | None = None,
-        guided_json: str | Mapping[str, Any] | None = None,
-        guided_regex: str | None = None,
-        guided_grammar: str | None = None,
-        prompt_logprobs: int | None = None,
-        prefill_progress: Callable[[int, int], object] | None = None,
-        draft: DraftMode | None = None,
-        draft_depth: int | Literal["auto"] | None = None,
         n: int | None = None,
         stream: bool = False,
+        **options: Unpack[GenerateOptions],
     ) -> GenerationResult | GenerationStream | list[GenerationResult]:
         """Continue ``prompt`` (text or token ids), or every prompt of a list of them.
 
@@ -538,47 +430,13 @@ class Model:
         Args:
             sampling_params: a :class:`SamplingParams` holding any of the keywords below
                 (vLLM style); a keyword given as well must not repeat one of its fields.
-            max_new_tokens: at most this many new tokens (≥ 1; ``max_tokens`` is the same);
-                default ``generation_config.json``'s ``max_new_tokens``, else 128
-                (:attr:`default_max_new_tokens`).
-            temperature: 0 for greedy decoding; default from ``generation_config.json``
-                (greedy when it does not ask for sampling). ``top_k``, ``top_p``, ``min_p``
-                and ``seed`` only shape sampling: given for a greedy generation they are
-                ignored with a ``UserWarning``.
-            top_k: keep the k most likely tokens (0 = off).
-            top_p: nucleus sampling mass in (0, 1] (1 = off).
-            min_p: keep tokens at least this share as likely as the top one (0 = off).
-            seed: makes sampling reproducible; ``None`` picks a random seed.
-            stop: strings that end the generation (not included in the text).
-            stop_token_ids: token ids that end the generation; ``None`` uses the model's
-                EOS ids, ``[]`` never stops on a token (only ``max_new_tokens`` and ``stop``).
-                The stopping token is kept in ``token_ids`` but not in ``text``.
-            ignore_eos: keep generating past the EOS ids (other stop token ids still stop).
-            repetition_penalty: > 1 discourages tokens already in the prompt or output
-                (transformers' and vLLM's rule; 1 = off).
-            presence_penalty, frequency_penalty: subtracted from the logit of a token the
-                output holds, once / per occurrence (OpenAI's; 0 = off).
-            logit_bias: token id → value added to its logit (``-inf`` bans the token).
-            min_tokens: the stop token ids cannot end the generation before this many.
-            logprobs: report each generated token's log-probability
-                (:attr:`GenerationResult.logprobs`) and this many most likely alternatives
-                (:attr:`GenerationResult.top_logprobs`; 0 = none).
-            prompt_logprobs: report each prompt token's log-probability given the tokens
-                before it (:attr:`GenerationResult.prompt_logprobs`, vLLM's name) and this
-                many alternatives; computed in the prefill, which then reuses no cached prefix.
-            guided_json: structured output (vLLM's name): the text is JSON matching this
-                JSON schema (a dict, its JSON text, or a pydantic model class), generated
-                compact. ``{"type": "object"}`` asks for any JSON object.
-            guided_regex: the text matches this regular expression (Rust ``regex`` syntax).
-            guided_grammar: the text follows this grammar, in llguidance's Lark syntax
-                (``start: ...`` rules; docs/python-api.md). At most one ``guided_*`` per
-                generation; the generation ends with a stop token once the text is complete.
-            prefill_progress: called as ``prefill_progress(done, total)`` after each chunk
-                of the prompt is processed (chunks of 512 tokens; the tokens reused from the
-                session's cache are not counted): progress of long prompts. Ctrl-C stops a
-                long prefill within one chunk, with or without it.
-            draft: drafter for speculative decoding (defaults to the Model's).
-            draft_depth: tokens drafted per step, 1-8 or ``"auto"``.
+            **options: any keyword of :class:`~colibri.GenerateOptions` (the sampling
+                fields of :class:`~colibri.SamplingOptions`: ``max_tokens``,
+                ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop``,
+                ``stop_token_ids``, ``ignore_eos``, the penalties, ``logit_bias``,
+                ``min_tokens``, ``logprobs``, ``prompt_logprobs``, ``guided_*``; and
+                ``max_new_tokens``, ``prefill_progress``, ``draft``, ``draft_depth``), each
+                documented there. ``None`` means "not given".
             n: generate this many completions of the prompt (vLLM's and OpenAI's ``n``) and
                 return them as a list: they decode together (batched decode), completion i
                 sampled with seed ``seed + i`` (so completion 0 is the one ``n=1`` gives).
@@ -592,7 +450,7 @@ class Model:
         Returns:
             A :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`.
         """
-        kw = {k: v for k, v in locals().items() if k in _GENERATE_KEYWORDS}
+        kw = _check_keywords(options)
         choices = _choices(n, sampling_params)
         if choices > 1:
             if _is_batch(prompt):
@@ -712,6 +570,20 @@ class Model:
             )
         # Generation ends at the context limit like at max_new_tokens (finish_reason "length").
         n = min(n, self.max_context - len(ids))
+        request = {
+            "ids": ids,
+            "max_new_tokens": n,
+            "temperature": float(temperature),
+            "top_k": top_k,
+            "top_p": float(top_p),
+            "seed": seed,
+            "stops": stops,
+            "draft": d,
+            "draft_depth": depth,
+            "stop_ids": stop_ids,
+            **processing,
+        }
+        check_engine_request(_engine_request(request))
         if temperature == 0 and ignored:  # only once every argument is known to be valid
             names = ", ".join(repr(k) for k in ignored)
             why = (
@@ -725,19 +597,7 @@ class Model:
                 UserWarning,
                 stacklevel=_caller_stacklevel(),
             )
-        return {
-            "ids": ids,
-            "max_new_tokens": n,
-            "temperature": float(temperature),
-            "top_k": top_k,
-            "top_p": float(top_p),
-            "seed": seed,
-            "stops": stops,
-            "draft": d,
-            "draft_depth": depth,
-            "stop_ids": stop_ids,
-            **processing,
-        }
+        return request
 
     def _grammar(self, given: Mapping[str, Any]) -> tuple[str, str] | None:
         """The engine's ``grammar`` argument, ``(kind, text)``, of the ``guided_*`` keywords;
@@ -760,7 +620,7 @@ class Model:
         with self._lock:
             raw: dict[str, Any] = self._engine.generate(
                 p["ids"],
-                **_engine_keywords(p),
+                _engine_request(p),
                 on_tokens=lane.on_tokens,
                 session=p.get("session"),
                 prefill_progress=p["prefill_progress"],
@@ -774,7 +634,7 @@ class Model:
         with self._lock:
             sessions = [self._engine.new_session() for _ in params]
             raw = self._engine.generate_batch(
-                [{"ids": p["ids"], **_engine_keywords(p)} for p in params],
+                [{"ids": p["ids"], **_engine_request(p)} for p in params],
                 sessions,
                 lambda i, ids: lanes[i].on_tokens(ids),
             )
@@ -802,7 +662,7 @@ class Model:
                 lanes[entry.id] = _Lane(self.tokenizer, entry.params, entry.on_text, entry.cancel)
                 if entry.on_tokens is not None:
                     progress[entry.id] = entry.on_tokens
-                request = {"ids": entry.params["ids"], **_engine_keywords(entry.params)}
+                request = {"ids": entry.params["ids"], **_engine_request(entry.params)}
                 out.append((entry.id, request, entry.session._core))
             return out
 
@@ -887,33 +747,11 @@ class Model:
         messages: Sequence[Mapping[str, Any]],
         sampling_params: SamplingParams | None = None,
         *,
-        max_new_tokens: int | None = ...,
-        max_tokens: int | None = ...,
-        temperature: float | None = ...,
-        top_k: int | None = ...,
-        top_p: float | None = ...,
-        min_p: float | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool | None = ...,
-        repetition_penalty: float | None = ...,
-        presence_penalty: float | None = ...,
-        frequency_penalty: float | None = ...,
-        logit_bias: Mapping[int, float] | None = ...,
-        min_tokens: int | None = ...,
-        logprobs: int | None = ...,
-        guided_json: str | Mapping[str, Any] | None = ...,
-        guided_regex: str | None = ...,
-        guided_grammar: str | None = ...,
-        prompt_logprobs: int | None = ...,
         tools: Sequence[Mapping[str, Any]] | None = ...,
         tool_choice: str | Mapping[str, Any] | None = ...,
-        prefill_progress: Callable[[int, int], object] | None = ...,
-        draft: DraftMode | None = ...,
-        draft_depth: int | Literal["auto"] | None = ...,
         n: int,
         stream: Literal[False] = False,
+        **options: Unpack[GenerateOptions],
     ) -> list[GenerationResult]: ...
 
     @overload
@@ -922,32 +760,10 @@ class Model:
         messages: Sequence[Mapping[str, Any]],
         sampling_params: SamplingParams | None = None,
         *,
-        max_new_tokens: int | None = ...,
-        max_tokens: int | None = ...,
-        temperature: float | None = ...,
-        top_k: int | None = ...,
-        top_p: float | None = ...,
-        min_p: float | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool | None = ...,
-        repetition_penalty: float | None = ...,
-        presence_penalty: float | None = ...,
-        frequency_penalty: float | None = ...,
-        logit_bias: Mapping[int, float] | None = ...,
-        min_tokens: int | None = ...,
-        logprobs: int | None = ...,
-        guided_json: str | Mapping[str, Any] | None = ...,
-        guided_regex: str | None = ...,
-        guided_grammar: str | None = ...,
-        prompt_logprobs: int | None = ...,
         tools: Sequence[Mapping[str, Any]] | None = ...,
         tool_choice: str | Mapping[str, Any] | None = ...,
-        prefill_progress: Callable[[int, int], object] | None = ...,
-        draft: DraftMode | None = ...,
-        draft_depth: int | Literal["auto"] | None = ...,
         stream: Literal[False] = False,
+        **options: Unpack[GenerateOptions],
     ) -> GenerationResult: ...
 
     @overload
@@ -956,32 +772,10 @@ class Model:
         messages: Sequence[Mapping[str, Any]],
         sampling_params: SamplingParams | None = None,
         *,
-        max_new_tokens: int | None = ...,
-        max_tokens: int | None = ...,
-        temperature: float | None = ...,
-        top_k: int | None = ...,
-        top_p: float | None = ...,
-        min_p: float | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool | None = ...,
-        repetition_penalty: float | None = ...,
-        presence_penalty: float | None = ...,
-        frequency_penalty: float | None = ...,
-        logit_bias: Mapping[int, float] | None = ...,
-        min_tokens: int | None = ...,
-        logprobs: int | None = ...,
-        guided_json: str | Mapping[str, Any] | None = ...,
-        guided_regex: str | None = ...,
-        guided_grammar: str | None = ...,
-        prompt_logprobs: int | None = ...,
         tools: Sequence[Mapping[str, Any]] | None = ...,
         tool_choice: str | Mapping[str, Any] | None = ...,
-        prefill_progress: Callable[[int, int], object] | None = ...,
-        draft: DraftMode | None = ...,
-        draft_depth: int | Literal["auto"] | None = ...,
         stream: Literal[True],
+        **options: Unpack[GenerateOptions],
     ) -> GenerationStream: ...
 
     def chat(
@@ -989,33 +783,11 @@ class Model:
         messages: Sequence[Mapping[str, Any]],
         sampling_params: SamplingParams | None = None,
         *,
-        max_new_tokens: int | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        min_tokens: int | None = None,
-        logprobs: int | None = None,
-        guided_json: str | Mapping[str, Any] | None = None,
-        guided_regex: str | None = None,
-        guided_grammar: str | None = None,
-        prompt_logprobs: int | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
-        prefill_progress: Callable[[int, int], object] | None = None,
-        draft: DraftMode | None = None,
-        draft_depth: int | Literal["auto"] | None = None,
         n: int | None = None,
         stream: bool = False,
+        **options: Unpack[GenerateOptions],
     ) -> GenerationResult | GenerationStream | list[GenerationResult]:
         """Generate the assistant's reply to ``messages`` (a list of
         ``{"role": ..., "content": ...}`` dicts), rendered with the model's chat template.
@@ -1028,7 +800,7 @@ class Model:
         ``tool_calls`` holds the calls and ``text`` what came before them (docs/server.md,
         "Tool calls"; not with ``stream=True``).
         """
-        kw = {k: v for k, v in locals().items() if k in _GENERATE_KEYWORDS}
+        kw = _check_keywords(options)
         choices = _choices(n, sampling_params)
         if tools is not None or tool_choice is not None:
             return self._chat_with_tools(
@@ -1212,18 +984,18 @@ class Model:
         return Session(self, core)
 
     def _start(
-        self, prompt: str | Sequence[int], kwargs: dict[str, Any], session: object
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None,
+        stream: bool,
+        options: Mapping[str, Any],
+        session: object,
     ) -> GenerationResult | GenerationStream:
-        """``generate(prompt, **kwargs)`` on ``session``'s caches."""
-        stream = bool(kwargs.pop("stream", False))
-        sampling_params = kwargs.pop("sampling_params", None)
-        unknown = sorted(set(kwargs) - set(_GENERATE_KEYWORDS))
-        if unknown:
-            raise InvalidArgumentError(
-                f"invalid keyword {unknown[0]!r}; generate takes {', '.join(_GENERATE_KEYWORDS)}"
-                ", sampling_params, stream"
-            )
-        params = self._params(prompt, sampling_params, kwargs)
+        """``generate(prompt, sampling_params, stream=stream, **options)`` on ``session``'s
+        caches."""
+        params = self._params(
+            prompt, sampling_params, _check_keywords(options, "sampling_params, stream")
+        )
         params["session"] = session
         return self._launch(params, stream)
 
@@ -1280,27 +1052,12 @@ class Model:
         self.close()
 
 
-def _engine_keywords(p: Mapping[str, Any]) -> dict[str, Any]:
-    """The engine's keywords of a checked generation (``Model._params``)."""
-    keys = (
-        "max_new_tokens",
-        "temperature",
-        "top_k",
-        "top_p",
-        "seed",
-        "draft",
-        "draft_depth",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "logit_bias",
-        "min_tokens",
-        "logprobs",
-        "grammar",
-        "prompt_logprobs",
-    )
-    return {"stop_ids": p["stop_ids"], **{k: p[k] for k in keys}}
+def _engine_request(p: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine's request (``GenerateRequest``'s fields) of a checked generation
+    (:meth:`Model._params`): everything but what stays on the Python side (the prompt, the
+    stop strings, the session, the progress callback)."""
+    python_side = ("ids", "stops", "session", "prefill_progress")
+    return {k: v for k, v in p.items() if k not in python_side}
 
 
 def _context_path(path: object) -> str:
@@ -1370,32 +1127,18 @@ def _caller_stacklevel() -> int:
     return level
 
 
-#: The keywords of :meth:`Model.generate` besides ``sampling_params`` and ``stream``.
-_GENERATE_KEYWORDS = (
-    "max_new_tokens",
-    "max_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "min_tokens",
-    "logprobs",
-    "guided_json",
-    "guided_regex",
-    "guided_grammar",
-    "prompt_logprobs",
-    "prefill_progress",
-    "draft",
-    "draft_depth",
-)
+def _check_keywords(
+    options: Mapping[str, Any], others: str = "sampling_params, n, stream"
+) -> dict[str, Any]:
+    """``generate``'s keyword arguments (:class:`GenerateOptions`); one it does not take is
+    an :class:`InvalidArgumentError` listing those it does (``others`` besides them)."""
+    unknown = sorted(set(options) - set(GENERATE_KEYWORDS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"invalid keyword {unknown[0]!r}; generate takes {', '.join(GENERATE_KEYWORDS)}"
+            f", {others}"
+        )
+    return dict(options)
 
 
 class Session:
@@ -1426,23 +1169,33 @@ class Session:
         self._core = model._engine.new_session() if core is None else core
 
     def generate(
-        self, prompt: str | Sequence[int], **kwargs: Any
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        stream: bool = False,
+        **options: Unpack[GenerateOptions],
     ) -> GenerationResult | GenerationStream:
-        """:meth:`Model.generate` on this session's cache."""
-        return self._model._start(prompt, kwargs, self._core)
+        """:meth:`Model.generate` on this session's cache (one prompt, no ``n``)."""
+        return self._model._start(prompt, sampling_params, stream, options, self._core)
 
     def chat(
-        self, messages: Sequence[Mapping[str, Any]], **kwargs: Any
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        stream: bool = False,
+        **options: Unpack[GenerateOptions],
     ) -> GenerationResult | GenerationStream:
-        """:meth:`Model.chat` on this session's cache."""
-        return self._model._start(self._model._chat_ids(messages), kwargs, self._core)
+        """:meth:`Model.chat` on this session's cache (no ``n`` or tools)."""
+        ids = self._model._chat_ids(messages)
+        return self._model._start(ids, sampling_params, stream, options, self._core)
 
     def prefill(self, prompt: str | Sequence[int]) -> None:
         """Compute ``prompt``'s KV into the session without generating, so a later
         :meth:`generate` whose prompt starts with it (or a :meth:`save`) reuses it."""
-        self._model._start(
-            prompt, {"max_new_tokens": 1, "temperature": 0.0, "stop_token_ids": []}, self._core
-        )
+        once: GenerateOptions = {"max_new_tokens": 1, "temperature": 0.0, "stop_token_ids": []}
+        self._model._start(prompt, None, False, once, self._core)
 
     def save(self, path: str | os.PathLike[str]) -> int:
         """Write the session's context (KV caches and tokens) to ``path`` atomically; returns

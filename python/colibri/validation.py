@@ -1,7 +1,12 @@
 """Argument checking for :class:`colibri.Model`: the option vocabulary (from the engine),
 numbers, byte sizes, draft depths, chat templates, JSON schemas, and the logit-processing
 keywords of a generation. Every failure is an :class:`InvalidArgumentError` that names the
-argument."""
+argument.
+
+A generation's keywords are checked here for their types and shapes only (what Python must
+convert: numbers, token-id lists, mappings, strings); their values (ranges, finiteness, the
+engine's limits) are checked once, by the Rust engine's ``GenerateRequest``
+(:func:`check_engine_request`)."""
 
 from __future__ import annotations
 
@@ -15,9 +20,9 @@ import numpy as np
 
 from colibri import _core
 from colibri.errors import ConfigError, InvalidArgumentError
+from colibri.sampling import DraftMode as DraftMode
 from colibri.sampling import SamplingParams
 
-DraftMode = Literal["auto", "mtp", "ngram", "off"]
 IoMode = Literal["auto", "mmap", "pread", "direct"]
 PrefetchMode = Literal["auto", "off", "hint", "real"]
 PrefillMode = Literal["auto", "exact", "int8"]
@@ -60,15 +65,6 @@ def _check_int(
         raise InvalidArgumentError(f"invalid value for '{name}': {v}; must be >= {minimum}")
     if v > maximum:
         raise InvalidArgumentError(f"invalid value for '{name}': {v}; must be <= {maximum}")
-    return v
-
-
-def _check_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise InvalidArgumentError(f"invalid value for '{name}': {value!r}; expected a number")
-    v = float(value)
-    if not np.isfinite(v):
-        raise InvalidArgumentError(f"invalid value for '{name}': {v}; must be a finite number")
     return v
 
 
@@ -116,15 +112,11 @@ def _parse_bytes(name: str, value: int | str | None) -> int | None:
 
 
 def _check_depth(depth: object) -> int:
+    """``draft_depth`` as the engine takes it: 0 for ``"auto"``, else the integer (its range
+    is the engine's check)."""
     if depth == "auto":
         return 0
-    d = _check_int("draft_depth", depth, minimum=1)
-    cap = _LIMITS["max_draft_depth"]
-    if d > cap:
-        raise InvalidArgumentError(
-            f"invalid value for 'draft_depth': {d}; must be 1..{cap} or 'auto'"
-        )
-    return d
+    return _check_int("draft_depth", depth, minimum=1)
 
 
 def _template_text(value: str | os.PathLike[str] | None) -> str | None:
@@ -209,14 +201,18 @@ def _default_max_new_tokens(gc: Mapping[str, Any], path: Path) -> int:
 
 def _check_alternatives(name: str, value: object) -> int | None:
     """``logprobs`` / ``prompt_logprobs``: how many most likely alternatives to report
-    (``None``: no log-probabilities at all)."""
+    (``None``: no log-probabilities at all; the most allowed is the engine's check)."""
     if value is None:
         return None
-    cap = _LIMITS["max_top_logprobs"]
-    k = _check_int(name, value, minimum=0)
-    if k > cap:
-        raise InvalidArgumentError(f"invalid value for '{name}': {k} alternatives; at most {cap}")
-    return k
+    return _check_int(name, value, minimum=0)
+
+
+def _number(name: str, value: object) -> float:
+    """A number of a generation's keywords (its range, finiteness included, is the engine's
+    check)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentError(f"invalid value for '{name}': {value!r}; expected a number")
+    return float(value)
 
 
 def _check_processing(
@@ -226,18 +222,10 @@ def _check_processing(
     the call's keywords), validated; ``check_token`` checks a token id against the
     vocabulary."""
     out: dict[str, Any] = {}
-    min_p = _check_float("min_p", given.get("min_p", 0.0))
-    if not 0.0 <= min_p <= 1.0:
-        raise InvalidArgumentError(f"invalid value for 'min_p': {min_p}; must be in [0, 1]")
-    out["min_p"] = min_p
-    rep = _check_float("repetition_penalty", given.get("repetition_penalty", 1.0))
-    if rep <= 0:
-        raise InvalidArgumentError(
-            f"invalid value for 'repetition_penalty': {rep}; must be > 0 (1 = off)"
-        )
-    out["repetition_penalty"] = rep
+    out["min_p"] = _number("min_p", given.get("min_p", 0.0))
+    out["repetition_penalty"] = _number("repetition_penalty", given.get("repetition_penalty", 1.0))
     for name in ("presence_penalty", "frequency_penalty"):
-        out[name] = _check_float(name, given.get(name, 0.0))
+        out[name] = _number(name, given.get(name, 0.0))
     bias = given.get("logit_bias") or {}
     if not isinstance(bias, Mapping):
         raise InvalidArgumentError(
@@ -250,17 +238,9 @@ def _check_processing(
             raise InvalidArgumentError(
                 f"invalid value for 'logit_bias': token {t}: {value!r} is not a number"
             )
-        v = float(value)
-        if v != v or v == float("inf"):
-            raise InvalidArgumentError(
-                f"invalid value for 'logit_bias': token {t}: {v}; use a finite number, or "
-                "-inf to ban the token"
-            )
-        pairs.append((t, v))
+        pairs.append((t, float(value)))
     out["logit_bias"] = pairs
     out["min_tokens"] = _check_int("min_tokens", given.get("min_tokens", 0), minimum=0)
-    if out["min_tokens"] >= 1 << 63:
-        raise InvalidArgumentError("invalid value for 'min_tokens': too large")
     for name in ("logprobs", "prompt_logprobs"):
         out[name] = _check_alternatives(name, given.get(name))
     progress = given.get("prefill_progress")
@@ -274,19 +254,11 @@ def _check_processing(
 
 
 def _check_temperature(value: object) -> float:
-    t = _check_float("temperature", value)
-    if t < 0:
-        raise InvalidArgumentError(
-            f"invalid value for 'temperature': {t}; must be >= 0 (0 = greedy)"
-        )
-    return t
+    return _number("temperature", value)
 
 
 def _check_top_p(value: object) -> float:
-    p = _check_float("top_p", value)
-    if not 0.0 < p <= 1.0:
-        raise InvalidArgumentError(f"invalid value for 'top_p': {p}; must be in (0, 1] (1 = off)")
-    return p
+    return _number("top_p", value)
 
 
 def _check_seed(value: object) -> int:
@@ -370,5 +342,19 @@ def check_sampling_fields(fields: Mapping[str, Any]) -> None:
         _check_ignore_eos(fields["ignore_eos"])
     if fields.get("n") is not None:
         _check_int("n", fields["n"], minimum=1, maximum=_MAX_CHOICES)
-    _check_processing(fields, _token_id_shape)
+    processing = _check_processing(fields, _token_id_shape)
     _guided_argument(fields)
+    request = {k: v for k, v in processing.items() if k != "prefill_progress"}
+    for name, check in (("temperature", _check_temperature), ("top_p", _check_top_p)):
+        if fields.get(name) is not None:
+            request[name] = check(fields[name])
+    if fields.get("top_k") is not None:
+        request["top_k"] = fields["top_k"]
+    check_engine_request(request)
+
+
+def check_engine_request(request: Mapping[str, Any]) -> None:
+    """Check the values of a generation's engine request (``Engine.generate``'s dict, any
+    of its fields) as far as no model is needed: the engine's own check, whose
+    :class:`InvalidArgumentError` names the field."""
+    _core.check_request(dict(request))

@@ -7,6 +7,8 @@
 //! - `ngram`, `mtp`: drafters; `guard`: the pause guard; `depth`: the automatic depth
 //!   controller; `stats`: counters
 //! - `spec`: [`generate`], the loop that drafts, verifies, accepts and rolls back
+//! - `request`: [`GenerateRequest`](request::GenerateRequest), a generation as a caller
+//!   states it (every field, its default), made into [`GenerateOptions`]
 
 pub mod constraint;
 pub mod depth;
@@ -14,6 +16,7 @@ pub mod guard;
 pub mod mtp;
 pub mod ngram;
 pub mod prompt;
+pub mod request;
 pub mod rng;
 pub mod sampling;
 pub mod spec;

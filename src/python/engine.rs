@@ -16,13 +16,10 @@ use numpy::{PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::decode::{
-    DraftDepth, DraftSource, Grammar, GrammarSpec, PrefillProgress, PromptLogprobs, SamplingParams,
-    Vocabulary,
-};
+use crate::decode::{Grammar, GrammarSpec, PrefillProgress, Vocabulary};
 use crate::engine::{BatchIo, BatchRequest, Engine, EngineOptions, LoadProgress, Session};
 use crate::error::Error;
-use crate::python::{run, to_py_err};
+use crate::python::{request, run, to_py_err};
 
 /// One conversation's KV caches and the tokens they hold; an engine's
 /// `generate(..., session=s)` continues it.
@@ -282,54 +279,24 @@ impl PyEngine {
             .map_err(|e| to_py_err(Error::Internal(e.to_string())))
     }
 
-    /// Generate after `ids`; returns {"tokens", "finish_reason", "stats"}.
-    #[pyo3(signature = (ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, draft="auto", draft_depth=0, stop_ids=None, on_tokens=None, session=None, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, min_tokens=0, logprobs=None, prefill_progress=None, grammar=None, prompt_logprobs=None))]
+    /// Generate after `ids` with `request` (a dict of `GenerateRequest`'s fields, or the
+    /// same as keywords; those left out keep their defaults); returns {"tokens",
+    /// "finish_reason", "stats"}.
+    #[pyo3(signature = (ids, request=None, *, on_tokens=None, session=None, prefill_progress=None, **fields))]
     #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
         &self,
         py: Python<'py>,
         ids: Vec<u32>,
-        max_new_tokens: usize,
-        temperature: f32,
-        top_k: usize,
-        top_p: f32,
-        seed: u64,
-        draft: &str,
-        draft_depth: usize,
-        stop_ids: Option<Vec<u32>>,
+        request: Option<Bound<'py, PyDict>>,
         on_tokens: Option<Py<PyAny>>,
         session: Option<PyRef<'py, PySession>>,
-        min_p: f32,
-        repetition_penalty: f32,
-        presence_penalty: f32,
-        frequency_penalty: f32,
-        logit_bias: Option<Vec<(u32, f32)>>,
-        min_tokens: usize,
-        logprobs: Option<usize>,
         prefill_progress: Option<Py<PyAny>>,
-        grammar: Option<(String, String)>,
-        prompt_logprobs: Option<usize>,
+        fields: Option<Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let e = &self.engine;
-        let mut opts = self.options(&RequestArgs {
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            seed,
-            draft: draft.to_owned(),
-            draft_depth,
-            stop_ids,
-            min_p,
-            repetition_penalty,
-            presence_penalty,
-            frequency_penalty,
-            logit_bias,
-            min_tokens,
-            logprobs,
-            grammar,
-            prompt_logprobs,
-        })?;
+        let request = request::from_parts(py, request.as_ref(), fields.as_ref())?;
+        let mut opts = self.options(&request)?;
         let session = session.as_ref().map(|s| s.inner.clone());
         let cancel = Arc::new(AtomicBool::new(false));
         // Told after every prefill chunk: checks for Ctrl-C (so a long prompt stops within
@@ -402,12 +369,7 @@ impl PyEngine {
         }
         let mut parsed = Vec::with_capacity(requests.len());
         for r in &requests {
-            let ids: Vec<u32> = r
-                .get_item("ids")?
-                .ok_or_else(|| to_py_err(Error::invalid("requests", "a request has no 'ids'")))?
-                .extract()?;
-            let args: RequestArgs = r.extract()?;
-            parsed.push((ids, self.options(&args)?));
+            parsed.push(self.batch_request(r)?);
         }
         let batch: Vec<BatchRequest> = parsed
             .iter()
@@ -508,18 +470,7 @@ impl PyEngine {
                     let mut out = Vec::with_capacity(listed.len());
                     for (id, request, session) in listed {
                         let request = request.bind(py);
-                        let parsed = request
-                            .get_item("ids")
-                            .and_then(|ids| {
-                                ids.ok_or_else(|| {
-                                    to_py_err(Error::invalid("requests", "a request has no 'ids'"))
-                                })?
-                                .extract::<Vec<u32>>()
-                            })
-                            .and_then(|ids| {
-                                let args: RequestArgs = request.extract()?;
-                                Ok((ids, self.options(&args)?))
-                            });
+                        let parsed = self.batch_request(request);
                         match parsed {
                             Ok((prompt, options)) => {
                                 if let Ok(mut m) = scoring.lock() {
@@ -614,32 +565,6 @@ impl PyEngine {
     }
 }
 
-/// Every keyword of a generation's options (`Engine.generate`'s, also the dict form a batch
-/// request takes).
-#[derive(FromPyObject)]
-#[pyo3(from_item_all)]
-struct RequestArgs {
-    max_new_tokens: usize,
-    temperature: f32,
-    top_k: usize,
-    top_p: f32,
-    seed: u64,
-    draft: String,
-    draft_depth: usize,
-    stop_ids: Option<Vec<u32>>,
-    min_p: f32,
-    repetition_penalty: f32,
-    presence_penalty: f32,
-    frequency_penalty: f32,
-    logit_bias: Option<Vec<(u32, f32)>>,
-    min_tokens: usize,
-    logprobs: Option<usize>,
-    /// Structured output: (kind, text), kind one of `decode::constraint::GRAMMAR_KINDS`.
-    grammar: Option<(String, String)>,
-    /// Score the prompt's tokens with this many alternatives (vLLM's `prompt_logprobs`).
-    prompt_logprobs: Option<usize>,
-}
-
 impl PyEngine {
     /// A structured-output constraint, `(kind, text)`, compiled against the vocabulary.
     fn compile_grammar(&self, kind: &str, text: &str) -> crate::Result<Grammar> {
@@ -653,37 +578,27 @@ impl PyEngine {
         vocabulary.compile(&spec)
     }
 
-    /// The engine's options for a request (its defaults where the request has none).
-    fn options(&self, r: &RequestArgs) -> PyResult<crate::decode::GenerateOptions> {
-        let mut opts = self.engine.default_generate_options();
-        opts.max_new_tokens = r.max_new_tokens;
-        opts.sampling = SamplingParams {
-            temperature: r.temperature,
-            top_k: r.top_k,
-            top_p: r.top_p,
-            min_p: r.min_p,
-            seed: Some(r.seed),
-            repetition_penalty: r.repetition_penalty,
-            presence_penalty: r.presence_penalty,
-            frequency_penalty: r.frequency_penalty,
-            logit_bias: r.logit_bias.clone().unwrap_or_default(),
-            min_tokens: r.min_tokens,
-            prompt_logprobs: r.prompt_logprobs.map(PromptLogprobs::new),
-            constraint: match &r.grammar {
-                None => None,
-                Some((kind, text)) => Some(self.compile_grammar(kind, text).map_err(to_py_err)?),
-            },
-        };
-        opts.logprobs = r.logprobs;
-        if let Some(stop) = &r.stop_ids {
-            opts.stop_tokens = stop.clone();
-        }
-        opts.draft = DraftSource::parse(&r.draft).map_err(to_py_err)?;
-        opts.depth = match r.draft_depth {
-            0 => DraftDepth::Auto,
-            d => DraftDepth::Fixed(d),
-        };
-        Ok(opts)
+    /// The engine's options for a request (the engine's EOS ids and context limit where
+    /// the request sets none), every value checked.
+    fn options(
+        &self,
+        r: &crate::decode::request::GenerateRequest,
+    ) -> PyResult<crate::decode::GenerateOptions> {
+        r.options(self.engine.default_generate_options(), |kind, text| {
+            self.compile_grammar(kind, text)
+        })
+        .map_err(to_py_err)
+    }
+
+    /// A batch request dict: its prompt (`"ids"`) and its options.
+    fn batch_request(
+        &self,
+        r: &Bound<'_, PyDict>,
+    ) -> PyResult<(Vec<u32>, crate::decode::GenerateOptions)> {
+        let (request, ids) = request::from_dict(r, true)?;
+        let ids =
+            ids.ok_or_else(|| to_py_err(Error::invalid("requests", "a request has no 'ids'")))?;
+        Ok((ids, self.options(&request)?))
     }
 }
 

@@ -1868,3 +1868,36 @@ def test_context_paths_of_the_wrong_type_are_typed_errors(bad: Any, tmp_path: Pa
     assert m.load_session(as_bytes).token_ids == s.token_ids
     with pytest.raises(colibri.InvalidArgumentError, match="not a regular file"):
         s.save("/dev/null")
+
+
+def test_a_model_with_no_options_opens_the_engine_with_its_defaults() -> None:
+    """``colibri.Model()``'s defaults are ``_core.Engine``'s, and those are the arguments the
+    Rust test ``an_engine_opened_with_no_options_gets_the_default_options`` holds equal to
+    ``EngineOptions::default()``: a user who sets nothing gets the engine's defaults."""
+    engine = {
+        n: p.default
+        for n, p in inspect.signature(_core.Engine).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    assert engine == {
+        "threads": 0,
+        "io": "auto",
+        "ram_budget": None,
+        "prefetch": "auto",
+        "prefetch_top_k": 0,
+        "mtp": True,
+        "usage_file": True,
+        "cache_dir": None,
+        "pin": "auto",
+        "resident_layers": None,
+        "max_context": None,
+        "idle_session_bytes": None,
+        "spill_dir": None,
+        "prefill": "auto",
+        "load_progress": None,
+    }
+    model = inspect.signature(colibri.Model).parameters
+    shared = set(model) & set(engine)
+    assert {"threads", "io", "prefetch", "mtp", "max_context", "prefill"} <= shared
+    for name in shared:
+        assert model[name].default == engine[name], name

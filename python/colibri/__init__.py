@@ -27,7 +27,7 @@ from colibri.errors import (
 )
 from colibri.model import Model, Session
 from colibri.results import FinishReason, GenerationResult, GenerationStats
-from colibri.sampling import SamplingParams
+from colibri.sampling import GenerateOptions, SamplingOptions, SamplingParams
 from colibri.stream import GenerationStream
 
 __version__: str = _core.__version__
@@ -42,6 +42,7 @@ __all__ = [
     "ContainerError",
     "FinishReason",
     "ForkedProcessError",
+    "GenerateOptions",
     "GenerationResult",
     "GenerationStats",
     "GenerationStream",
@@ -51,6 +52,7 @@ __all__ = [
     "Model",
     "ModelNotFoundError",
     "NonFiniteWeightError",
+    "SamplingOptions",
     "SamplingParams",
     "SavedContextError",
     "ServerAddressError",

@@ -48,6 +48,7 @@ from colibri._openai_errors import (
 from colibri._openai_prompts import _chat_prompt, _completion_prompts
 from colibri.errors import ColibriError, InvalidArgumentError
 from colibri.model import Model
+from colibri.sampling import SAMPLING_FIELDS
 
 __all__ = [
     "FINISH_REASONS",
@@ -187,8 +188,36 @@ MAX_CHOICES = 16
 #: Most prompts times ``n`` one completions request may carry (each is a job in the batch).
 MAX_BATCH_CHOICES = 64
 
+#: The sampling fields of colibri's (:class:`colibri.sampling.SamplingOptions`) this parser
+#: reads itself, with OpenAI's ranges and names.
+_PARSED = {
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "logit_bias",
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
+}
+#: Sampling fields the server does not take: their results have no place in its answers.
+_NOT_SERVED = {"prompt_logprobs"}
+#: Every other sampling field is taken as it is (as vLLM takes its extra sampling fields),
+#: its value checked by the engine: a new one is served without a change here.
+_PASSED_THROUGH = tuple(f for f in SAMPLING_FIELDS if f not in _PARSED | _NOT_SERVED)
+
 #: Fields both endpoints accept, with no meaning of their own beyond what is checked below.
-_COMMON = {
+_COMMON = set(_PASSED_THROUGH) | {
     "model",
     "max_tokens",
     "temperature",
@@ -426,6 +455,7 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
         gen["logprobs"] = logprobs
     gen.update(_logit_processing(body, model))
     gen.update(_structured_output(body))
+    gen.update({f: body[f] for f in _PASSED_THROUGH if body.get(f) is not None})
     if tool_use is not None and tool_use.choice == "required":
         if any(k in gen for k in ("guided_json", "guided_regex", "guided_grammar")):
             raise invalid(

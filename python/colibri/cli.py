@@ -159,6 +159,69 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+#: Help of the generation flags (the rest read "see colibri.SamplingOptions"); every flag is
+#: one of :class:`colibri.sampling.GenerateOptions`' keywords, made by :func:`_generation_flags`.
+_FLAG_HELP = {
+    "temperature": "0 = greedy (default: generation_config.json, greedy if it does not sample)",
+    "top_k": "keep the k most likely tokens",
+    "top_p": "nucleus mass in (0, 1]",
+    "min_p": "keep tokens >= this share of the top one",
+    "seed": "seed for reproducible sampling",
+    "stop": "stop string (repeatable)",
+    "stop_token_ids": "a token id that ends the generation (repeatable; replaces the EOS ids)",
+    "ignore_eos": "do not stop at EOS tokens",
+    "repetition_penalty": "> 1 discourages tokens already in the prompt or output (1 = off)",
+    "presence_penalty": "subtracted once per seen token",
+    "frequency_penalty": "subtracted per occurrence",
+    "logit_bias": "TOKEN=BIAS added to a token's logit (repeatable; -inf bans it)",
+    "min_tokens": "no stop token before this many tokens",
+    "guided_json": "the output is JSON matching this JSON schema (its text)",
+    "guided_regex": "the output matches this regular expression",
+    "guided_grammar": "the output follows this Lark grammar",
+    "draft": "speculative drafter (default auto: MTP when the model has it)",
+    "draft_depth": "draft tokens per step, 1-8 or auto (default auto)",
+}
+#: Keywords with no flag: an alias, a callback, and results the commands do not print.
+_NO_FLAG = {"max_tokens", "prefill_progress", "logprobs", "prompt_logprobs"}
+
+
+def _generation_flags() -> dict[str, dict[str, Any]]:
+    """``add_argument`` keywords of each generation flag, by field, from the types of
+    :class:`colibri.sampling.GenerateOptions` (a new keyword gets its flag here)."""
+    import typing
+    from collections import abc
+
+    from colibri.sampling import GenerateOptions
+
+    flags: dict[str, dict[str, Any]] = {}
+    for name, hint in typing.get_type_hints(GenerateOptions).items():
+        if name in _NO_FLAG or name == "max_new_tokens":
+            continue
+        kinds = {a for a in typing.get_args(hint) if a is not type(None)}
+        help_text = _FLAG_HELP.get(name, f"see colibri.SamplingOptions.{name}")
+        spec: dict[str, Any] = {"default": None, "help": help_text}
+        if name == "draft":
+            spec.update(default="auto", choices=_core.choices()["draft"])
+        elif name == "draft_depth":
+            spec.update(default="auto", metavar="DEPTH")
+        elif name == "logit_bias":
+            spec.update(action="append", metavar="TOKEN=BIAS")
+        elif kinds == {bool}:
+            spec.update(action="store_true", default=None)
+        elif kinds == {int} or kinds == {float}:
+            spec["type"] = kinds.pop()
+        elif str in kinds:  # text, or text and a richer form (a schema, a list of texts)
+            spec["metavar"] = "TEXT"
+            if any(typing.get_origin(k) is abc.Sequence for k in kinds):
+                spec["action"] = "append"
+        elif len(kinds) == 1 and typing.get_args(next(iter(kinds))) == (int,):
+            spec.update(action="append", type=int, metavar="ID")  # a sequence of token ids
+        else:
+            raise TypeError(f"no command-line form for the generation keyword {name!r}: {hint}")
+        flags[name] = spec
+    return flags
+
+
 def _add_sampling_options(p: argparse.ArgumentParser, *, max_new_tokens: int | None = None) -> None:
     g = p.add_argument_group("generation")
     g.add_argument(
@@ -171,47 +234,25 @@ def _add_sampling_options(p: argparse.ArgumentParser, *, max_new_tokens: int | N
         else "at most this many new tokens (default: generation_config.json's max_new_tokens, "
         "else 128)",
     )
-    g.add_argument(
-        "-t",
-        "--temperature",
-        type=float,
-        default=None,
-        help="0 = greedy (default: generation_config.json, greedy if it does not sample)",
-    )
-    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
-    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    g.add_argument(
-        "--stop", action="append", default=None, help="stop string (repeatable)", metavar="TEXT"
-    )
-    g.add_argument(
-        "--min-p", type=float, default=None, help="keep tokens >= this share of the top one"
-    )
-    g.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=None,
-        help="> 1 discourages tokens already in the prompt or output (1 = off)",
-    )
-    g.add_argument(
-        "--presence-penalty", type=float, default=None, help="subtracted once per seen token"
-    )
-    g.add_argument(
-        "--frequency-penalty", type=float, default=None, help="subtracted per occurrence"
-    )
-    g.add_argument(
-        "--min-tokens", type=int, default=None, help="no stop token before this many tokens"
-    )
-    g.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS tokens")
-    g.add_argument(
-        "--draft",
-        default="auto",
-        choices=_core.choices()["draft"],
-        help="speculative drafter (default auto: MTP when the model has it)",
-    )
-    g.add_argument(
-        "--draft-depth", default="auto", help="draft tokens per step, 1-8 or auto (default auto)"
-    )
+    for name, spec in _generation_flags().items():
+        flag = "--" + name.replace("_", "-")
+        names = ["-t", flag] if name == "temperature" else [flag]
+        g.add_argument(*names, dest=name, **spec)
+
+
+def _bias(text: str) -> tuple[int, float]:
+    """``TOKEN=BIAS`` of ``--logit-bias``."""
+    token, sep, value = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(value)
+    except ValueError:
+        from colibri.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            f"invalid value for 'logit_bias': {text!r}; expected TOKEN=BIAS, e.g. 42=-inf"
+        ) from None
 
 
 def _depth(text: str) -> int | Literal["auto"]:
@@ -250,22 +291,14 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "seed": args.seed,
-        "stop": args.stop,
-        "draft": args.draft,
-        "draft_depth": _depth(args.draft_depth),
-        "ignore_eos": True if args.ignore_eos else None,
-        "min_p": args.min_p,
-        "repetition_penalty": args.repetition_penalty,
-        "presence_penalty": args.presence_penalty,
-        "frequency_penalty": args.frequency_penalty,
-        "min_tokens": args.min_tokens,
-    }
+    """``generate``'s keywords of the generation flags (a flag not given is ``None``)."""
+    kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
+    for name in _generation_flags():
+        kwargs[name] = getattr(args, name)
+    kwargs["draft_depth"] = _depth(kwargs["draft_depth"])
+    if kwargs["logit_bias"] is not None:
+        kwargs["logit_bias"] = dict(_bias(t) for t in kwargs["logit_bias"])
+    return kwargs
 
 
 def _timings(s: Any) -> str:

@@ -54,9 +54,10 @@ pub enum PinChoice {
 }
 
 /// Everything [`Engine::open`](super::Engine::open) takes besides the model path. `Default`
-/// is what a user who sets nothing gets; `None`/`Auto` fields are decided at open by the rules
-/// documented on each field (and nowhere else).
-#[derive(Debug, Clone, Default)]
+/// is what a user who sets nothing gets (`colibri.Model()`, `_core.Engine(path)`: the MTP
+/// head loaded, the routing history kept); `None`/`Auto` fields are decided at open by the
+/// rules documented on each field (and nowhere else).
+#[derive(Debug, Clone)]
 pub struct EngineOptions {
     /// Compute threads; 0 = one per core.
     pub threads: usize,
@@ -107,17 +108,29 @@ impl std::fmt::Debug for LoadProgress {
     }
 }
 
-impl EngineOptions {
-    /// The defaults with the MTP head and the routing history on (what `Default` cannot say
-    /// for booleans).
-    pub fn new() -> Self {
+impl Default for EngineOptions {
+    fn default() -> Self {
         EngineOptions {
+            threads: 0,
+            io: None,
+            ram_budget: None,
+            prefetch: None,
+            prefetch_top_k: None,
             load_mtp: true,
             usage_file: true,
-            ..Default::default()
+            cache_dir: None,
+            pin: PinChoice::Auto,
+            resident_layers: Vec::new(),
+            prefill: None,
+            max_context: None,
+            idle_session_bytes: None,
+            spill_dir: None,
+            load_progress: None,
         }
     }
+}
 
+impl EngineOptions {
     /// Parse the string form of `io` ("auto" → `None`).
     pub fn parse_io(value: &str) -> Result<Option<IoMode>> {
         check_choice("io", value)?;
@@ -227,7 +240,7 @@ mod tests {
 
     #[test]
     fn store_options_follow_the_choices() {
-        let mut o = EngineOptions::new();
+        let mut o = EngineOptions::default();
         assert_eq!(o.store_options(), StoreOptions::default());
         o.pin = PinChoice::Off;
         o.io = Some(IoMode::Direct);

@@ -25,7 +25,7 @@ fn open(rel: &str, spill: &Path, idle: Option<u64>) -> Engine {
         // fresh prefill bit for bit; the int8 prefill arithmetic rounds each chunk of
         // activations by its own scales, so only the exact one is chunking-invariant.
         prefill: Some(crate::quant::kernels::Arithmetic::Exact),
-        ..EngineOptions::new()
+        ..EngineOptions::default()
     };
     Engine::open(&model_dir(rel), &opts).expect("the model opens")
 }
@@ -196,7 +196,7 @@ fn open_without_mtp(rel: &str, spill: &Path) -> Engine {
         spill_dir: Some(spill.to_path_buf()),
         load_mtp: false,
         prefill: Some(crate::quant::kernels::Arithmetic::Exact),
-        ..EngineOptions::new()
+        ..EngineOptions::default()
     };
     Engine::open(&model_dir(rel), &opts).expect("the model opens")
 }
@@ -600,7 +600,7 @@ fn prompts_prefilled_together_in_int8_give_what_each_gets_alone() {
             threads: 2,
             spill_dir: Some(tmp.path().to_path_buf()),
             prefill: Some(crate::quant::kernels::Arithmetic::Int8),
-            ..EngineOptions::new()
+            ..EngineOptions::default()
         };
         Engine::open(&model_dir("python/colibri/models/tiny"), &opts).expect("the model opens")
     };
@@ -731,7 +731,7 @@ fn the_load_reports_its_progress_up_to_every_resident_byte_and_can_be_stopped() 
             seen.lock().unwrap().push((done, total));
             true
         }))),
-        ..EngineOptions::new()
+        ..EngineOptions::default()
     };
     let dir = model_dir("python/colibri/models/tiny");
     let e = Engine::open(&dir, &opts).expect("the model opens");
@@ -767,7 +767,7 @@ fn the_load_reports_its_progress_up_to_every_resident_byte_and_can_be_stopped() 
     let stopping = EngineOptions {
         usage_file: false,
         load_progress: Some(LoadProgress(Arc::new(|done, _| done == 0))),
-        ..EngineOptions::new()
+        ..EngineOptions::default()
     };
     assert!(matches!(
         Engine::open(&dir, &stopping),

@@ -153,23 +153,24 @@ impl PyEngine {
                 })
             }))
         };
-        let opts = EngineOptions {
+        let mut opts = engine_options(&EngineArgs {
             threads,
-            io: EngineOptions::parse_io(io).map_err(to_py_err)?,
+            io,
             ram_budget,
-            prefetch: EngineOptions::parse_prefetch(prefetch).map_err(to_py_err)?,
-            prefetch_top_k: (prefetch_top_k > 0).then_some(prefetch_top_k),
-            load_mtp: mtp,
+            prefetch,
+            prefetch_top_k,
+            mtp,
             usage_file,
             cache_dir,
-            pin: EngineOptions::parse_pin(pin).map_err(to_py_err)?,
-            resident_layers: resident_layers.unwrap_or_default(),
+            pin,
+            resident_layers,
             max_context,
             idle_session_bytes,
             spill_dir,
-            prefill: EngineOptions::parse_prefill(prefill).map_err(to_py_err)?,
-            load_progress: Some(report),
-        };
+            prefill,
+        })
+        .map_err(to_py_err)?;
+        opts.load_progress = Some(report);
         let engine = run(py, move || Engine::open(&path, &opts));
         if let Some(err) = raised.lock().ok().and_then(|mut e| e.take()) {
             return Err(err);
@@ -663,4 +664,85 @@ pub fn limits(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 #[pyfunction]
 pub fn generation_stats_fields() -> Vec<String> {
     crate::engine::GenerationStats::field_names()
+}
+
+/// `Engine(...)`'s keyword arguments (its `#[pyo3(signature)]` holds their defaults).
+struct EngineArgs<'a> {
+    threads: usize,
+    io: &'a str,
+    ram_budget: Option<u64>,
+    prefetch: &'a str,
+    prefetch_top_k: usize,
+    mtp: bool,
+    usage_file: bool,
+    cache_dir: Option<PathBuf>,
+    pin: &'a str,
+    resident_layers: Option<Vec<usize>>,
+    max_context: Option<usize>,
+    idle_session_bytes: Option<u64>,
+    spill_dir: Option<PathBuf>,
+    prefill: &'a str,
+}
+
+/// The engine's options of `Engine(...)`'s arguments ("auto" and 0 mean the engine decides).
+fn engine_options(a: &EngineArgs<'_>) -> crate::Result<EngineOptions> {
+    Ok(EngineOptions {
+        threads: a.threads,
+        io: EngineOptions::parse_io(a.io)?,
+        ram_budget: a.ram_budget,
+        prefetch: EngineOptions::parse_prefetch(a.prefetch)?,
+        prefetch_top_k: (a.prefetch_top_k > 0).then_some(a.prefetch_top_k),
+        load_mtp: a.mtp,
+        usage_file: a.usage_file,
+        cache_dir: a.cache_dir.clone(),
+        pin: EngineOptions::parse_pin(a.pin)?,
+        resident_layers: a.resident_layers.clone().unwrap_or_default(),
+        max_context: a.max_context,
+        idle_session_bytes: a.idle_session_bytes,
+        spill_dir: a.spill_dir.clone(),
+        prefill: EngineOptions::parse_prefill(a.prefill)?,
+        load_progress: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Engine(path)` with no options is `EngineOptions::default()`: the arguments below are
+    /// the `#[pyo3(signature)]`'s defaults (tests/test_api.py holds `colibri.Model`'s to the
+    /// same signature).
+    #[test]
+    fn an_engine_opened_with_no_options_gets_the_default_options() {
+        let no_options = EngineArgs {
+            threads: 0,
+            io: "auto",
+            ram_budget: None,
+            prefetch: "auto",
+            prefetch_top_k: 0,
+            mtp: true,
+            usage_file: true,
+            cache_dir: None,
+            pin: "auto",
+            resident_layers: None,
+            max_context: None,
+            idle_session_bytes: None,
+            spill_dir: None,
+            prefill: "auto",
+        };
+        let got = engine_options(&no_options).unwrap();
+        assert_eq!(
+            format!("{got:?}"),
+            format!("{:?}", EngineOptions::default())
+        );
+        let other = engine_options(&EngineArgs {
+            mtp: false,
+            ..no_options
+        })
+        .unwrap();
+        assert_ne!(
+            format!("{other:?}"),
+            format!("{:?}", EngineOptions::default())
+        );
+    }
 }

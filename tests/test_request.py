@@ -103,3 +103,18 @@ def test_the_cli_has_a_flag_for_every_generation_keyword(monkeypatch: pytest.Mon
     monkeypatch.setattr(sampling, "GenerateOptions", Unrepresentable)
     with pytest.raises(TypeError, match="hook"):
         cli._generation_flags()
+
+
+def test_a_new_sampling_field_reaches_the_engine(
+    tiny: colibri.Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A field declared in ``colibri.sampling`` that the Python side does not shape goes to
+    the engine's ``GenerateRequest`` as given: here the engine does not know it, and says so
+    by name (the Python side refused nothing)."""
+    from colibri import model as model_module
+
+    assert set(model_module._SHAPED_HERE) == set(SAMPLING_FIELDS)  # today every one is shaped
+    monkeypatch.setattr(model_module, "SAMPLING_FIELDS", (*SAMPLING_FIELDS, "typical_p"))
+    monkeypatch.setattr(model_module, "GENERATE_KEYWORDS", (*GENERATE_KEYWORDS, "typical_p"))
+    with pytest.raises(colibri.InvalidArgumentError, match="unknown field 'typical_p'"):
+        tiny.generate("x", max_new_tokens=1, typical_p=0.9)  # type: ignore[call-overload]

@@ -37,7 +37,13 @@ from colibri.results import (
     GenerationResult,
     GenerationStats,
 )
-from colibri.sampling import GENERATE_KEYWORDS, GenerateOptions, SamplingParams, Unpack
+from colibri.sampling import (
+    GENERATE_KEYWORDS,
+    SAMPLING_FIELDS,
+    GenerateOptions,
+    SamplingParams,
+    Unpack,
+)
 from colibri.stream import GenerationStream, _Lane
 from colibri.validation import (
     _DRAFT_MODES,
@@ -583,6 +589,11 @@ class Model:
             "stop_ids": stop_ids,
             **processing,
         }
+        # Any other sampling field goes to the engine as it is (the engine checks it): a
+        # field declared in colibri.sampling and the engine's GenerateRequest needs nothing here.
+        for name in SAMPLING_FIELDS:
+            if name not in _SHAPED_HERE and given.get(name) is not None:
+                request[name] = given[name]
         check_engine_request(_engine_request(request))
         if temperature == 0 and ignored:  # only once every argument is known to be valid
             names = ", ".join(repr(k) for k in ignored)
@@ -1050,6 +1061,33 @@ class Model:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: The sampling fields :meth:`Model._params` turns into the engine's request itself (a name,
+#: a default, text or token ids to resolve); the others pass to the engine as given.
+_SHAPED_HERE = frozenset(
+    {
+        "max_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "min_tokens",
+        "logprobs",
+        "prompt_logprobs",
+        "guided_json",
+        "guided_regex",
+        "guided_grammar",
+    }
+)
 
 
 def _engine_request(p: Mapping[str, Any]) -> dict[str, Any]:

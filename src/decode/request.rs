@@ -1,10 +1,46 @@
-//! A generation request as a caller states it: every field, its default, and how it becomes
-//! the loop's [`GenerateOptions`] (whose `validate` is the one check of every value, with
-//! one message per mistake). The Python layer fills it from a dict (`python::request`), so a
-//! new field is declared here, read there by name, and acted on in the sampler.
+//! A generation request as a caller states it: every field, its default, how it is set by
+//! name from a [`FieldValue`] (the Python layer's dict, converted by type alone), and how it
+//! becomes the loop's [`GenerateOptions`] (whose `validate` is the one check of every value,
+//! with one message per mistake). A new field is declared, named and mapped here, and acted
+//! on in the sampler.
 
 use super::{DraftDepth, DraftSource, GenerateOptions, Grammar, PromptLogprobs, SamplingParams};
-use crate::Result;
+use crate::{Error, Result};
+
+/// A field's value as a caller gives it, before it is read as the field's type.
+#[derive(Clone, Debug, PartialEq)]
+pub enum FieldValue {
+    None,
+    Bool(bool),
+    Int(i128),
+    Float(f64),
+    Str(String),
+    /// A list or tuple of values.
+    List(Vec<FieldValue>),
+}
+
+impl std::fmt::Display for FieldValue {
+    /// Python's spelling of the value (what the caller wrote).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FieldValue::None => f.write_str("None"),
+            FieldValue::Bool(b) => f.write_str(if *b { "True" } else { "False" }),
+            FieldValue::Int(i) => write!(f, "{i}"),
+            FieldValue::Float(x) => write!(f, "{x:?}"),
+            FieldValue::Str(s) => write!(f, "{s:?}"),
+            FieldValue::List(items) => {
+                f.write_str("[")?;
+                for (k, item) in items.iter().enumerate() {
+                    if k > 0 {
+                        f.write_str(", ")?;
+                    }
+                    write!(f, "{item}")?;
+                }
+                f.write_str("]")
+            }
+        }
+    }
+}
 
 /// Every field a caller can set on one generation. Unset fields keep [`Default`]'s values,
 /// the engine's (`temperature` 0 is greedy; penalties, bias and `min_tokens` off).
@@ -85,6 +121,41 @@ impl GenerateRequest {
         "draft_depth",
     ];
 
+    /// Set the field `name` from `value`; an unknown name or a value of another type is an
+    /// error naming the field.
+    pub fn set(&mut self, name: &str, value: &FieldValue) -> Result<()> {
+        let v = value;
+        match name {
+            "max_new_tokens" => self.max_new_tokens = uint(name, v)?,
+            "temperature" => self.temperature = number(name, v)?,
+            "top_k" => self.top_k = uint(name, v)?,
+            "top_p" => self.top_p = number(name, v)?,
+            "min_p" => self.min_p = number(name, v)?,
+            "seed" => self.seed = uint(name, v)?,
+            "repetition_penalty" => self.repetition_penalty = number(name, v)?,
+            "presence_penalty" => self.presence_penalty = number(name, v)?,
+            "frequency_penalty" => self.frequency_penalty = number(name, v)?,
+            "logit_bias" => self.logit_bias = optional(v, |v| bias(name, v))?.unwrap_or_default(),
+            "min_tokens" => self.min_tokens = uint(name, v)?,
+            "logprobs" => self.logprobs = optional(v, |v| uint(name, v))?,
+            "prompt_logprobs" => self.prompt_logprobs = optional(v, |v| uint(name, v))?,
+            "stop_ids" => self.stop_ids = optional(v, |v| list(name, v, uint))?,
+            "grammar" => self.grammar = optional(v, |v| text_pair(name, v))?,
+            "draft" => self.draft = text(name, v)?,
+            "draft_depth" => self.draft_depth = uint(name, v)?,
+            _ => {
+                return Err(Error::invalid(
+                    "request",
+                    format!(
+                        "unknown field '{name}'; the fields are {}",
+                        Self::FIELDS.join(", ")
+                    ),
+                ))
+            }
+        }
+        Ok(())
+    }
+
     /// The loop's options for this request over `base` (the engine's: its EOS ids, context
     /// limit, prefill chunk), the grammar compiled by `compile`; every value checked.
     pub fn options(
@@ -138,9 +209,74 @@ impl GenerateRequest {
     }
 }
 
+fn wrong(name: &str, v: &FieldValue, expected: &str) -> Error {
+    Error::invalid(name, format!("{v}; expected {expected}"))
+}
+
+/// A non-negative integer that fits the field's type.
+fn uint<T: TryFrom<i128>>(name: &str, v: &FieldValue) -> Result<T> {
+    match v {
+        FieldValue::Int(i) => T::try_from(*i).map_err(|_| match *i < 0 {
+            true => Error::invalid(name, format!("{i}; expected an integer >= 0")),
+            false => Error::invalid(name, format!("{i} is too large")),
+        }),
+        _ => Err(wrong(name, v, "an integer >= 0")),
+    }
+}
+
+/// A number (an integer or a float; its range is `validate`'s).
+fn number(name: &str, v: &FieldValue) -> Result<f32> {
+    match v {
+        FieldValue::Int(i) => Ok(*i as f32),
+        FieldValue::Float(x) => Ok(*x as f32),
+        _ => Err(wrong(name, v, "a number")),
+    }
+}
+
+fn text(name: &str, v: &FieldValue) -> Result<String> {
+    match v {
+        FieldValue::Str(s) => Ok(s.clone()),
+        _ => Err(wrong(name, v, "a string")),
+    }
+}
+
+fn optional<T>(v: &FieldValue, read: impl FnOnce(&FieldValue) -> Result<T>) -> Result<Option<T>> {
+    match v {
+        FieldValue::None => Ok(None),
+        v => read(v).map(Some),
+    }
+}
+
+fn list<T>(
+    name: &str,
+    v: &FieldValue,
+    item: impl Fn(&str, &FieldValue) -> Result<T>,
+) -> Result<Vec<T>> {
+    match v {
+        FieldValue::List(items) => items.iter().map(|x| item(name, x)).collect(),
+        _ => Err(wrong(name, v, "a list")),
+    }
+}
+
+/// `[(token id, bias)]`.
+fn bias(name: &str, v: &FieldValue) -> Result<Vec<(u32, f32)>> {
+    list(name, v, |name, pair| match pair {
+        FieldValue::List(p) if p.len() == 2 => Ok((uint(name, &p[0])?, number(name, &p[1])?)),
+        _ => Err(wrong(name, pair, "a (token id, bias) pair")),
+    })
+}
+
+/// `(kind, text)`.
+fn text_pair(name: &str, v: &FieldValue) -> Result<(String, String)> {
+    match v {
+        FieldValue::List(p) if p.len() == 2 => Ok((text(name, &p[0])?, text(name, &p[1])?)),
+        _ => Err(wrong(name, v, "(kind, text)")),
+    }
+}
+
 /// `check` clears the grammar before it builds options, so no compile is asked for.
 fn unreachable_grammar() -> Result<Grammar> {
-    Err(crate::Error::Internal(
+    Err(Error::Internal(
         "a grammar was compiled by a check that has none".into(),
     ))
 }
@@ -166,6 +302,46 @@ mod tests {
         assert_eq!(got.draft, want.draft);
         assert_eq!(got.depth, want.depth);
         assert_eq!(got.logprobs, want.logprobs);
+    }
+
+    #[test]
+    fn fields_are_set_by_name_and_a_wrong_type_names_the_field() {
+        let mut r = GenerateRequest::default();
+        r.set("temperature", &FieldValue::Int(1)).unwrap();
+        r.set("top_k", &FieldValue::Int(5)).unwrap();
+        let pair = FieldValue::List(vec![FieldValue::Int(3), FieldValue::Float(-1.5)]);
+        r.set("logit_bias", &FieldValue::List(vec![pair])).unwrap();
+        r.set("logprobs", &FieldValue::None).unwrap();
+        let kind_text = vec![
+            FieldValue::Str("regex".into()),
+            FieldValue::Str("a+".into()),
+        ];
+        r.set("grammar", &FieldValue::List(kind_text)).unwrap();
+        assert_eq!((r.temperature, r.top_k), (1.0, 5));
+        assert_eq!(r.logit_bias, vec![(3, -1.5)]);
+        assert_eq!(r.grammar, Some(("regex".into(), "a+".into())));
+        for (name, v) in [
+            ("top_k", FieldValue::Int(-1)),
+            ("top_k", FieldValue::Str("3".into())),
+            ("seed", FieldValue::Int(1 << 64)),
+            ("temperature", FieldValue::Str("hot".into())),
+            ("stop_ids", FieldValue::Int(3)),
+        ] {
+            match r.set(name, &v) {
+                Err(Error::InvalidArgument { param, .. }) => assert_eq!(param, name),
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        let unknown = r.set("temprature", &FieldValue::Float(1.0)).unwrap_err();
+        assert!(unknown.to_string().contains("unknown field 'temprature'"));
+        // Every field has a name `set` knows.
+        for name in GenerateRequest::FIELDS {
+            let e = GenerateRequest::default().set(name, &FieldValue::Bool(true));
+            assert!(
+                !e.unwrap_err().to_string().contains("unknown field"),
+                "{name}"
+            );
+        }
     }
 
     #[test]
@@ -223,7 +399,7 @@ mod tests {
         ];
         for (name, request) in cases {
             match request.check() {
-                Err(crate::Error::InvalidArgument { param, .. }) => assert_eq!(param, name),
+                Err(Error::InvalidArgument { param, .. }) => assert_eq!(param, name),
                 other => panic!("{name}: {other:?}"),
             }
         }

@@ -1,11 +1,10 @@
-//! A generation request from a Python dict: each key read into its
-//! [`GenerateRequest`] field by name, a value of the wrong type or an unknown key an
-//! `InvalidArgumentError` that names it.
+//! A generation request from a Python dict: each value converted by its Python type alone
+//! ([`FieldValue`]) and set on the [`GenerateRequest`] by name, which knows the fields.
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
-use crate::decode::request::GenerateRequest;
+use crate::decode::request::{FieldValue, GenerateRequest};
 use crate::error::Error;
 use crate::python::to_py_err;
 
@@ -25,42 +24,14 @@ pub fn from_dict(
             ))
         })?;
         if with_ids && name == "ids" {
-            ids = Some(field(&name, &value, "a list of token ids")?);
+            let prompt = value
+                .extract()
+                .map_err(|_| to_py_err(Error::invalid("ids", "expected a list of token ids")))?;
+            ids = Some(prompt);
             continue;
         }
-        match name.as_str() {
-            "max_new_tokens" => r.max_new_tokens = field(&name, &value, "an integer >= 1")?,
-            "temperature" => r.temperature = field(&name, &value, "a number")?,
-            "top_k" => r.top_k = field(&name, &value, "an integer >= 0")?,
-            "top_p" => r.top_p = field(&name, &value, "a number")?,
-            "min_p" => r.min_p = field(&name, &value, "a number")?,
-            "seed" => r.seed = field(&name, &value, "an integer in [0, 2**64)")?,
-            "repetition_penalty" => r.repetition_penalty = field(&name, &value, "a number")?,
-            "presence_penalty" => r.presence_penalty = field(&name, &value, "a number")?,
-            "frequency_penalty" => r.frequency_penalty = field(&name, &value, "a number")?,
-            "logit_bias" => {
-                r.logit_bias =
-                    field::<Option<_>>(&name, &value, "(token id, bias) pairs")?.unwrap_or_default()
-            }
-            "min_tokens" => r.min_tokens = field(&name, &value, "an integer >= 0")?,
-            "logprobs" => r.logprobs = field(&name, &value, "None or an integer >= 0")?,
-            "prompt_logprobs" => {
-                r.prompt_logprobs = field(&name, &value, "None or an integer >= 0")?
-            }
-            "stop_ids" => r.stop_ids = field(&name, &value, "None or a list of token ids")?,
-            "grammar" => r.grammar = field(&name, &value, "None or (kind, text)")?,
-            "draft" => r.draft = field(&name, &value, "a string")?,
-            "draft_depth" => r.draft_depth = field(&name, &value, "an integer >= 0")?,
-            _ => {
-                return Err(to_py_err(Error::invalid(
-                    "request",
-                    format!(
-                        "unknown field '{name}'; the fields are {}",
-                        GenerateRequest::FIELDS.join(", ")
-                    ),
-                )))
-            }
-        }
+        let v = field_value(&name, &value)?;
+        r.set(&name, &v).map_err(to_py_err)?;
     }
     Ok((r, ids))
 }
@@ -89,18 +60,56 @@ pub fn from_parts(
     Ok(from_dict(&merged, false)?.0)
 }
 
-/// `value` as a `T`, or an error naming the field and what it takes.
-fn field<'py, T: FromPyObjectOwned<'py>>(
-    name: &str,
-    value: &Bound<'py, PyAny>,
-    expected: &str,
-) -> PyResult<T> {
-    value.extract().map_err(|_| {
-        to_py_err(Error::invalid(
-            name,
-            format!("{}; expected {expected}", repr(value)),
-        ))
-    })
+/// `value` by its Python type: None, bool, int, float (numpy's too, through `__float__`
+/// and `__index__`), str, or a list/tuple of those.
+fn field_value(name: &str, value: &Bound<'_, PyAny>) -> PyResult<FieldValue> {
+    if value.is_none() {
+        return Ok(FieldValue::None);
+    }
+    if value.is_instance_of::<PyBool>() {
+        return Ok(FieldValue::Bool(value.extract()?));
+    }
+    if value.is_instance_of::<PyInt>() {
+        return match value.extract::<i128>() {
+            Ok(i) => Ok(FieldValue::Int(i)),
+            Err(_) => Err(to_py_err(Error::invalid(
+                name,
+                format!("{value} is too large"),
+            ))),
+        };
+    }
+    if value.is_instance_of::<PyFloat>() {
+        return Ok(FieldValue::Float(value.extract()?));
+    }
+    if value.is_instance_of::<PyString>() {
+        return Ok(FieldValue::Str(value.extract()?));
+    }
+    if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
+        let items = value
+            .try_iter()?
+            .map(|item| field_value(name, &item?))
+            .collect::<PyResult<Vec<_>>>()?;
+        return Ok(FieldValue::List(items));
+    }
+    if let Ok(i) = value
+        .call_method0("__index__")
+        .and_then(|i| i.extract::<i128>())
+    {
+        return Ok(FieldValue::Int(i)); // numpy integers
+    }
+    if value.hasattr("__float__")? {
+        return Ok(FieldValue::Float(
+            value.call_method0("__float__")?.extract()?,
+        ));
+    }
+    Err(to_py_err(Error::invalid(
+        name,
+        format!(
+            "{}: a {} is not a request value",
+            repr(value),
+            type_name(value)
+        ),
+    )))
 }
 
 fn repr(value: &Bound<'_, PyAny>) -> String {
@@ -108,6 +117,14 @@ fn repr(value: &Bound<'_, PyAny>) -> String {
         .repr()
         .map(|r| r.to_string())
         .unwrap_or_else(|_| "a value".into())
+}
+
+fn type_name(value: &Bound<'_, PyAny>) -> String {
+    value
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "value".into())
 }
 
 /// Check a request's values as far as no model is needed (`SamplingParams` does at

@@ -1,6 +1,6 @@
 use super::*;
 use crate::quant::kernels::scalar;
-use crate::quant::pack::quantize;
+use crate::quant::pack::{quantize, reference_dequantize_row};
 
 /// Deterministic pseudo-random values in [-1, 1) with a few outliers (LLM activations have
 /// channels far larger than the rest).

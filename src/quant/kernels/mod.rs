@@ -40,6 +40,7 @@
 
 mod ffn;
 pub mod int8act;
+pub mod isa_check;
 pub mod scalar;
 pub mod vecops;
 

@@ -5,7 +5,7 @@
 //! thread count changes nothing. (The crate's unit tests compare the paths with the scalar
 //! reference; this checks that all of them read the documented layout.)
 
-use colibri::quant::kernels::{matmul_with, KernelPath};
+use colibri::quant::kernels::{isa_check, matmul_with, KernelPath};
 use colibri::quant::{QMatrix, QuantFormat};
 
 /// Deterministic values in [lo, hi).
@@ -129,7 +129,7 @@ fn every_path_reads_the_documented_layout() {
             let w = QMatrix::new(f, rows, cols, &p.data, &p.scales).unwrap();
             let s = 9;
             let x: Vec<f32> = (0..s * cols).map(|_| rng.uniform(-2.0, 2.0)).collect();
-            for path in KernelPath::available() {
+            for path in isa_check::paths() {
                 let y = run(path, &w, &x, s, 1);
                 for t in 0..s {
                     for o in 0..rows {

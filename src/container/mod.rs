@@ -14,6 +14,11 @@ pub mod names;
 pub mod safetensors;
 pub mod shard;
 
+mod diagnose;
+mod formats;
+mod load_progress;
+mod weight;
+
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -21,14 +26,19 @@ use std::sync::Arc;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::quant::format::{QMatrix, QuantFormat};
+use crate::quant::format::QuantFormat;
 
+pub use diagnose::NonFiniteTensor;
+pub use load_progress::LoadReport;
 pub use names::{
     classify, expected_len, expected_names, expected_shape, expert_tensor_name, Proj, Role,
     TensorRole,
 };
 pub use safetensors::Dtype;
 pub use shard::ShardFile;
+pub use weight::Weight;
+
+use load_progress::LoadCounter;
 
 /// Suffix of the scales tensor of a quantised weight.
 pub const SCALES_SUFFIX: &str = ".qs";
@@ -62,73 +72,6 @@ impl TensorInfo {
 }
 
 /// A 2-D weight in any format, in owned memory; cheap to clone (its storage is shared),
-/// `Send + Sync`.
-#[derive(Clone)]
-pub struct Weight {
-    format: QuantFormat,
-    rows: usize,
-    cols: usize,
-    data: Arc<Vec<u8>>,
-    /// f32 scales (empty for float formats).
-    scales: Arc<Vec<f32>>,
-}
-
-impl std::fmt::Debug for Weight {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Weight")
-            .field("format", &self.format)
-            .field("rows", &self.rows)
-            .field("cols", &self.cols)
-            .finish()
-    }
-}
-
-impl Weight {
-    /// An owned weight (e.g. freshly quantised), validated like a mapped one.
-    pub fn from_owned(
-        format: QuantFormat,
-        rows: usize,
-        cols: usize,
-        data: Vec<u8>,
-        scales: Vec<f32>,
-    ) -> Result<Self> {
-        QMatrix::new(format, rows, cols, &data, &scales)?;
-        Ok(Weight {
-            format,
-            rows,
-            cols,
-            data: Arc::new(data),
-            scales: Arc::new(scales),
-        })
-    }
-
-    /// The borrowed matrix the kernels take.
-    pub fn view(&self) -> QMatrix<'_> {
-        QMatrix::new(self.format, self.rows, self.cols, &self.data, &self.scales)
-            .expect("Weight lengths are validated when it is built")
-    }
-
-    pub fn format(&self) -> QuantFormat {
-        self.format
-    }
-    /// O: output features.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-    /// I: input features.
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-    /// Bytes of data plus scales.
-    pub fn nbytes(&self) -> usize {
-        self.data.len() + 4 * self.scales.len()
-    }
-    /// Dequantise to row-major f32 [rows, cols] (reference path).
-    pub fn to_f32(&self) -> Vec<f32> {
-        crate::quant::pack::dequantize(&self.view())
-    }
-}
-
 /// An opened model directory. `Send + Sync`; share it behind an `Arc`.
 #[derive(Debug)]
 pub struct Container {
@@ -145,21 +88,6 @@ pub struct Container {
 }
 
 /// Called with (bytes read, bytes to read) while a model loads its resident weights;
-/// returning false stops the load with [`Error::Cancelled`].
-pub type LoadReport = std::sync::Arc<dyn Fn(u64, u64) -> bool + Send + Sync>;
-
-struct LoadCounter {
-    done: u64,
-    total: u64,
-    report: LoadReport,
-}
-
-impl std::fmt::Debug for LoadCounter {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "LoadCounter({} of {} bytes)", self.done, self.total)
-    }
-}
-
 /// The `*.safetensors` files of `dir`, sorted by name.
 pub fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>> {
     let rd = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
@@ -248,148 +176,6 @@ impl Container {
         Ok(c)
     }
 
-    /// Decide the format of every weight: quantised (U8 + `.qs`) from byte counts against
-    /// the logical shape, float 2-D from dtype and shape; check 1-D tensors the config
-    /// knows against their length.
-    fn resolve_formats(&mut self) -> Result<()> {
-        let mut resolved = Vec::new();
-        for name in &self.order {
-            let t = &self.tensors[name];
-            if let Some(base) = name.strip_suffix(SCALES_SUFFIX) {
-                if !self.tensors.contains_key(base) {
-                    return Err(Error::container(
-                        &t.file,
-                        Some(name),
-                        format!("scales tensor without its weight '{base}'"),
-                    ));
-                }
-                continue;
-            }
-            if let Some((f, shape)) = self.resolve_one(t)? {
-                resolved.push((name.clone(), f, shape));
-            }
-        }
-        for (name, f, shape) in resolved {
-            if let Some(t) = self.tensors.get_mut(&name) {
-                t.format = Some(f);
-                t.logical = Some(shape);
-            }
-        }
-        Ok(())
-    }
-
-    fn resolve_one(&self, t: &TensorInfo) -> Result<Option<(QuantFormat, (usize, usize))>> {
-        let name = t.name.as_str();
-        let err = |msg: String| Error::container(&t.file, Some(name), msg);
-        let expected = expected_shape(&self.config, name);
-        let meta = self.metadata[t.shard].get(name);
-        let meta_fmt = meta
-            .map(|m| QuantFormat::parse(m))
-            .transpose()
-            .map_err(|_| {
-                err(format!(
-                    "__metadata__ names format '{}', which colibri does not know",
-                    meta.map(String::as_str).unwrap_or("")
-                ))
-            })?;
-        let scales_name = format!("{name}{SCALES_SUFFIX}");
-        if let Some(qs) = self.tensors.get(&scales_name) {
-            if t.dtype != Dtype::U8 {
-                return Err(err(format!(
-                    "has scales '{scales_name}' so it must be U8 packed bytes, but is {}",
-                    t.dtype
-                )));
-            }
-            if qs.dtype != Dtype::F32 {
-                return Err(Error::container(
-                    &qs.file,
-                    Some(&scales_name),
-                    format!("scales must be F32, found {}", qs.dtype),
-                ));
-            }
-            let (rows, cols) = expected.ok_or_else(|| {
-                err(
-                    "a quantised tensor whose logical shape the config does not define; \
-                     colibri cannot tell its [O, I]"
-                        .into(),
-                )
-            })?;
-            let nbytes = t.nbytes();
-            let nscales = qs.shape.iter().product::<usize>();
-            let inferred = QuantFormat::infer(rows, cols, nbytes, nscales);
-            let format = match (meta_fmt, inferred) {
-                (Some(m), _)
-                    if m.is_quantized()
-                        && m.data_bytes(rows, cols) == Some(nbytes)
-                        && m.scale_count(rows, cols) == Some(nscales) =>
-                {
-                    m
-                }
-                (Some(m), _) => {
-                    return Err(err(format!(
-                        "__metadata__ says {m}, but {nbytes} bytes and {nscales} scales do not \
-                         fit {m} for the logical shape [{rows}, {cols}] from config.json"
-                    )))
-                }
-                (None, Some(f)) => f,
-                (None, None) => {
-                    return Err(err(format!(
-                        "{nbytes} bytes and {nscales} scales match no format (int8, int4, \
-                         int4_g{{16..256}}) for the logical shape [{rows}, {cols}] from \
-                         config.json; wrong scale count, or a checkpoint for another config"
-                    )))
-                }
-            };
-            return Ok(Some((format, (rows, cols))));
-        }
-        if t.dtype == Dtype::U8 && expected.is_some() {
-            return Err(err(format!(
-                "U8 weight without its scales tensor '{scales_name}'"
-            )));
-        }
-        let float = match t.dtype {
-            Dtype::F32 => Some(QuantFormat::F32),
-            Dtype::Bf16 => Some(QuantFormat::Bf16),
-            Dtype::F16 => Some(QuantFormat::F16),
-            _ => None,
-        };
-        if t.shape.len() == 2 {
-            if let Some(f) = float {
-                let shape = (t.shape[0], t.shape[1]);
-                if let Some(e) = expected {
-                    if e != shape {
-                        return Err(err(format!(
-                            "shape [{}, {}] disagrees with [{}, {}] from config.json",
-                            shape.0, shape.1, e.0, e.1
-                        )));
-                    }
-                }
-                if let Some(m) = meta_fmt {
-                    if m != f {
-                        return Err(err(format!("__metadata__ says {m} but the tensor is {f}")));
-                    }
-                }
-                return Ok(Some((f, shape)));
-            }
-        }
-        if expected.is_some() {
-            return Err(err(format!(
-                "a weight of shape {:?} and dtype {}; expected a 2-D F32/BF16/F16 tensor or U8 \
-                 bytes with F32 '.qs' scales",
-                t.shape, t.dtype
-            )));
-        }
-        if let Some(n) = expected_len(&self.config, name) {
-            if t.shape.iter().product::<usize>() != n || t.shape.len() != 1 {
-                return Err(err(format!(
-                    "shape {:?} disagrees with [{n}] from config.json",
-                    t.shape
-                )));
-            }
-        }
-        Ok(None)
-    }
-
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }
@@ -404,48 +190,6 @@ impl Container {
             .filter_map(|n| self.info(n).ok())
             .map(|t| t.nbytes() as u64)
             .sum()
-    }
-
-    /// Report every [`weight`](Self::weight) and [`vector`](Self::vector) read to `report`
-    /// with the running total against [`resident_bytes`](Self::resident_bytes) (a model's
-    /// load); `None` stops reporting. [`finish_loads`](Self::finish_loads) ends it.
-    pub fn report_loads(&self, report: Option<LoadReport>) {
-        let counter = report.map(|report| LoadCounter {
-            done: 0,
-            total: self.resident_bytes(),
-            report,
-        });
-        if let Ok(mut slot) = self.load_progress.lock() {
-            *slot = counter;
-        }
-    }
-
-    /// End the reporting of [`report_loads`](Self::report_loads) with a last call whose
-    /// total is what was read (tensors a load skips, such as a disabled MTP head, are not
-    /// waited for), so a progress bar ends full.
-    pub fn finish_loads(&self) {
-        let counter = self.load_progress.lock().ok().and_then(|mut s| s.take());
-        if let Some(c) = counter {
-            (c.report)(c.done, c.done);
-        }
-    }
-
-    fn loaded(&self, bytes: usize) -> Result<()> {
-        let Ok(mut slot) = self.load_progress.lock() else {
-            return Ok(());
-        };
-        let Some(c) = slot.as_mut() else {
-            return Ok(());
-        };
-        c.done += bytes as u64;
-        c.total = c.total.max(c.done);
-        let (done, total, report) = (c.done, c.total, c.report.clone());
-        drop(slot);
-        if report(done, total) {
-            Ok(())
-        } else {
-            Err(Error::Cancelled)
-        }
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -486,233 +230,6 @@ impl Container {
     pub fn location(&self, name: &str) -> Result<(&Arc<ShardFile>, Range<usize>)> {
         let t = self.info(name)?;
         Ok((&self.shards[t.shard], t.range.clone()))
-    }
-
-    /// A 2-D weight in any format, read into owned memory. Its floats (the scales of a
-    /// quantised weight, every value of a float one) are checked: NaN, Inf or a magnitude
-    /// beyond [`finite::MAX_MAGNITUDE`] is [`Error::NonFiniteWeight`] naming the tensor.
-    pub fn weight(&self, name: &str) -> Result<Weight> {
-        let t = self.info(name)?;
-        let (Some(format), Some((rows, cols))) = (t.format, t.logical) else {
-            return Err(Error::container(
-                &t.file,
-                Some(name),
-                format!(
-                    "not a 2-D weight (dtype {}, shape {:?}); use vector() for 1-D tensors",
-                    t.dtype, t.shape
-                ),
-            ));
-        };
-        // Check the byte ranges before allocating for them.
-        let file = &self.shards[t.shard];
-        file.check_range(&t.range, name)?;
-        let qs = if format.is_quantized() {
-            let qs_name = format!("{name}{SCALES_SUFFIX}");
-            let qs = self.info(&qs_name)?;
-            self.shards[qs.shard].check_range(&qs.range, &qs_name)?;
-            Some((qs_name, qs))
-        } else {
-            None
-        };
-        let data = file.read(t.range.clone(), name)?;
-        self.loaded(data.len())?;
-        check_floats(&t.file, name, finite::scan_raw(&data, t.dtype))?;
-        let scales: Vec<f32> = match qs {
-            Some((qs_name, qs)) => {
-                let raw = self.shards[qs.shard].read(qs.range.clone(), &qs_name)?;
-                self.loaded(raw.len())?;
-                let v: Vec<f32> = raw
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
-                check_floats(&qs.file, &qs_name, finite::scan_f32(&v))?;
-                v
-            }
-            None => Vec::new(),
-        };
-        QMatrix::new(format, rows, cols, &data, &scales)
-            .map_err(|e| Error::container(&t.file, Some(name), e.to_string()))?;
-        Ok(Weight {
-            format,
-            rows,
-            cols,
-            data: Arc::new(data),
-            scales: Arc::new(scales),
-        })
-    }
-
-    /// A 1-D F32/BF16/F16 tensor as f32 (norm weights, `e_score_correction_bias`), checked
-    /// like [`Container::weight`]'s floats.
-    pub fn vector(&self, name: &str) -> Result<Vec<f32>> {
-        let t = self.info(name)?;
-        if t.shape.len() != 1 {
-            return Err(Error::container(
-                &t.file,
-                Some(name),
-                format!("expected a 1-D tensor, found shape {:?}", t.shape),
-            ));
-        }
-        let raw = self.bytes(name)?;
-        self.loaded(raw.len())?;
-        let v = decode_floats(&raw, t.dtype).ok_or_else(|| {
-            Error::container(
-                &t.file,
-                Some(name),
-                format!("expected F32/BF16/F16, found {}", t.dtype),
-            )
-        })?;
-        check_floats(&t.file, name, finite::scan_f32(&v))?;
-        Ok(v)
-    }
-}
-
-/// `Error::NonFiniteWeight` for a bad value a scan found.
-fn check_floats(file: &Path, tensor: &str, bad: Option<finite::BadValue>) -> Result<()> {
-    match bad {
-        None => Ok(()),
-        Some(b) => Err(Error::NonFiniteWeight {
-            file: file.to_path_buf(),
-            tensor: tensor.to_owned(),
-            what: b.describe(),
-            index: b.index,
-        }),
-    }
-}
-
-/// The first NaN/Inf found by [`Container::find_non_finite`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NonFiniteTensor {
-    pub tensor: String,
-    pub file: PathBuf,
-    /// "NaN", "Inf", or the implausible value ([`finite::BadValue::describe`]).
-    pub what: String,
-    pub index: usize,
-}
-
-impl Container {
-    /// Look for a NaN, Inf or implausible magnitude among the float tensors (F32/BF16/F16, quantised weights'
-    /// scales included): the resident tensors first, then the routed experts, reading at
-    /// most `max_bytes`. `Ok(None)` when none was found within that bound (the second value
-    /// says whether every float tensor was read). Only for diagnosing a non-finite output:
-    /// loading never scans.
-    pub fn find_non_finite(&self, max_bytes: u64) -> (Option<NonFiniteTensor>, bool) {
-        let cfg = self.config();
-        let is_expert = |n: &str| names::classify(cfg, n).role == names::Role::RoutedExpert;
-        let order = self
-            .names()
-            .filter(|n| !is_expert(n))
-            .chain(self.names().filter(|n| is_expert(n)));
-        let mut read = 0u64;
-        for name in order {
-            let Ok(t) = self.info(name) else { continue };
-            let width = match t.dtype {
-                Dtype::F32 => 4,
-                Dtype::Bf16 | Dtype::F16 => 2,
-                _ => continue,
-            };
-            if read + t.nbytes() as u64 > max_bytes {
-                return (None, false);
-            }
-            read += t.nbytes() as u64;
-            // In bounded pieces: a tensor may be large.
-            const PIECE: usize = 1 << 22;
-            let step = PIECE * width;
-            let mut start = t.range.start;
-            while start < t.range.end {
-                let end = (start + step).min(t.range.end);
-                let Ok(raw) = self.shards[t.shard].read(start..end, name) else {
-                    break;
-                };
-                if let Some(b) = finite::scan_raw(&raw, t.dtype) {
-                    return (
-                        Some(NonFiniteTensor {
-                            tensor: name.to_owned(),
-                            file: t.file.clone(),
-                            what: b.describe(),
-                            index: (start - t.range.start) / width + b.index,
-                        }),
-                        true,
-                    );
-                }
-                start = end;
-            }
-        }
-        (None, true)
-    }
-}
-
-impl Container {
-    /// The stored float with the largest magnitude among the float tensors (resident ones
-    /// first), reading at most `max_bytes`: (tensor, file, value, flat index).
-    pub fn largest_magnitude(&self, max_bytes: u64) -> Option<(String, PathBuf, f32, usize)> {
-        let cfg = self.config();
-        let is_expert = |n: &str| names::classify(cfg, n).role == names::Role::RoutedExpert;
-        let order = self
-            .names()
-            .filter(|n| !is_expert(n))
-            .chain(self.names().filter(|n| is_expert(n)));
-        let mut best: Option<(String, PathBuf, f32, usize)> = None;
-        let mut read = 0u64;
-        for name in order {
-            let Ok(t) = self.info(name) else { continue };
-            if !matches!(t.dtype, Dtype::F32 | Dtype::Bf16 | Dtype::F16) {
-                continue;
-            }
-            read += t.nbytes() as u64;
-            if read > max_bytes {
-                break;
-            }
-            let Ok(v) = self.bytes(name).map(|raw| decode_floats(&raw, t.dtype)) else {
-                continue;
-            };
-            let Some((i, x)) = v.unwrap_or_default().into_iter().enumerate().fold(
-                None,
-                |m: Option<(usize, f32)>, (i, x)| match m {
-                    Some((_, y)) if x.is_nan() || x.abs() <= y.abs() => m,
-                    _ => Some((i, x)),
-                },
-            ) else {
-                continue;
-            };
-            if best.as_ref().is_none_or(|b| x.abs() > b.2.abs()) {
-                best = Some((name.to_owned(), t.file.clone(), x, i));
-            }
-        }
-        best
-    }
-
-    /// Why the model computed a non-finite value, as far as a bounded scan (`max_bytes` of
-    /// float tensors) of the stored weights can tell: the tensor holding NaN/Inf or an
-    /// implausible magnitude, else the largest stored value (an overflow's likely source).
-    pub fn diagnose_non_finite(&self, max_bytes: u64) -> String {
-        let (found, complete) = self.find_non_finite(max_bytes);
-        if let Some(t) = found {
-            return format!(
-                "tensor '{}' in {} contains {} at flat index {}; the checkpoint is damaged or \
-                 was saved with non-finite values: download or export it again",
-                t.tensor,
-                t.file.display(),
-                t.what,
-                t.index
-            );
-        }
-        let scope = if complete {
-            "no stored float is NaN/Inf".to_owned()
-        } else {
-            format!(
-                "the first {} MiB of stored floats are finite",
-                max_bytes >> 20
-            )
-        };
-        match self.largest_magnitude(max_bytes) {
-            Some((tensor, file, v, i)) => format!(
-                "{scope}, so the computation overflows float32; the largest stored value is \
-                 {v:e} in tensor '{tensor}' ({}, flat index {i}): weights far outside any \
-                 trained range; check the checkpoint against its source",
-                file.display()
-            ),
-            None => format!("{scope}, so the computation overflows float32"),
-        }
     }
 }
 

@@ -1,8 +1,19 @@
 //! Converter tests on synthetic checkpoints written here (BF16 and FP8 block-scaled).
 
+use std::collections::HashMap;
+
+use serde_json::Value;
+
 use super::*;
+use crate::config::ModelConfig;
+use crate::container::names::{classify, expected_len, expected_shape, Proj, Role};
+use crate::container::safetensors::Dtype;
 use crate::container::tests::{write_file, Entry};
-use crate::container::{expected_names, Container};
+use crate::container::{
+    expected_names, shard_paths, Container, FORMAT_VERSION, FORMAT_VERSION_KEY,
+};
+use crate::error::Error;
+use crate::quant::format::QuantFormat;
 
 fn cfg_json() -> Value {
     serde_json::json!({

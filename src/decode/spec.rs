@@ -7,6 +7,10 @@
 //! tokens, whatever the drafter proposes; sampled output is identical to plain sampling with
 //! the same seed.
 
+mod cache_state;
+mod cycle;
+mod prefill;
+
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
@@ -14,15 +18,17 @@ use super::depth::DepthController;
 use super::guard::{GuardConfig, PauseGuard};
 use super::mtp::MtpDrafter;
 use super::ngram::NgramDrafter;
-use super::prompt::score_prompt_rows;
 use super::rng::Rng;
 use super::sampling::{
     pick, token_logprob, History, SamplingParams, TokenLogprob, MAX_TOP_LOGPROBS,
 };
 use super::stats::{DecodeStats, MAX_DEPTH};
-use super::{check_cancel, check_step, last_logits, Drafter, StepOutput, Target};
-use crate::carried::Carried;
+use super::{Drafter, Target};
 use crate::{Error, Result};
+
+use cache_state::reusable_prefix;
+pub use cache_state::CacheState;
+use prefill::check_prompt;
 
 /// Where drafts come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -255,41 +261,6 @@ pub fn generate(
     )
 }
 
-/// What a target's caches hold between generations, for [`generate_after`]: the tokens of
-/// the main KV rows and the main hidden states the MTP layer has not absorbed yet. Start with
-/// `CacheState::default()` (nothing known) for a target whose caches are unknown.
-#[derive(Clone, Debug, Default)]
-pub struct CacheState {
-    /// Tokens whose main KV rows the target holds (prompt and output of the last
-    /// generation, but its last token).
-    pub tokens: Vec<u32>,
-    /// [rows, hidden]: main hidden states of positions `mtp_kv_len()..kv_len()`.
-    mtp_pending: Carried,
-}
-
-impl CacheState {
-    /// Forget everything (the target's caches were changed behind our back).
-    pub fn clear(&mut self) {
-        self.tokens.clear();
-        self.mtp_pending = Carried::default();
-    }
-
-    /// A state restored from what [`mtp_pending`](Self::mtp_pending) and `tokens` were
-    /// (a saved context): the caller vouches that the caches it goes with hold
-    /// `tokens.len()` main rows and `tokens.len() − pending rows` MTP rows.
-    pub fn from_parts(tokens: Vec<u32>, mtp_pending: Carried) -> Self {
-        CacheState {
-            tokens,
-            mtp_pending,
-        }
-    }
-
-    /// [rows, hidden]: the main hidden states the MTP layer has not absorbed yet.
-    pub fn mtp_pending(&self) -> &Carried {
-        &self.mtp_pending
-    }
-}
-
 /// [`generate`] on a target whose caches hold what `state` says (an earlier generation on
 /// it): the longest common prefix of `state.tokens` and `prompt` is kept and only the rest of
 /// the prompt is prefilled ([`DecodeStats::prompt_cached_tokens`] says how many were kept);
@@ -318,40 +289,6 @@ pub fn generate_after(
     let (generation, next) = decoding.end(target, finish)?;
     *state = next;
     Ok(generation)
-}
-
-/// The rows a generation of `prompt` keeps from `previous`: (main rows, MTP rows, the
-/// pending hidden states of the MTP rows..main rows). The main rows are the common prefix
-/// less the last prompt token (a forward must produce its logits). With MTP drafting the
-/// MTP rows are its true rows within the prefix, short of the prefix's last token (each row
-/// pairs a position with the next token); when the hidden states between them and the main
-/// rows are not all known, the main rows stop there too.
-fn reusable_prefix(
-    target: &dyn Target,
-    previous: CacheState,
-    prompt: &[u32],
-    source: DraftSource,
-) -> (usize, usize, Carried) {
-    let (kv, mtp_len, h) = (target.kv_len(), target.mtp_kv_len(), target.hidden_size());
-    let held = previous.tokens.len().min(kv);
-    let common = previous.tokens[..held]
-        .iter()
-        .zip(prompt)
-        .take_while(|(a, b)| a == b)
-        .count();
-    let keep = common.min(prompt.len().saturating_sub(1));
-    if source != DraftSource::Mtp {
-        return (keep, 0, Carried::default());
-    }
-    let mut pending = previous.mtp_pending;
-    let pending_known = h > 0 && mtp_len + pending.rows() == kv;
-    if pending_known && mtp_len <= keep && mtp_len < common.max(1) {
-        pending.truncate(keep - mtp_len);
-        (keep, mtp_len, pending)
-    } else {
-        let rows = mtp_len.min(keep).min(common.saturating_sub(1));
-        (rows, rows, Carried::default())
-    }
 }
 
 /// The parts of the loop that tests replace: the drafter, the acceptance rule, the clock.
@@ -387,37 +324,6 @@ pub(crate) fn run(
     decoding.acceptance = acceptance;
     let finish = decoding.run(target, on_tokens, cancel);
     decoding.end(target, finish).map(|(g, _)| g)
-}
-
-fn check_prompt(prompt: &[u32], vocab: usize, max_context: Option<usize>) -> Result<()> {
-    if prompt.is_empty() {
-        return Err(Error::invalid(
-            "prompt",
-            "is empty; give at least one token (e.g. the BOS token)",
-        ));
-    }
-    if let Some((i, &t)) = prompt
-        .iter()
-        .enumerate()
-        .find(|&(_, &t)| t as usize >= vocab)
-    {
-        return Err(Error::invalid(
-            "prompt",
-            format!("token id {t} at index {i} is outside the vocabulary (size {vocab})"),
-        ));
-    }
-    if let Some(mc) = max_context {
-        if prompt.len() >= mc {
-            return Err(Error::invalid(
-                "prompt",
-                format!(
-                    "{} tokens leave no room to generate within max_context {mc}; shorten the prompt",
-                    prompt.len()
-                ),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// One generation in progress, as a state machine over a [`Target`] it does not own:
@@ -564,310 +470,6 @@ impl<'d, 'c> Decoding<'d, 'c> {
         (self.clock)()
     }
 
-    /// The whole generation on `target` alone: prefill, then cycles verified by `step_all`.
-    pub(crate) fn run(
-        &mut self,
-        target: &mut dyn Target,
-        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
-        cancel: &AtomicBool,
-    ) -> Result<FinishReason> {
-        if let Some(f) = self.prefill(target, on_tokens, cancel)? {
-            return Ok(f);
-        }
-        loop {
-            if let Some(f) = self.plan(target, cancel)? {
-                return Ok(f);
-            }
-            check_cancel(cancel)?;
-            let (feed, kv) = (self.feed().to_vec(), target.kv_len());
-            let out = target.step_all(&feed, kv)?;
-            if let Some(f) = self.verified(target, &out, on_tokens)? {
-                return Ok(f);
-            }
-        }
-    }
-
-    /// Settle the target (main KV holds every context token but the last; the MTP KV never
-    /// more) and return the generation with what the caches now hold; `finish` is how the
-    /// steps ended (an error is returned as is, after settling).
-    pub(crate) fn end(
-        mut self,
-        target: &mut dyn Target,
-        finish: Result<FinishReason>,
-    ) -> Result<(Generation, CacheState)> {
-        self.settle(target);
-        let generated = self.ctx.len() - self.prompt_len;
-        self.stats.guard_pauses = self.guard.pauses();
-        self.stats.mtp_forwards = self.drafter.as_ref().map_or(0, |d| d.mtp_forwards());
-        let secs = self.now() - self.started;
-        self.stats.finish(generated, secs);
-        let finish = finish?;
-        let generation = Generation {
-            tokens: self.ctx[self.prompt_len..].to_vec(),
-            finish,
-            stats: self.stats,
-            logprobs: self.logprobs,
-        };
-        let mut tokens = generation.kv_tokens(&self.ctx[..self.prompt_len]);
-        tokens.truncate(target.kv_len());
-        let mtp_pending = self
-            .drafter
-            .as_mut()
-            .map(|d| d.take_pending())
-            .unwrap_or_default();
-        Ok((
-            generation,
-            CacheState {
-                tokens,
-                mtp_pending,
-            },
-        ))
-    }
-
-    /// Time the planned cycle's verify from now (a batch plans every lane before its one
-    /// forward: a lane's verify time is that forward's, not the other lanes' drafting).
-    pub(crate) fn restart_verify_clock(&mut self) {
-        let now = self.now();
-        if let Some(p) = self.planned.as_mut() {
-            p.started = now;
-        }
-    }
-
-    /// Run the prompt (from the first position not kept in the cache) through the model and
-    /// emit the first generated token; returns the finish reason if that ends generation.
-    pub(crate) fn prefill(
-        &mut self,
-        target: &mut dyn Target,
-        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
-        cancel: &AtomicBool,
-    ) -> Result<Option<FinishReason>> {
-        loop {
-            let out = {
-                let Some(rows) = self.prefill_rows() else {
-                    return Ok(None);
-                };
-                check_cancel(cancel)?;
-                target.prefill(rows.tokens, rows.start, rows.all_logits)?
-            };
-            if let Some(f) = self.prefilled(&out, on_tokens)? {
-                return Ok(Some(f));
-            }
-        }
-    }
-
-    /// Whether prompt rows remain to prefill.
-    pub(crate) fn prefilling(&self) -> bool {
-        self.prefill_at < self.prompt_len
-    }
-
-    /// The prefill's next forward: the next chunk of the prompt (all of what is left, or
-    /// `prefill_chunk` rows, or [`PROGRESS_CHUNK`] when progress is reported), at positions
-    /// from the target's `kv_len()`; `None` once the prompt is in the cache. Its forward
-    /// goes to [`prefilled`](Self::prefilled).
-    pub(crate) fn prefill_rows(&mut self) -> Option<PrefillRows<'_>> {
-        if !self.prefilling() {
-            return None;
-        }
-        if self.prefill_started.is_none() {
-            self.prefill_started = Some(self.now());
-        }
-        let (start, end) = (self.prefill_at, self.prefill_end());
-        Some(PrefillRows {
-            tokens: &self.ctx[start..end],
-            start,
-            all_logits: self.opts.sampling.prompt_logprobs.is_some(),
-        })
-    }
-
-    /// The end of the chunk [`prefill_rows`](Self::prefill_rows) gives.
-    fn prefill_end(&self) -> usize {
-        let chunk = match (self.opts.prefill_chunk, &self.opts.prefill_progress) {
-            (0, Some(_)) => PROGRESS_CHUNK,
-            (0, None) => self.prompt_len,
-            (c, _) => c,
-        };
-        (self.prefill_at + chunk).min(self.prompt_len)
-    }
-
-    /// `out` is the target's prefill forward over [`prefill_rows`](Self::prefill_rows) (its
-    /// rows already in the target's caches): score the prompt's tokens when asked, hand the
-    /// rows to the drafter, report progress, and after the prompt's last chunk emit the
-    /// first generated token; returns the finish reason if that ends generation.
-    pub(crate) fn prefilled(
-        &mut self,
-        out: &StepOutput,
-        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
-    ) -> Result<Option<FinishReason>> {
-        let (start, end, n) = (self.prefill_at, self.prefill_end(), self.prompt_len);
-        let (vocab, hidden) = (self.vocab, self.hidden);
-        score_prompt_rows(
-            out,
-            &self.ctx,
-            start,
-            end,
-            &self.opts.sampling,
-            vocab,
-            hidden,
-        )?;
-        let last = last_logits(out, end - start, vocab, hidden, "step_last")?;
-        self.stats.forwards += 1;
-        if let Some(d) = self.drafter.as_mut() {
-            d.observe(&out.hidden);
-        }
-        if let Some(p) = &self.opts.prefill_progress {
-            (p.0)(end - self.prefilled_from, n - self.prefilled_from);
-        }
-        self.prefill_at = end;
-        if end < n {
-            return Ok(None);
-        }
-        let first = self.choose(last, &[], None)?;
-        let began = self.prefill_started.unwrap_or(self.started);
-        self.stats.prefill_secs = self.now() - began;
-        Ok(self.emit(&[first], on_tokens))
-    }
-
-    /// Depth for the next cycle, capped so that the burst fits max_new_tokens and the context.
-    fn next_depth(&mut self) -> usize {
-        let generated = self.ctx.len() - self.prompt_len;
-        let remaining = self.opts.max_new_tokens - generated;
-        let mut cap = MAX_DEPTH.min(remaining - 1);
-        if let Some(mc) = self.opts.max_context {
-            cap = cap.min(mc - self.ctx.len() - 1);
-        }
-        if self.drafter.is_none() || self.guard.paused() || cap == 0 {
-            return 0;
-        }
-        match self.opts.depth {
-            DraftDepth::Fixed(g) => g.min(cap),
-            DraftDepth::Auto => self.depth.choose(cap),
-        }
-    }
-
-    /// The first half of a cycle: draft (the target's caches must be this generation's).
-    /// Returns the finish reason when the context is full; else the rows to verify are
-    /// [`feed`](Self::feed), at positions from the target's `kv_len()`.
-    pub(crate) fn plan(
-        &mut self,
-        target: &mut dyn Target,
-        cancel: &AtomicBool,
-    ) -> Result<Option<FinishReason>> {
-        if let Some(mc) = self.opts.max_context {
-            if self.ctx.len() >= mc {
-                return Ok(Some(FinishReason::ContextFull));
-            }
-        }
-        let g = self.next_depth();
-        let drafts = self.draft(target, g, cancel)?;
-        let mut feed = Vec::with_capacity(1 + drafts.len());
-        feed.push(self.ctx[self.ctx.len() - 1]);
-        feed.extend_from_slice(&drafts);
-        self.planned = Some(Planned {
-            kv: target.kv_len(),
-            drafts,
-            feed,
-            started: self.now(),
-        });
-        Ok(None)
-    }
-
-    /// The rows the planned cycle verifies (empty when none is planned).
-    pub(crate) fn feed(&self) -> &[u32] {
-        self.planned.as_ref().map_or(&[], |p| &p.feed)
-    }
-
-    /// The second half of a cycle: `out` is the target's forward over [`feed`](Self::feed)
-    /// (its rows already appended to the target's caches). Accepts, rolls back the rejected
-    /// rows and emits the burst; returns the finish reason once generation is over.
-    pub(crate) fn verified(
-        &mut self,
-        target: &mut dyn Target,
-        out: &StepOutput,
-        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
-    ) -> Result<Option<FinishReason>> {
-        let Some(Planned {
-            kv,
-            drafts,
-            feed,
-            started,
-        }) = self.planned.take()
-        else {
-            return Err(Error::Internal("a verify without a planned cycle".into()));
-        };
-        self.stats.forwards += 1;
-        self.stats.decode_forwards += 1;
-        check_step(out, feed.len(), self.vocab, self.hidden, "step_all")?;
-        let burst = self.accept(&out.logits, &drafts)?;
-        let accepted = burst.len() - 1;
-        let secs = self.now() - started;
-        self.stats.verify_secs += secs;
-        self.depth.record_verify(feed.len(), secs);
-
-        if !drafts.is_empty() {
-            self.depth.record_acceptance(drafts.len(), accepted);
-            self.guard.record(drafts.len(), accepted);
-        }
-        self.stats
-            .record_cycle(drafts.len(), drafts.len(), accepted);
-        // Keep the rows of the fed token and the accepted drafts; drop rejected ones.
-        target.truncate(kv + accepted + 1);
-        if let Some(d) = self.drafter.as_mut() {
-            d.observe(&out.hidden.slice(0..accepted + 1));
-        }
-        Ok(self.emit(&burst, on_tokens))
-    }
-
-    /// Ask the drafter for `g` drafts (upkeep only when `g == 0`).
-    fn draft(
-        &mut self,
-        target: &mut dyn Target,
-        g: usize,
-        cancel: &AtomicBool,
-    ) -> Result<Vec<u32>> {
-        let clock = self.clock;
-        let Some(drafter) = self.drafter.as_mut() else {
-            return Ok(Vec::new());
-        };
-        let t = clock();
-        let typical = std::mem::replace(&mut self.drafted_last_cycle, g > 0);
-        if g == 0 {
-            drafter.idle(target, &self.ctx, cancel)?;
-            self.stats.draft_secs += clock() - t;
-            return Ok(Vec::new());
-        }
-        let mut drafts = drafter.propose(target, &self.ctx, g, cancel)?;
-        drafts.truncate(g);
-        let secs = clock() - t;
-        self.stats.draft_secs += secs;
-        if let Some(&bad) = drafts.iter().find(|&&d| d as usize >= self.vocab) {
-            return Err(Error::Internal(format!(
-                "drafter proposed token {bad}, outside the vocabulary ({})",
-                self.vocab
-            )));
-        }
-        if !drafts.is_empty() && typical {
-            self.depth.record_draft(drafts.len(), secs);
-        }
-        Ok(drafts)
-    }
-
-    /// Walk the verified rows: row j's pick is the token after [t, d1..dj]. Returns the
-    /// accepted drafts followed by the target's own token.
-    fn accept(&mut self, logits: &[f32], drafts: &[u32]) -> Result<Vec<u32>> {
-        let mut burst = Vec::with_capacity(drafts.len() + 1);
-        for (j, row) in logits.chunks_exact(self.vocab).enumerate() {
-            // Row j follows the context and drafts[..j]: all accepted if we got here, so
-            // they are the tokens plain decoding emitted before it.
-            let draft = drafts.get(j).copied();
-            let tok = self.choose(row, &drafts[..j], draft)?;
-            burst.push(tok);
-            if Some(tok) != draft {
-                break;
-            }
-        }
-        Ok(burst)
-    }
-
     /// The token for a row whose context is `ctx` + `extra`: the pick of the processed row
     /// (or `draft`, under the negative control), with its log-probability when asked for.
     fn choose(&mut self, row: &[f32], extra: &[u32], draft: Option<u32>) -> Result<u32> {
@@ -890,54 +492,6 @@ impl<'d, 'c> Decoding<'d, 'c> {
             Acceptance::Exact => false,
             #[cfg(test)]
             Acceptance::AcceptAll => true,
-        }
-    }
-
-    /// Append `burst` up to a stop token or max_new_tokens and report it to `on_tokens`.
-    fn emit(
-        &mut self,
-        burst: &[u32],
-        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
-    ) -> Option<FinishReason> {
-        let before = self.ctx.len();
-        let mut finish = None;
-        let mut scored = std::mem::take(&mut self.burst_logprobs).into_iter();
-        for &t in burst {
-            self.ctx.push(t);
-            self.history.push(t, &self.opts.sampling);
-            self.logprobs.extend(scored.next());
-            if self.opts.stop_tokens.contains(&t) {
-                finish = Some(FinishReason::Stop);
-                break;
-            }
-            if self.ctx.len() - self.prompt_len >= self.opts.max_new_tokens {
-                finish = Some(FinishReason::Length);
-                break;
-            }
-        }
-        self.guard.on_emitted(self.ctx.len() - before);
-        if !on_tokens(&self.ctx[before..]) && finish.is_none() {
-            finish = Some(FinishReason::Cancelled);
-        }
-        finish
-    }
-
-    /// Restore the invariant after the last cycle (or an error): main KV holds every context
-    /// token but the last; MTP KV never holds more rows than that.
-    fn settle(&mut self, target: &mut dyn Target) {
-        self.planned = None;
-        let keep = self.ctx.len().saturating_sub(1).min(target.kv_len());
-        let keep = if self.ctx.len() == self.prompt_len {
-            // Nothing emitted: the prompt may be partly prefilled; drop it all.
-            0
-        } else {
-            keep
-        };
-        if target.kv_len() > keep {
-            target.truncate(keep);
-        }
-        if target.mtp_kv_len() > keep {
-            target.mtp_truncate(keep);
         }
     }
 }

@@ -40,8 +40,12 @@
 
 mod ffn;
 pub mod int8act;
+pub mod isa_check;
 pub mod scalar;
 pub mod vecops;
+
+mod layout;
+mod path;
 
 #[cfg(target_arch = "x86_64")]
 mod driver;
@@ -57,9 +61,6 @@ mod avx512;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::OnceLock;
-
 use crate::error::{Error, Result};
 use crate::quant::format::QMatrix;
 
@@ -68,186 +69,10 @@ pub use ffn::{
     ExpertCall,
 };
 
-/// One implementation of the kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum KernelPath {
-    /// The reference: dequantise a row, then one sequential dot product per activation row.
-    Scalar,
-    /// x86-64 AVX2 + FMA (+ F16C for f16 weights).
-    Avx2,
-    /// x86-64 AVX-512 F + BW.
-    Avx512,
-    /// aarch64 Advanced SIMD.
-    Neon,
-}
-
-impl KernelPath {
-    /// Every path, in order of preference from least to most specialised.
-    pub const ALL: [KernelPath; 4] = [
-        KernelPath::Scalar,
-        KernelPath::Avx2,
-        KernelPath::Avx512,
-        KernelPath::Neon,
-    ];
-
-    /// The name used by `COLIBRI_KERNEL` and the Python binding.
-    pub fn name(self) -> &'static str {
-        match self {
-            KernelPath::Scalar => "scalar",
-            KernelPath::Avx2 => "avx2",
-            KernelPath::Avx512 => "avx512",
-            KernelPath::Neon => "neon",
-        }
-    }
-
-    /// Parse a name produced by [`KernelPath::name`].
-    pub fn parse(name: &str) -> Result<Self> {
-        KernelPath::ALL
-            .into_iter()
-            .find(|p| p.name() == name.trim().to_ascii_lowercase())
-            .ok_or_else(|| {
-                Error::invalid(
-                    "kernel path",
-                    format!("unknown kernel path '{name}'; expected scalar, avx2, avx512 or neon"),
-                )
-            })
-    }
-
-    /// Whether this build runs on a CPU that has every feature the path needs.
-    pub fn is_available(self) -> bool {
-        let f = crate::cpu::features();
-        match self {
-            KernelPath::Scalar => true,
-            KernelPath::Avx2 => cfg!(target_arch = "x86_64") && f.avx2 && f.fma && f.f16c,
-            KernelPath::Avx512 => cfg!(target_arch = "x86_64") && f.avx512f && f.avx512bw,
-            KernelPath::Neon => cfg!(target_arch = "aarch64") && f.neon,
-        }
-    }
-
-    /// The paths this machine can run.
-    pub fn available() -> Vec<KernelPath> {
-        KernelPath::ALL
-            .into_iter()
-            .filter(|p| p.is_available())
-            .collect()
-    }
-
-    /// The fastest available path.
-    pub fn best() -> KernelPath {
-        [KernelPath::Avx512, KernelPath::Avx2, KernelPath::Neon]
-            .into_iter()
-            .find(|p| p.is_available())
-            .unwrap_or(KernelPath::Scalar)
-    }
-
-    fn code(self) -> u8 {
-        match self {
-            KernelPath::Scalar => 1,
-            KernelPath::Avx2 => 2,
-            KernelPath::Avx512 => 3,
-            KernelPath::Neon => 4,
-        }
-    }
-
-    fn from_code(code: u8) -> Option<Self> {
-        KernelPath::ALL.into_iter().find(|p| p.code() == code)
-    }
-
-    fn require(self) -> Result<Self> {
-        if self.is_available() {
-            Ok(self)
-        } else {
-            Err(Error::invalid("kernel path", self.unavailable()))
-        }
-    }
-
-    /// Why this path cannot run here.
-    fn unavailable(self) -> String {
-        format!(
-            "kernel path '{}' needs CPU features this machine ({}, features [{}]) lacks; \
-             available: {}",
-            self.name(),
-            crate::cpu::arch(),
-            crate::cpu::features().names().join(", "),
-            KernelPath::available()
-                .iter()
-                .map(|p| p.name())
-                .collect::<Vec<_>>()
-                .join(", ")
-        )
-    }
-}
-
-impl std::fmt::Display for KernelPath {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// The path forced by [`set_forced_path`] (0 = none).
-static FORCED: AtomicU8 = AtomicU8::new(0);
-
-/// Parse an override value of `COLIBRI_KERNEL`: unset or empty means auto-detect.
-fn parse_override(value: Option<&str>) -> std::result::Result<Option<KernelPath>, String> {
-    match value.map(str::trim) {
-        None | Some("") => Ok(None),
-        Some(v) => {
-            let p = KernelPath::ALL
-                .into_iter()
-                .find(|p| p.name() == v.to_ascii_lowercase())
-                .ok_or_else(|| {
-                    format!("unknown kernel path '{v}'; expected scalar, avx2, avx512 or neon")
-                })?;
-            if p.is_available() {
-                Ok(Some(p))
-            } else {
-                Err(p.unavailable())
-            }
-        }
-    }
-}
-
-/// `COLIBRI_KERNEL`, read once.
-fn env_override() -> &'static std::result::Result<Option<KernelPath>, String> {
-    static ENV: OnceLock<std::result::Result<Option<KernelPath>, String>> = OnceLock::new();
-    ENV.get_or_init(|| parse_override(std::env::var("COLIBRI_KERNEL").ok().as_deref()))
-}
-
-/// The auto-detected path, detected once.
-fn detected() -> KernelPath {
-    static BEST: OnceLock<KernelPath> = OnceLock::new();
-    *BEST.get_or_init(KernelPath::best)
-}
-
-/// The path [`matmul`] and [`expert_ffn`] use now: the forced one, else `COLIBRI_KERNEL`, else
-/// the detected one. An invalid `COLIBRI_KERNEL` is an error here (and so for every call).
-pub fn active_path() -> Result<KernelPath> {
-    if let Some(p) = KernelPath::from_code(FORCED.load(Ordering::Relaxed)) {
-        return Ok(p);
-    }
-    match env_override() {
-        Ok(Some(p)) => Ok(*p),
-        Ok(None) => Ok(detected()),
-        Err(msg) => Err(Error::invalid("COLIBRI_KERNEL", msg.clone())),
-    }
-}
-
-/// The path calls use now (see [`active_path`]); when `COLIBRI_KERNEL` is invalid, calls fail
-/// and this reports the auto-detected path.
-pub fn selected_path() -> KernelPath {
-    active_path().unwrap_or_else(|_| detected())
-}
-
-/// Force every later call onto `path` (`None` returns to `COLIBRI_KERNEL` / auto-detection).
-/// Forcing a path this CPU cannot run is an error and changes nothing. Process-wide.
-pub fn set_forced_path(path: Option<KernelPath>) -> Result<()> {
-    let code = match path {
-        Some(p) => p.require()?.code(),
-        None => 0,
-    };
-    FORCED.store(code, Ordering::Relaxed);
-    Ok(())
-}
+use layout::{XBuf, XLayout};
+#[cfg(test)]
+use path::parse_override;
+pub use path::{active_path, selected_path, set_forced_path, KernelPath};
 
 /// How a call may compute: exactly, or with int8 activations where exactness is not promised
 /// (long prefills; docs/architecture.md, "Prefill arithmetic").
@@ -453,106 +278,6 @@ fn s_blocks(s: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
     (0..s)
         .step_by(S_BLOCK)
         .map(move |t0| t0..(t0 + S_BLOCK).min(s))
-}
-
-/// How a path wants the activations of a call laid out (chosen by path and weight format,
-/// never by S, so every S computes the same function).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the aligned layouts are AVX-512's
-enum XLayout {
-    /// Row-major [S, I], as given.
-    Rows,
-    /// Row-major, each row padded with zeros to a multiple of 16 elements, in 64-byte-aligned
-    /// memory: [S, 16·ceil(I/16)]. AVX-512 formats without a table decode.
-    Rows16,
-    /// Each row in blocks of 32 elements, each block its 16 even elements then its 16 odd
-    /// ones, the last block zero-padded, in 64-byte-aligned memory: [S, 32·ceil(I/32)]. Int4
-    /// decoded by table on AVX-512 (a block's low nibbles, then its high ones).
-    Pairs32,
-    /// As `Pairs32`, each row followed by one 8-lane vector per group of the format
-    /// (−8 · the group's activations): AVX2's int4 by group (`avx2_int4`).
-    Int4Groups(crate::quant::QuantFormat),
-}
-
-/// 16 f32 in one 64-byte cache line. The AVX-512 layouts are built of these so that no
-/// 64-byte activation load splits a line: split loads halve the L1 load rate, which bound
-/// the kernels at S ≥ 4 (measured: 12 loads per 12 FMAs took 1.9× as long unaligned).
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([f32; 16]);
-
-// SAFETY: `Line` is 16 f32s (64 bytes, alignment 64): no padding, every bit pattern valid.
-unsafe impl bytemuck::Zeroable for Line {}
-// SAFETY: as above; it is `Copy` and `repr(C)`.
-unsafe impl bytemuck::Pod for Line {}
-
-/// Activations as a path reads them: the caller's slice, or a rearranged aligned copy.
-enum XBuf<'a> {
-    Borrowed(&'a [f32]),
-    Lines(Vec<Line>),
-}
-
-impl std::ops::Deref for XBuf<'_> {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
-        match self {
-            XBuf::Borrowed(x) => x,
-            XBuf::Lines(l) => bytemuck::cast_slice(l),
-        }
-    }
-}
-
-impl XLayout {
-    fn of(path: KernelPath, format: crate::quant::QuantFormat) -> XLayout {
-        match path {
-            #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx512 => avx512::x_layout(format),
-            #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx2 if avx2_int4::takes(format) => XLayout::Int4Groups(format),
-            _ => {
-                let _ = format;
-                XLayout::Rows
-            }
-        }
-    }
-
-    /// `x` ([s, n] row-major) in this layout: borrowed as is, or rearranged (O(S·I), small
-    /// next to the O·I weights of the call).
-    fn arrange(self, x: &[f32], s: usize, n: usize) -> XBuf<'_> {
-        let width = match self {
-            XLayout::Rows => return XBuf::Borrowed(x),
-            XLayout::Rows16 => n.div_ceil(16) * 16,
-            XLayout::Pairs32 => n.div_ceil(32) * 32,
-            #[cfg(target_arch = "x86_64")]
-            XLayout::Int4Groups(format) => {
-                let shape = avx2_int4::Shape::of(format, n);
-                let mut lines = vec![Line([0.0; 16]); s * shape.row_floats() / 16];
-                avx2_int4::arrange(x, s, shape, bytemuck::cast_slice_mut(&mut lines));
-                return XBuf::Lines(lines);
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            XLayout::Int4Groups(_) => unreachable!("an AVX2 layout off x86-64"),
-        };
-        let mut lines = vec![Line([0.0; 16]); s * width / 16];
-        let out: &mut [f32] = bytemuck::cast_slice_mut(&mut lines);
-        for (src, dst) in x
-            .chunks_exact(n.max(1))
-            .zip(out.chunks_exact_mut(width.max(1)))
-        {
-            if self == XLayout::Rows16 {
-                dst[..n].copy_from_slice(src);
-                continue;
-            }
-            for (b, blk) in dst.chunks_exact_mut(32).enumerate() {
-                let base = 32 * b;
-                for i in 0..16 {
-                    blk[i] = src.get(base + 2 * i).copied().unwrap_or(0.0);
-                    blk[16 + i] = src.get(base + 2 * i + 1).copied().unwrap_or(0.0);
-                }
-            }
-        }
-        XBuf::Lines(lines)
-    }
 }
 
 /// silu(v) = v / (1 + e^(−v)) in f32: one scalar function for every path.

@@ -103,7 +103,7 @@ const SHAPES: [(usize, usize); 14] = [
 
 #[test]
 fn every_path_matches_scalar_and_f64_reference() {
-    let paths = KernelPath::available();
+    let paths = isa_check::paths();
     assert!(paths.contains(&KernelPath::Scalar));
     for (si, &(rows, cols)) in SHAPES.iter().enumerate() {
         for (fi, &format) in formats().iter().enumerate() {
@@ -142,7 +142,7 @@ fn random_shapes_match_f64_reference() {
         let w = p.view();
         let x = lcg(2000 + case as u64, s * cols, 1.5);
         let (y64, mag) = reference_f64(&w, &x, s);
-        for path in KernelPath::available() {
+        for path in isa_check::paths() {
             let y = run(path, &w, &x, s);
             let what = format!("{path} {format} [{rows}, {cols}] S={s}");
             assert_close(&y, &y64, &mag, 1e-5, &what);
@@ -152,7 +152,7 @@ fn random_shapes_match_f64_reference() {
 
 #[test]
 fn row_s_of_an_s_row_call_equals_the_one_row_call_bit_for_bit() {
-    for path in KernelPath::available() {
+    for path in isa_check::paths() {
         for (fi, &format) in formats().iter().enumerate() {
             for &(rows, cols) in &[(3, 100), (2, 17), (1, 129), (5, 300), (2, 64), (19, 2100)] {
                 let p = weights(format, rows, cols, fi as u64 + cols as u64);
@@ -189,7 +189,7 @@ fn results_do_not_depend_on_the_thread_count() {
                 .unwrap()
         })
         .collect();
-    for path in KernelPath::available() {
+    for path in isa_check::paths() {
         for format in [
             QuantFormat::Int4Grouped { group_size: 64 },
             QuantFormat::Int8PerRow,
@@ -224,7 +224,7 @@ fn expert_ffn_equals_its_composition() {
         .num_threads(2)
         .build()
         .unwrap();
-    for path in KernelPath::available() {
+    for path in isa_check::paths() {
         for (fi, &format) in [
             QuantFormat::Int4Grouped { group_size: 64 },
             QuantFormat::Int4Grouped { group_size: 48 },
@@ -334,7 +334,7 @@ fn experts_batch_equals_each_expert_alone() {
         one(c, &mut out);
         out
     };
-    for path in KernelPath::available() {
+    for path in isa_check::paths() {
         let want: Vec<Vec<f32>> = calls
             .iter()
             .map(|c| {
@@ -392,7 +392,7 @@ fn experts_batch_errors_are_errors() {
             s: 2,
         }
     }
-    for path in KernelPath::available() {
+    for path in isa_check::paths() {
         let (mut a, mut b) = (vec![0.0f32; 200], vec![0.0f32; 200]);
         let calls = [call(&g, &d, &x), call(&g, &d_bad, &x)];
         let err = experts_ffn_with(path, &calls, &mut [&mut a, &mut b], None).unwrap_err();
@@ -423,7 +423,7 @@ fn silu_is_the_textbook_function() {
 fn shape_errors_are_errors_not_panics() {
     let p = weights(QuantFormat::Int4Grouped { group_size: 64 }, 4, 100, 1);
     let w = p.view();
-    for path in KernelPath::available() {
+    for path in isa_check::paths() {
         let x = vec![0.0f32; 2 * 100];
         let mut y = vec![0.0f32; 2 * 4];
         assert!(matmul_with(path, &w, &x[1..], 2, &mut y, None).is_err());
@@ -450,7 +450,7 @@ fn shape_errors_are_errors_not_panics() {
 
 #[test]
 fn zero_columns_give_zeros() {
-    for path in KernelPath::available() {
+    for path in isa_check::paths() {
         for format in formats() {
             let scales = vec![1.0f32; format.scale_count(3, 0).unwrap()];
             let w = QMatrix::new(format, 3, 0, &[], &scales).unwrap();
@@ -463,7 +463,7 @@ fn zero_columns_give_zeros() {
 
 #[test]
 fn mixed_gate_and_up_formats_still_compose() {
-    for path in KernelPath::available() {
+    for path in isa_check::paths() {
         let g = weights(QuantFormat::Int4Grouped { group_size: 32 }, 9, 96, 1);
         let u = weights(QuantFormat::Int8PerRow, 9, 96, 2);
         let d = weights(QuantFormat::Bf16, 96, 9, 3);
@@ -518,19 +518,26 @@ fn paths_parse_and_unavailable_ones_are_refused() {
 
 #[test]
 fn best_path_uses_the_widest_vectors_available() {
-    let f = crate::cpu::features();
     let best = KernelPath::best();
     assert!(best.is_available());
-    if f.avx512f && f.avx512bw {
+    // By std's detection, not the crate's: a wrong detection must not pass for a narrower CPU.
+    let has = |p| {
+        isa_check::path_features(p)
+            .iter()
+            .all(|f| isa_check::std_detects(f))
+    };
+    if has(KernelPath::Avx512) {
         assert_eq!(best, KernelPath::Avx512);
-    } else if f.avx2 && f.fma && f.f16c {
+    } else if has(KernelPath::Avx2) {
         assert_eq!(best, KernelPath::Avx2);
+    } else if has(KernelPath::Neon) {
+        assert_eq!(best, KernelPath::Neon);
     }
 }
 
 #[test]
 fn dequantized_rows_equal_the_reference_bit_for_bit() {
-    for path in KernelPath::available() {
+    for path in isa_check::paths() {
         for (fi, &format) in formats().iter().enumerate() {
             for &cols in &[1, 7, 16, 17, 31, 64, 100, 129, 300, 512] {
                 let rows = 3;
@@ -556,7 +563,7 @@ fn dequantized_rows_equal_the_reference_bit_for_bit() {
 fn dequantize_row_refuses_a_bad_row_or_length() {
     let p = weights(QuantFormat::Int4Grouped { group_size: 64 }, 2, 100, 3);
     let w = p.view();
-    for path in KernelPath::available() {
+    for path in isa_check::paths() {
         let mut out = vec![0.0f32; 100];
         let e = dequantize_row_with(path, &w, 2, &mut out).unwrap_err();
         assert!(e.to_string().contains("row 2 of a [2, 100] matrix"), "{e}");

@@ -1,6 +1,6 @@
 use super::*;
-use crate::quant::kernels::scalar;
-use crate::quant::pack::quantize;
+use crate::quant::kernels::{isa_check, scalar};
+use crate::quant::pack::{quantize, reference_dequantize_row};
 
 /// Deterministic pseudo-random values in [-1, 1) with a few outliers (LLM activations have
 /// channels far larger than the rest).
@@ -142,8 +142,7 @@ fn shape_mismatches_are_errors() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn transpose16_swaps_rows_and_words() {
-    if !Int8Kernel::Vnni.available() {
-        eprintln!("skipping: no AVX-512 VNNI on this CPU");
+    if !isa_check::runs_int8(Int8Kernel::Vnni) {
         return;
     }
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -181,8 +180,7 @@ fn transpose16_swaps_rows_and_words() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn transpose8_swaps_rows_and_words() {
-    if !Int8Kernel::Avx2.available() {
-        eprintln!("skipping: no AVX2 on this CPU");
+    if !isa_check::runs_int8(Int8Kernel::Avx2) {
         return;
     }
     #[target_feature(enable = "avx2")]
@@ -222,8 +220,7 @@ fn transpose8_swaps_rows_and_words() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn sum_lanes16_adds_in_the_order_of_sum_lanes() {
-    if !Int8Kernel::Vnni.available() {
-        eprintln!("skipping: no AVX-512 VNNI on this CPU");
+    if !isa_check::runs_int8(Int8Kernel::Vnni) {
         return;
     }
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -259,16 +256,10 @@ fn sum_lanes16_adds_in_the_order_of_sum_lanes() {
     assert!(reordered_differs);
 }
 
-/// The SIMD kernels this CPU runs (none: the bit-for-bit tests have nothing to compare).
+/// The SIMD kernels this CPU runs, each checked against std's detection and
+/// `COLIBRI_REQUIRE_ISA` ([`isa_check`]), so that none is left out by a wrong detection.
 fn simd_kernels() -> Vec<Int8Kernel> {
-    let kernels: Vec<Int8Kernel> = [Int8Kernel::Avx2, Int8Kernel::Vnni]
-        .into_iter()
-        .filter(|k| k.available())
-        .collect();
-    if kernels.is_empty() {
-        eprintln!("skipping: no SIMD int8 kernel runs on this CPU");
-    }
-    kernels
+    isa_check::simd_int8_kernels()
 }
 
 /// Every SIMD kernel equals the reference bit for bit: every supported format, column counts

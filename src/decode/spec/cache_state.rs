@@ -1,0 +1,75 @@
+//! What a target's caches hold between generations, and how much of it a new prompt keeps.
+
+use super::DraftSource;
+use crate::carried::Carried;
+use crate::decode::Target;
+
+/// What a target's caches hold between generations, for
+/// [`generate_after`](super::generate_after): the tokens of the main KV rows and the main
+/// hidden states the MTP layer has not absorbed yet. Start with `CacheState::default()`
+/// (nothing known) for a target whose caches are unknown.
+#[derive(Clone, Debug, Default)]
+pub struct CacheState {
+    /// Tokens whose main KV rows the target holds (prompt and output of the last
+    /// generation, but its last token).
+    pub tokens: Vec<u32>,
+    /// [rows, hidden]: main hidden states of positions `mtp_kv_len()..kv_len()`.
+    pub(super) mtp_pending: Carried,
+}
+
+impl CacheState {
+    /// Forget everything (the target's caches were changed behind our back).
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+        self.mtp_pending = Carried::default();
+    }
+
+    /// A state restored from what [`mtp_pending`](Self::mtp_pending) and `tokens` were
+    /// (a saved context): the caller vouches that the caches it goes with hold
+    /// `tokens.len()` main rows and `tokens.len() − pending rows` MTP rows.
+    pub fn from_parts(tokens: Vec<u32>, mtp_pending: Carried) -> Self {
+        CacheState {
+            tokens,
+            mtp_pending,
+        }
+    }
+
+    /// [rows, hidden]: the main hidden states the MTP layer has not absorbed yet.
+    pub fn mtp_pending(&self) -> &Carried {
+        &self.mtp_pending
+    }
+}
+
+/// The rows a generation of `prompt` keeps from `previous`: (main rows, MTP rows, the
+/// pending hidden states of the MTP rows..main rows). The main rows are the common prefix
+/// less the last prompt token (a forward must produce its logits). With MTP drafting the
+/// MTP rows are its true rows within the prefix, short of the prefix's last token (each row
+/// pairs a position with the next token); when the hidden states between them and the main
+/// rows are not all known, the main rows stop there too.
+pub(super) fn reusable_prefix(
+    target: &dyn Target,
+    previous: CacheState,
+    prompt: &[u32],
+    source: DraftSource,
+) -> (usize, usize, Carried) {
+    let (kv, mtp_len, h) = (target.kv_len(), target.mtp_kv_len(), target.hidden_size());
+    let held = previous.tokens.len().min(kv);
+    let common = previous.tokens[..held]
+        .iter()
+        .zip(prompt)
+        .take_while(|(a, b)| a == b)
+        .count();
+    let keep = common.min(prompt.len().saturating_sub(1));
+    if source != DraftSource::Mtp {
+        return (keep, 0, Carried::default());
+    }
+    let mut pending = previous.mtp_pending;
+    let pending_known = h > 0 && mtp_len + pending.rows() == kv;
+    if pending_known && mtp_len <= keep && mtp_len < common.max(1) {
+        pending.truncate(keep - mtp_len);
+        (keep, mtp_len, pending)
+    } else {
+        let rows = mtp_len.min(keep).min(common.saturating_sub(1));
+        (rows, rows, Carried::default())
+    }
+}

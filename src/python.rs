@@ -59,12 +59,22 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// Every `finish_reason` a generation's result dict can hold, as the engine spells them.
+#[pyfunction]
+fn finish_reasons() -> Vec<&'static str> {
+    crate::decode::FinishReason::ALL
+        .iter()
+        .map(|r| r.as_str())
+        .collect()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::init(m.py())?;
     m.add("__version__", crate::VERSION)?;
     m.add_function(wrap_pyfunction!(cpu_features, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(finish_reasons, m)?)?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PySession>()?;
     m.add_function(wrap_pyfunction!(engine::choices, m)?)?;

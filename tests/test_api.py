@@ -10,7 +10,6 @@ import inspect
 import itertools
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -1229,10 +1228,7 @@ def test_finish_reason_is_a_literal_of_what_the_engine_produces() -> None:
     hints = typing.get_type_hints(colibri.GenerationResult)
     assert hints["finish_reason"] == FinishReason
     assert set(typing.get_args(FinishReason)) == {"length", "stop", "cancelled"}
-    spec = (ROOT / "src" / "decode" / "spec.rs").read_text()
-    body = spec[spec.index("impl FinishReason") :]
-    body = body[: body.index("\n    }\n")]
-    engine = set(re.findall(r'=> "([a-z_]+)"', body))
+    engine = set(_core.finish_reasons())
     assert engine == set(_ENGINE_FINISH_REASONS), engine
     assert set(_ENGINE_FINISH_REASONS.values()) <= set(typing.get_args(FinishReason))
 
@@ -1244,16 +1240,22 @@ def test_logits_and_chat_are_typed() -> None:
     assert hints["return"] == npt.NDArray[np.float32]
     if not hasattr(typing, "get_overloads"):  # Python 3.10
         pytest.skip("typing.get_overloads needs Python 3.11")
+    # Each overload as (what it takes: n given, a list of prompts, stream) → what it returns.
     for name in ("generate", "chat"):
-        overloads = typing.get_overloads(getattr(colibri.Model, name))
-        got = {}
-        for o in overloads:
+        got = []
+        for o in typing.get_overloads(getattr(colibri.Model, name)):
             h = typing.get_type_hints(o)
-            got[h["stream"]] = h["return"]
-        assert got == {
-            typing.Literal[False]: colibri.GenerationResult,
-            typing.Literal[True]: colibri.GenerationStream,
-        }, name
+            takes = h.get("prompt", h.get("messages"))
+            batch = name == "generate" and "list[str]" in str(takes)
+            got.append(("n" in h and h["n"] is int, batch, h["stream"], h["return"]))
+        want = [
+            (True, False, typing.Literal[False], list[colibri.GenerationResult]),
+            (False, False, typing.Literal[False], colibri.GenerationResult),
+            (False, False, typing.Literal[True], colibri.GenerationStream),
+        ]
+        if name == "generate":
+            want.append((False, True, typing.Literal[False], list[colibri.GenerationResult]))
+        assert sorted(map(str, got)) == sorted(map(str, want)), name
     # chat takes generate's keyword arguments, spelled out, and the tools of a chat.
     gen = inspect.signature(colibri.Model.generate).parameters
     chat = inspect.signature(colibri.Model.chat).parameters

@@ -280,6 +280,9 @@ def choices() -> dict[str, list[str]]:
 def limits() -> dict[str, int]:
     """Limits the engine enforces: ``max_draft_depth``, ``max_top_logprobs``."""
 
+def finish_reasons() -> list[str]:
+    """Every ``finish_reason`` a generation's result dict can hold."""
+
 def request_fields() -> list[str]:
     """The fields of :class:`GenerateRequest`, in the engine's order."""
 

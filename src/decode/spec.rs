@@ -194,6 +194,14 @@ pub enum FinishReason {
 }
 
 impl FinishReason {
+    /// Every reason (the tests hold it to the enum: a new variant must be listed here).
+    pub const ALL: [FinishReason; 4] = [
+        FinishReason::Length,
+        FinishReason::Stop,
+        FinishReason::Cancelled,
+        FinishReason::ContextFull,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             FinishReason::Length => "length",

@@ -202,3 +202,20 @@ fn bad_options_are_invalid_argument_errors() {
     assert_eq!(DraftDepth::parse("3").unwrap(), DraftDepth::Fixed(3));
     assert!(DraftDepth::parse("12").is_err() && DraftDepth::parse("x").is_err());
 }
+
+/// `FinishReason::ALL` lists every variant once (the match below has no wildcard, so a new
+/// variant fails to compile until it is placed), and their names are distinct.
+#[test]
+fn finish_reason_all_lists_every_variant() {
+    let position = |r: FinishReason| match r {
+        FinishReason::Length => 0,
+        FinishReason::Stop => 1,
+        FinishReason::Cancelled => 2,
+        FinishReason::ContextFull => 3,
+    };
+    let positions: Vec<usize> = FinishReason::ALL.iter().map(|&r| position(r)).collect();
+    assert_eq!(positions, (0..FinishReason::ALL.len()).collect::<Vec<_>>());
+    let names: std::collections::HashSet<&str> =
+        FinishReason::ALL.iter().map(|r| r.as_str()).collect();
+    assert_eq!(names.len(), FinishReason::ALL.len());
+}

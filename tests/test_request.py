@@ -111,7 +111,7 @@ def test_a_new_sampling_field_reaches_the_engine(
     """A field declared in ``colibri.sampling`` that the Python side does not shape goes to
     the engine's ``GenerateRequest`` as given: here the engine does not know it, and says so
     by name (the Python side refused nothing)."""
-    from colibri import model as model_module
+    from colibri import _generation as model_module
 
     assert set(model_module._SHAPED_HERE) == set(SAMPLING_FIELDS)  # today every one is shaped
     monkeypatch.setattr(model_module, "SAMPLING_FIELDS", (*SAMPLING_FIELDS, "typical_p"))

@@ -10,7 +10,8 @@ from typing import Any, TypedDict
 
 import colibri
 import pytest
-from colibri import _core, _openai, cli, sampling
+from colibri import _cli_options as cli
+from colibri import _core, _openai, sampling
 from colibri._openai_errors import ApiError
 from colibri.sampling import GENERATE_KEYWORDS, SAMPLING_FIELDS
 

@@ -231,6 +231,27 @@ fn remove_stale_temporaries(path: &Path) {
 /// truncated, corrupt, of another version or of another model is a
 /// [`Error::SavedContext`] saying which; `caches` is then left empty.
 pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<CacheState> {
+    let (file, size) = open_regular(path)?;
+    let mut r = std::io::BufReader::with_capacity(1 << 20, file);
+    let (h, header_len) = read_header(&mut r, path, size)?;
+    let widths: Vec<[usize; 3]> = caches.all().map(|kv| kv.widths()).collect();
+    check_model(path, &h, expect, &widths)?;
+    check_rows(path, &h, expect)?;
+    check_size(path, &h, header_len, size)?;
+    match read_payload(&mut r, path, &h, caches) {
+        Ok(pending) => Ok(CacheState::from_parts(
+            h.tokens,
+            Carried::from_saved(pending, h.hidden_size),
+        )),
+        Err(e) => {
+            caches.release();
+            Err(e)
+        }
+    }
+}
+
+/// The file at `path` opened for reading, and its size, if it is a regular file.
+fn open_regular(path: &Path) -> Result<(std::fs::File, u64)> {
     let bad = |msg: String| Error::saved_context(path, msg);
     // Looked at before it is opened: opening a FIFO would wait for a writer forever. The
     // open itself does not block either, should the path change in between.
@@ -250,8 +271,13 @@ pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<C
     if !meta.is_file() {
         return Err(bad("not a regular file".into()));
     }
-    let size = meta.len();
-    let mut r = std::io::BufReader::with_capacity(1 << 20, file);
+    Ok((file, meta.len()))
+}
+
+/// The prefix (magic, version, header checksum and length) and the header of a file of
+/// `size` bytes, checked; returns the header and its length.
+fn read_header(r: &mut impl Read, path: &Path, size: u64) -> Result<(Header, u64)> {
+    let bad = |msg: String| Error::saved_context(path, msg);
     let mut prefix = [0u8; PREFIX_BYTES];
     if size < PREFIX_BYTES as u64 {
         return Err(bad(format!(
@@ -290,6 +316,13 @@ pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<C
     }
     let h: Header =
         serde_json::from_slice(&json).map_err(|e| bad(format!("unreadable header: {e}")))?;
+    Ok((h, header_len))
+}
+
+/// The header was saved by this model: its fingerprint, its MTP head, and caches of this
+/// model's `widths`.
+fn check_model(path: &Path, h: &Header, expect: &Expect<'_>, widths: &[[usize; 3]]) -> Result<()> {
+    let bad = |msg: String| Error::saved_context(path, msg);
     if h.fingerprint != expect.fingerprint {
         return Err(bad(format!(
             "saved by another model (fingerprint {}, this model's is {}): a context is only valid for the weights that computed it",
@@ -312,13 +345,19 @@ pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<C
             if saved_head { "True" } else { "False" }
         )));
     }
-    let widths: Vec<[usize; 3]> = caches.all().map(|kv| kv.widths()).collect();
     if h.widths != widths || h.hidden_size != expect.hidden_size {
         return Err(bad(format!(
             "its caches are shaped {:?} (hidden {}) and this model's {:?} (hidden {}): saved with other options (MTP head, sparse attention)",
             h.widths, h.hidden_size, widths, expect.hidden_size
         )));
     }
+    Ok(())
+}
+
+/// The header's row counts agree with each other and its tokens fit this model's context
+/// and vocabulary.
+fn check_rows(path: &Path, h: &Header, expect: &Expect<'_>) -> Result<()> {
+    let bad = |msg: String| Error::saved_context(path, msg);
     if h.tokens.len() != h.main_rows
         || h.mtp_rows > h.main_rows
         || h.pending_rows > h.main_rows - h.mtp_rows
@@ -343,6 +382,11 @@ pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<C
             expect.vocab_size
         )));
     }
+    Ok(())
+}
+
+/// The file's `size` is the prefix, the header and the payload the header describes.
+fn check_size(path: &Path, h: &Header, header_len: u64, size: u64) -> Result<()> {
     let payload = payload_bytes(
         &h.widths,
         h.main_rows,
@@ -352,11 +396,27 @@ pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<C
     );
     let expected_size = payload.and_then(|p| p.checked_add(PREFIX_BYTES as u64 + header_len));
     if payload != Some(h.payload_bytes) || expected_size != Some(size) {
-        return Err(bad(format!(
-            "{size} bytes where its header describes {}: truncated or corrupt",
-            expected_size.map_or_else(|| "an impossible size".to_owned(), |s| s.to_string())
-        )));
+        return Err(Error::saved_context(
+            path,
+            format!(
+                "{size} bytes where its header describes {}: truncated or corrupt",
+                expected_size.map_or_else(|| "an impossible size".to_owned(), |s| s.to_string())
+            ),
+        ));
     }
+    Ok(())
+}
+
+/// Read the payload into `caches` (the MTP layer's last) and return the MTP-pending hidden
+/// states, the payload's checksum and finiteness checked. On an error `caches` may hold
+/// part of it.
+fn read_payload(
+    r: &mut impl Read,
+    path: &Path,
+    h: &Header,
+    caches: &mut KvCaches,
+) -> Result<Vec<f32>> {
+    let bad = |msg: String| Error::saved_context(path, msg);
     let mut crc = crc32fast::Hasher::new();
     let mut finite = true;
     let mut fill = |part: &mut [f32]| -> Result<()> {
@@ -366,36 +426,22 @@ pub fn load(path: &Path, expect: &Expect<'_>, caches: &mut KvCaches) -> Result<C
         finite &= part.iter().all(|x| x.is_finite());
         Ok(())
     };
-    let last = widths.len() - 1;
-    let mut loaded = Ok(());
+    let last = h.widths.len() - 1;
     for (i, kv) in caches.all_mut().enumerate() {
         let rows = if i == last { h.mtp_rows } else { h.main_rows };
-        loaded = kv.load_parts(rows, &mut fill);
-        if loaded.is_err() {
-            break;
-        }
+        kv.load_parts(rows, &mut fill)?;
     }
-    let mut pending = Vec::new();
-    if loaded.is_ok() {
-        pending = vec![0f32; h.pending_rows * h.hidden_size];
-        loaded = fill(&mut pending);
+    let mut pending = vec![0f32; h.pending_rows * h.hidden_size];
+    fill(&mut pending)?;
+    if crc.finalize() != h.crc32 {
+        return Err(bad("checksum mismatch: the file is corrupt".into()));
     }
-    if loaded.is_ok() && crc.finalize() != h.crc32 {
-        loaded = Err(bad("checksum mismatch: the file is corrupt".into()));
-    }
-    if loaded.is_ok() && !finite {
-        loaded = Err(bad(
+    if !finite {
+        return Err(bad(
             "it holds NaN or infinite values (its checksum matches, so it was written so): \
              it cannot continue a generation; save the context again"
                 .into(),
         ));
     }
-    if let Err(e) = loaded {
-        caches.release();
-        return Err(e);
-    }
-    Ok(CacheState::from_parts(
-        h.tokens,
-        Carried::from_saved(pending, h.hidden_size),
-    ))
+    Ok(pending)
 }

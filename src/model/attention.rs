@@ -21,6 +21,7 @@ use crate::model::norm::{rmsnorm, rmsnorm_inplace};
 use crate::model::rope::{self, Rope};
 use crate::quant::kernels::vecops::VecOps;
 use crate::quant::kernels::{self, Arithmetic};
+use crate::quant::QMatrix;
 
 /// Query projection: low-rank with its own norm, or one plain matrix.
 enum QProj {
@@ -257,19 +258,87 @@ impl Attention {
     ) -> Result<(Vec<f32>, Option<Selection>)> {
         // Read on the calling thread: the pool's workers do not carry the caller's arithmetic.
         let fast_prefill = linear::arithmetic() == Arithmetic::Int8;
-        let (heads, nope, rd, vd, kl) = (
-            self.heads,
-            self.nope,
-            self.rope_dim,
-            self.v_dim,
-            self.kv_lora,
-        );
-        let qd = nope + rd;
         debug_assert_eq!(kv.len(), start);
 
-        // q: [s, heads, nope + rope]; the DSA indexer's query starts from the same q_a.
+        let (mut q, selected) = self.query(xn, s, start, rope_start, kv, rope, pool)?;
+        let selection = self.selection(selected.as_ref(), shared, s)?;
+        self.append_kv(xn, s, rope_start, kv, rope, pool, &mut q)?;
+
+        let decompress = match form {
+            Form::Absorbed => false,
+            Form::Decompressed => selection.is_none(),
+            Form::Auto => {
+                fast_prefill && selection.is_none() && mla_decompressed::pays(self.dims(), s, start)
+            }
+        };
+        if decompress {
+            let kvb = self.kv_b_proj.view();
+            let inputs = mla_decompressed::Inputs {
+                dims: self.dims(),
+                q: &q,
+                s,
+                start,
+                latent: &kv.latent,
+                rope_key: &kv.rope_key,
+                kv_b: &kvb,
+                scale: self.scale,
+            };
+            let o = mla_decompressed::attend(&inputs, pool)?;
+            return Ok((linear::apply(&self.o_proj, &o, s, pool)?, selected));
+        }
+
+        let kvb = self.kv_b_proj.view();
+        let ops = VecOps::active()?;
+        let q_lat = self.absorbed_query(&kvb, ops, &q, s, pool)?;
+        // Causal attention over the latent cache in one pass; o_lat[s, head, kv_lora].
+        let inputs = latent_attention::Inputs {
+            heads: self.heads,
+            kl: self.kv_lora,
+            rd: self.rope_dim,
+            nope: self.nope,
+            q: &q,
+            q_lat: &q_lat,
+            s,
+            start,
+            latent: &kv.latent,
+            rope_key: &kv.rope_key,
+            selection,
+            scale: self.scale,
+        };
+        let o_lat = latent_attention::attend(&inputs, ops, pool);
+        let o = self.absorbed_values(&kvb, &o_lat, s, pool)?;
+        Ok((linear::apply(&self.o_proj, &o, s, pool)?, selected))
+    }
+
+    /// The attention shape, as the decompressed form takes it.
+    #[inline]
+    fn dims(&self) -> mla_decompressed::Dims {
+        mla_decompressed::Dims {
+            heads: self.heads,
+            nope: self.nope,
+            rope: self.rope_dim,
+            v: self.v_dim,
+            kv_lora: self.kv_lora,
+        }
+    }
+
+    /// q: [s, heads, nope + rope], not yet roped, and on a DSA full layer the keys its
+    /// indexer selects (it appends these rows' indexer keys to `kv`); the indexer's query
+    /// starts from the same q_a.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn query(
+        &self,
+        xn: &[f32],
+        s: usize,
+        start: usize,
+        rope_start: usize,
+        kv: &mut LayerKv,
+        rope: &Rope,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<(Vec<f32>, Option<Selection>)> {
         let mut selected = None;
-        let mut q = match &self.q {
+        let q = match &self.q {
             QProj::Lora {
                 q_a_proj,
                 q_a_layernorm,
@@ -296,9 +365,21 @@ impl Attention {
             }
             QProj::Plain { q_proj } => linear::apply(q_proj, xn, s, pool)?,
         };
+        Ok((q, selected))
+    }
+
+    /// The keys these `s` rows attend to: every earlier one (None), this layer's own
+    /// selection, or the previous full layer's (`shared`); one row of it per row.
+    #[inline]
+    fn selection<'a>(
+        &self,
+        selected: Option<&'a Selection>,
+        shared: Option<&'a Selection>,
+        s: usize,
+    ) -> Result<Option<&'a Selection>> {
         let selection: Option<&Selection> = match &self.keys {
             KeyChoice::Dense => None,
-            KeyChoice::Indexed(_) => selected.as_ref(),
+            KeyChoice::Indexed(_) => selected,
             KeyChoice::Shared => Some(shared.ok_or_else(|| {
                 Error::Internal("a DSA shared layer ran without a full layer's selection".into())
             })?),
@@ -311,7 +392,26 @@ impl Attention {
                 )));
             }
         }
-        // c: [s, kv_lora + rope] → normed latent and roped shared key, appended to the cache.
+        Ok(selection)
+    }
+
+    /// c: [s, kv_lora + rope] → normed latent and roped shared key, appended to the cache;
+    /// ropes the rope half of every head of `q` ([s, heads, nope + rope]) at the same
+    /// positions.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn append_kv(
+        &self,
+        xn: &[f32],
+        s: usize,
+        rope_start: usize,
+        kv: &mut LayerKv,
+        rope: &Rope,
+        pool: Option<&rayon::ThreadPool>,
+        q: &mut [f32],
+    ) -> Result<()> {
+        let (heads, nope, rd, kl) = (self.heads, self.nope, self.rope_dim, self.kv_lora);
+        let qd = nope + rd;
         let ckv = linear::apply(&self.kv_a_proj_with_mqa, xn, s, pool)?;
         for r in 0..s {
             let row = &ckv[r * (kl + rd)..(r + 1) * (kl + rd)];
@@ -326,47 +426,28 @@ impl Attention {
                 rope.apply(&mut q[off..off + rd], rope_start + r);
             }
         }
+        Ok(())
+    }
 
-        let dims = mla_decompressed::Dims {
-            heads,
-            nope,
-            rope: rd,
-            v: vd,
-            kv_lora: kl,
-        };
-        let decompress = match form {
-            Form::Absorbed => false,
-            Form::Decompressed => selection.is_none(),
-            Form::Auto => {
-                fast_prefill && selection.is_none() && mla_decompressed::pays(dims, s, start)
-            }
-        };
-        if decompress {
-            let kvb = self.kv_b_proj.view();
-            let inputs = mla_decompressed::Inputs {
-                dims,
-                q: &q,
-                s,
-                start,
-                latent: &kv.latent,
-                rope_key: &kv.rope_key,
-                kv_b: &kvb,
-                scale: self.scale,
-            };
-            let o = mla_decompressed::attend(&inputs, pool)?;
-            return Ok((linear::apply(&self.o_proj, &o, s, pool)?, selected));
-        }
-
-        // q_lat[s, head, kv_lora] = W_UK(head)ᵀ · q_nope(s, head): stream the key rows of kv_b,
-        // one head per task on the pool (each output is summed over d in order whatever the
-        // split or S, so the values do not depend on either).
-        let kvb = self.kv_b_proj.view();
-        let ops = VecOps::active()?;
+    /// q_lat[s, head, kv_lora] = W_UK(head)ᵀ · q_nope(s, head): stream the key rows of kv_b,
+    /// one head per task on the pool (each output is summed over d in order whatever the
+    /// split or S, so the values do not depend on either).
+    #[inline]
+    fn absorbed_query(
+        &self,
+        kvb: &QMatrix<'_>,
+        ops: VecOps,
+        q: &[f32],
+        s: usize,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<Vec<f32>> {
+        let (heads, nope, vd, kl) = (self.heads, self.nope, self.v_dim, self.kv_lora);
+        let qd = nope + self.rope_dim;
         let head_lat = |hh: usize| -> Result<Vec<f32>> {
             let mut lat = vec![0.0f32; s * kl];
             let mut wrow = vec![0.0f32; kl];
             for d in 0..nope {
-                kernels::dequantize_row(&kvb, hh * (nope + vd) + d, &mut wrow)?;
+                kernels::dequantize_row(kvb, hh * (nope + vd) + d, &mut wrow)?;
                 for r in 0..s {
                     let qv = q[r * heads * qd + hh * qd + d];
                     ops.axpy(&mut lat[r * kl..(r + 1) * kl], qv, &wrow);
@@ -374,28 +455,21 @@ impl Attention {
             }
             Ok(lat)
         };
-        let q_lat = per_head(heads, s, kl, pool, head_lat)?;
+        per_head(heads, s, kl, pool, head_lat)
+    }
 
-        // Causal attention over the latent cache in one pass; o_lat[s, head, kv_lora].
-        let inputs = latent_attention::Inputs {
-            heads,
-            kl,
-            rd,
-            nope,
-            q: &q,
-            q_lat: &q_lat,
-            s,
-            start,
-            latent: &kv.latent,
-            rope_key: &kv.rope_key,
-            selection,
-            scale: self.scale,
-        };
-        let o_lat = latent_attention::attend(&inputs, ops, pool);
-
-        // o[s, head, v] = W_UV(head) · o_lat(s, head), through the kernel on the value rows, one
-        // head per task on the pool, each head's call on its task's thread (a kernel's result
-        // does not depend on its thread count): one fork for all heads instead of one per head.
+    /// o[s, head, v] = W_UV(head) · o_lat(s, head), through the kernel on the value rows, one
+    /// head per task on the pool, each head's call on its task's thread (a kernel's result
+    /// does not depend on its thread count): one fork for all heads instead of one per head.
+    #[inline]
+    fn absorbed_values(
+        &self,
+        kvb: &QMatrix<'_>,
+        o_lat: &[f32],
+        s: usize,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Result<Vec<f32>> {
+        let (heads, nope, vd, kl) = (self.heads, self.nope, self.v_dim, self.kv_lora);
         let head_value = |hh: usize| -> Result<Vec<f32>> {
             let wv = kvb.row_range(hh * (nope + vd) + nope, vd)?;
             let mut lat_h = vec![0.0f32; s * kl];
@@ -407,8 +481,7 @@ impl Attention {
             kernels::matmul(&wv, &lat_h, s, &mut out_h, None)?;
             Ok(out_h)
         };
-        let o = per_head(heads, s, vd, pool, head_value)?;
-        Ok((linear::apply(&self.o_proj, &o, s, pool)?, selected))
+        per_head(heads, s, vd, pool, head_value)
     }
 }
 

@@ -28,7 +28,7 @@ use colibri::container::Container;
 use colibri::experts::{ExpertStore, IoMode, PinPolicy, PrefetchMode, StoreOptions};
 use colibri::routing::histogram::Histogram;
 use colibri::routing::host::{probe_compute, probe_disk};
-use colibri::routing::plan::{ModelShape, PlanInput};
+use colibri::routing::plan::{ModelShape, PlanInput, Scenario};
 use colibri::routing::replay::{replay, ReplayOptions};
 use colibri::routing::sim::{history, top_pins};
 use colibri::routing::trace::Trace;
@@ -122,11 +122,33 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
-fn run() -> Result<(), String> {
-    let a = parse()?;
-    let e = |e: colibri::Error| e.to_string();
-    let container = Arc::new(Container::open(&a.container).map_err(e)?);
-    let files: Vec<PathBuf> = colibri::container::shard_paths(&a.container).map_err(e)?;
+/// A `colibri::Error` as this tool reports it.
+fn err(e: colibri::Error) -> String {
+    e.to_string()
+}
+
+/// The container and what every setting is replayed and predicted with.
+struct Setup {
+    container: Arc<Container>,
+    /// Direct reads, nothing pinned or prefetched: the options each setting's store varies.
+    probe_opts: StoreOptions,
+    /// (layer, experts) of the store's routed layers, the MTP layer's last.
+    layers: Vec<(usize, usize)>,
+    /// Bytes the store charges for one expert.
+    expert_bytes: u64,
+    /// Experts per routed layer.
+    experts: usize,
+    /// Compute rate (weight bytes per second) the replay and the predictions assume.
+    compute: f64,
+    /// The plan's input for the predictions.
+    input: PlanInput,
+}
+
+/// Open the container, measure (or take from the arguments) the compute and disk rates, and
+/// describe the model to the plan.
+fn setup(a: &Args) -> Result<Setup, String> {
+    let container = Arc::new(Container::open(&a.container).map_err(err)?);
+    let files: Vec<PathBuf> = colibri::container::shard_paths(&a.container).map_err(err)?;
     let probe_opts = StoreOptions {
         io: IoMode::Direct,
         ram_budget_bytes: Some(1 << 30),
@@ -136,9 +158,9 @@ fn run() -> Result<(), String> {
         ..StoreOptions::default()
     };
     let (layers, eb) = {
-        let s = ExpertStore::open(container.clone(), probe_opts.clone()).map_err(e)?;
+        let s = ExpertStore::open(container.clone(), probe_opts.clone()).map_err(err)?;
         let layers: Vec<(usize, usize)> = s.layers();
-        let eb = s.charged_bytes(layers[0].0, 0).map_err(e)?;
+        let eb = s.charged_bytes(layers[0].0, 0).map_err(err)?;
         (layers, eb)
     };
     let experts = layers[0].1;
@@ -147,7 +169,7 @@ fn run() -> Result<(), String> {
         Some(c) => c,
         None => {
             probe_compute(6144, 2048, 2.0)
-                .map_err(e)?
+                .map_err(err)?
                 .weight_bytes_per_second
         }
     };
@@ -155,7 +177,7 @@ fn run() -> Result<(), String> {
         Some(d) => d,
         None => {
             probe_disk(&files, 21_233_664, 3.0)
-                .map_err(e)?
+                .map_err(err)?
                 .bytes_per_second
         }
     };
@@ -186,94 +208,147 @@ fn run() -> Result<(), String> {
         seed: a.seed,
         sample_layers: main_layers,
     };
-    let hist = Histogram::glm52().resized(experts, 8).map_err(e)?;
+    Ok(Setup {
+        container,
+        probe_opts,
+        layers,
+        expert_bytes: eb,
+        experts,
+        compute,
+        input,
+    })
+}
+
+fn run() -> Result<(), String> {
+    let a = parse()?;
+    let s = setup(&a)?;
+    let hist = Histogram::glm52().resized(s.experts, 8).map_err(err)?;
     for &depth in &a.depths {
-        let (learn, test) = match &a.trace {
-            Some(p) => {
-                let t = Trace::load(p).map_err(e)?;
-                (t.clone(), t)
-            }
-            None => input.traces(&hist, depth).map_err(e)?,
-        };
-        // The replayed trace's statistics against GLM-5.2's figures, then the trace itself.
-        let stats =
-            serde_json::json!({ "draft_depth": depth, "trace_stats": TraceStats::of(&test) });
-        println!("{stats}");
-        if let Some(p) = &a.write_trace {
-            test.save(p).map_err(e)?;
+        replay_depth(&a, &s, &hist, depth)?;
+    }
+    Ok(())
+}
+
+/// One draft depth: the trace's statistics, then every budget, pin share and prefetch
+/// setting replayed (unless `--stats-only`).
+fn replay_depth(a: &Args, s: &Setup, hist: &Histogram, depth: usize) -> Result<(), String> {
+    let (layers, experts) = (&s.layers, s.experts);
+    let (learn, test) = match &a.trace {
+        Some(p) => {
+            let t = Trace::load(p).map_err(err)?;
+            (t.clone(), t)
         }
-        if a.stats_only {
-            continue;
+        None => s.input.traces(hist, depth).map_err(err)?,
+    };
+    // The replayed trace's statistics against GLM-5.2's figures, then the trace itself.
+    let stats = serde_json::json!({ "draft_depth": depth, "trace_stats": TraceStats::of(&test) });
+    println!("{stats}");
+    if let Some(p) = &a.write_trace {
+        test.save(p).map_err(err)?;
+    }
+    if a.stats_only {
+        return Ok(());
+    }
+    let nl = test.header.layers.len() + test.header.mtp_layer.is_some() as usize;
+    let store_layer = |pos: usize| {
+        if pos < test.header.layers.len() {
+            layers[pos].0
+        } else {
+            layers[layers.len() - 1].0
         }
-        let nl = test.header.layers.len() + test.header.mtp_layer.is_some() as usize;
-        let store_layer = |pos: usize| {
-            if pos < test.header.layers.len() {
-                layers[pos].0
-            } else {
-                layers[layers.len() - 1].0
-            }
+    };
+    for &share in &a.budgets {
+        let predicted = if a.trace.is_none() {
+            s.input
+                .scenarios(&learn, &test, share, depth)
+                .map_err(err)?
+        } else {
+            Vec::new()
         };
-        for &share in &a.budgets {
-            let predicted = if a.trace.is_none() {
-                input.scenarios(&learn, &test, share, depth).map_err(e)?
-            } else {
-                Vec::new()
-            };
-            let slots = (share * (nl * experts) as f64).floor() as usize;
-            for &pin_share in &a.pin_shares {
-                let pins: Vec<(usize, usize)> =
-                    top_pins(&history(&learn), (slots as f64 * pin_share) as usize)
-                        .into_iter()
-                        .map(|(p, x)| (store_layer(p), x))
-                        .collect();
-                // The store splits what the pins leave evenly over all its routed layers;
-                // a trace that routes fewer (no MTP layer at depth 0) gets the share of the
-                // unused ones on top, so each replayed layer's LRU matches the plan's.
-                let lru_slots = (slots - pins.len()) * layers.len() / nl;
-                let budget = (pins.len() + lru_slots) as u64 * eb;
-                for &prefetch in &a.prefetch {
-                    let opts = StoreOptions {
-                        ram_budget_bytes: Some(budget),
-                        pin: PinPolicy::Explicit(pins.clone()),
-                        prefetch: if prefetch {
-                            PrefetchMode::Real
-                        } else {
-                            PrefetchMode::Off
-                        },
-                        ..probe_opts.clone()
-                    };
-                    let store = ExpertStore::open(container.clone(), opts).map_err(e)?;
-                    let r = replay(
-                        &store,
-                        &test,
-                        &ReplayOptions {
-                            compute_bytes_per_second: compute,
-                            dense_seconds_per_row: 0.0,
-                            prefetch,
-                        },
-                    )
-                    .map_err(e)?;
-                    let p = predicted
-                        .iter()
-                        .find(|s| (s.pin_share - pin_share).abs() < 1e-9 && s.prefetch == prefetch);
-                    let fingerprint =
-                        r.hits_per_call.iter().fold(0xcbf29ce484222325u64, |h, &x| {
-                            (h ^ x as u64).wrapping_mul(0x100000001b3)
-                        });
-                    let row = serde_json::json!({
-                        "budget_share": share,
-                        "pin_share": pin_share,
-                        "prefetch": prefetch,
-                        "draft_depth": depth,
-                        "replay": r,
-                        "hit_sequence_fnv": format!("{fingerprint:016x}"),
-                        "predicted": p,
-                        "predicted_over_replay": p.map(|p| p.tokens_per_second / r.tokens_per_second),
-                    });
-                    println!("{row}");
-                }
+        let slots = (share * (nl * experts) as f64).floor() as usize;
+        for &pin_share in &a.pin_shares {
+            let pins: Vec<(usize, usize)> =
+                top_pins(&history(&learn), (slots as f64 * pin_share) as usize)
+                    .into_iter()
+                    .map(|(p, x)| (store_layer(p), x))
+                    .collect();
+            // The store splits what the pins leave evenly over all its routed layers;
+            // a trace that routes fewer (no MTP layer at depth 0) gets the share of the
+            // unused ones on top, so each replayed layer's LRU matches the plan's.
+            let lru_slots = (slots - pins.len()) * layers.len() / nl;
+            let budget = (pins.len() + lru_slots) as u64 * s.expert_bytes;
+            for &prefetch in &a.prefetch {
+                let setting = Setting {
+                    depth,
+                    share,
+                    pin_share,
+                    prefetch,
+                };
+                replay_setting(s, &test, &setting, &pins, budget, &predicted)?;
             }
         }
     }
+    Ok(())
+}
+
+/// One replayed setting, as its output row names it.
+struct Setting {
+    depth: usize,
+    /// Share of the expert bytes the RAM budget holds.
+    share: f64,
+    /// Share of that budget pinned.
+    pin_share: f64,
+    prefetch: bool,
+}
+
+/// Replay `test` through a store of `budget` bytes with `pins` pinned, and print the row: the
+/// replay's figures beside the prediction for the same setting (when there are any).
+fn replay_setting(
+    s: &Setup,
+    test: &Trace,
+    setting: &Setting,
+    pins: &[(usize, usize)],
+    budget: u64,
+    predicted: &[Scenario],
+) -> Result<(), String> {
+    let (share, pin_share, prefetch) = (setting.share, setting.pin_share, setting.prefetch);
+    let opts = StoreOptions {
+        ram_budget_bytes: Some(budget),
+        pin: PinPolicy::Explicit(pins.to_vec()),
+        prefetch: if prefetch {
+            PrefetchMode::Real
+        } else {
+            PrefetchMode::Off
+        },
+        ..s.probe_opts.clone()
+    };
+    let store = ExpertStore::open(s.container.clone(), opts).map_err(err)?;
+    let r = replay(
+        &store,
+        test,
+        &ReplayOptions {
+            compute_bytes_per_second: s.compute,
+            dense_seconds_per_row: 0.0,
+            prefetch,
+        },
+    )
+    .map_err(err)?;
+    let p = predicted
+        .iter()
+        .find(|s| (s.pin_share - pin_share).abs() < 1e-9 && s.prefetch == prefetch);
+    let fingerprint = r.hits_per_call.iter().fold(0xcbf29ce484222325u64, |h, &x| {
+        (h ^ x as u64).wrapping_mul(0x100000001b3)
+    });
+    let row = serde_json::json!({
+        "budget_share": share,
+        "pin_share": pin_share,
+        "prefetch": prefetch,
+        "draft_depth": setting.depth,
+        "replay": r,
+        "hit_sequence_fnv": format!("{fingerprint:016x}"),
+        "predicted": p,
+        "predicted_over_replay": p.map(|p| p.tokens_per_second / r.tokens_per_second),
+    });
+    println!("{row}");
     Ok(())
 }

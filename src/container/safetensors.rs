@@ -135,130 +135,160 @@ pub struct Header {
 /// JSON object, known dtypes, shape×dtype = byte length, offsets inside the data buffer and
 /// not overlapping.
 pub fn parse_header(file: &Path, prefix: &[u8], file_len: u64) -> Result<Header> {
-    let err = |tensor: Option<&str>, msg: String| Error::container(file, tensor, msg);
+    let (data_start, obj) = header_object(file, prefix, file_len)?;
+    let data_len = file_len - data_start as u64;
+    let mut header = Header {
+        data_start,
+        ..Header::default()
+    };
+    for (name, entry) in &obj {
+        if name == "__metadata__" {
+            read_metadata(file, entry, &mut header.metadata)?;
+        } else {
+            let t = tensor_entry(file, name, entry, data_start, data_len)?;
+            header.tensors.push(t);
+        }
+    }
+    check_no_overlap(file, &header.tensors)?;
+    header.tensors.sort_by_key(|t| t.start);
+    Ok(header)
+}
+
+/// The header's length (checked against the file and [`MAX_HEADER_BYTES`]) and its JSON
+/// object: returns the data buffer's absolute offset and the object.
+fn header_object(
+    file: &Path,
+    prefix: &[u8],
+    file_len: u64,
+) -> Result<(usize, serde_json::Map<String, Value>)> {
+    let err = |msg: String| Error::container(file, None, msg);
     if file_len < 8 || prefix.len() < 8 {
-        return Err(err(
-            None,
-            format!("truncated: {file_len} bytes is too short for a safetensors header length"),
-        ));
+        return Err(err(format!(
+            "truncated: {file_len} bytes is too short for a safetensors header length"
+        )));
     }
     let mut len8 = [0u8; 8];
     len8.copy_from_slice(&prefix[..8]);
     let n = u64::from_le_bytes(len8);
     if n > MAX_HEADER_BYTES {
-        return Err(err(
-            None,
-            format!("header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap; not a safetensors file or corrupt"),
-        ));
+        return Err(err(format!(
+            "header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap; not a safetensors file or corrupt"
+        )));
     }
     let data_start = n.checked_add(8).filter(|&e| e <= file_len).ok_or_else(|| {
-        err(
-            None,
-            format!("truncated: header length {n} runs past the end of the {file_len}-byte file"),
-        )
+        err(format!(
+            "truncated: header length {n} runs past the end of the {file_len}-byte file"
+        ))
     })?;
     let data_start = usize::try_from(data_start)
-        .map_err(|_| err(None, "header offset does not fit in memory".into()))?;
+        .map_err(|_| err("header offset does not fit in memory".into()))?;
     let json = prefix
         .get(8..data_start)
-        .ok_or_else(|| err(None, "header not fully read".into()))?;
-    let text = std::str::from_utf8(json)
-        .map_err(|e| err(None, format!("header is not valid UTF-8: {e}")))?;
+        .ok_or_else(|| err("header not fully read".into()))?;
+    let text =
+        std::str::from_utf8(json).map_err(|e| err(format!("header is not valid UTF-8: {e}")))?;
     let value: Value = serde_json::from_str(text.trim_end_matches(' '))
-        .map_err(|e| err(None, format!("header is not valid JSON: {e}")))?;
-    let obj = value
-        .as_object()
-        .ok_or_else(|| err(None, "header is not a JSON object".into()))?;
-    let data_len = file_len - data_start as u64;
-
-    let mut header = Header {
-        data_start,
-        ..Header::default()
-    };
-    for (name, entry) in obj {
-        if name == "__metadata__" {
-            let m = entry
-                .as_object()
-                .ok_or_else(|| err(None, "__metadata__ is not an object".into()))?;
-            for (k, v) in m {
-                let v = v.as_str().ok_or_else(|| {
-                    err(None, format!("__metadata__ value of '{k}' is not a string"))
-                })?;
-                header.metadata.insert(k.clone(), v.to_owned());
-            }
-            continue;
-        }
-        let t = Some(name.as_str());
-        let e = entry
-            .as_object()
-            .ok_or_else(|| err(t, "header entry is not an object".into()))?;
-        let dtype_s = e
-            .get("dtype")
-            .and_then(Value::as_str)
-            .ok_or_else(|| err(t, "missing 'dtype'".into()))?;
-        let dtype =
-            Dtype::parse(dtype_s).ok_or_else(|| err(t, format!("unknown dtype '{dtype_s}'")))?;
-        let shape = e
-            .get("shape")
-            .and_then(Value::as_array)
-            .ok_or_else(|| err(t, "missing 'shape'".into()))?
-            .iter()
-            .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
-            .collect::<Option<Vec<usize>>>()
-            .ok_or_else(|| err(t, "shape entries must be non-negative integers".into()))?;
-        let offs = e
-            .get("data_offsets")
-            .and_then(Value::as_array)
-            .filter(|a| a.len() == 2)
-            .ok_or_else(|| err(t, "'data_offsets' must be [begin, end]".into()))?;
-        let begin = offs[0].as_u64();
-        let end = offs[1].as_u64();
-        let (begin, end) = match (begin, end) {
-            (Some(b), Some(e)) if b <= e && e <= data_len => (b, e),
-            _ => {
-                return Err(err(
-                    t,
-                    format!(
-                        "data_offsets {} {} out of range of the {data_len}-byte data buffer",
-                        offs[0], offs[1]
-                    ),
-                ))
-            }
-        };
-        let nbytes = shape
-            .iter()
-            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| err(t, format!("shape {shape:?} overflows")))?;
-        if nbytes as u64 != end - begin {
-            return Err(err(
-                t,
-                format!(
-                    "shape {shape:?} of {dtype} needs {nbytes} bytes but data_offsets span {}",
-                    end - begin
-                ),
-            ));
-        }
-        // Both fit: end ≤ data_len and data_start + data_len = file_len.
-        let start = data_start
-            .checked_add(usize::try_from(begin).map_err(|_| err(t, "offset too large".into()))?)
-            .ok_or_else(|| err(t, "offset overflows".into()))?;
-        let stop = start
-            .checked_add(nbytes)
-            .ok_or_else(|| err(t, "offset overflows".into()))?;
-        header.tensors.push(RawTensor {
-            name: name.clone(),
-            dtype,
-            shape,
-            start,
-            end: stop,
-        });
+        .map_err(|e| err(format!("header is not valid JSON: {e}")))?;
+    match value {
+        Value::Object(obj) => Ok((data_start, obj)),
+        _ => Err(err("header is not a JSON object".into())),
     }
-    // Overlap check in offset order (zero-length tensors cannot overlap anything).
-    let mut order: Vec<&RawTensor> = header.tensors.iter().filter(|t| !t.is_empty()).collect();
+}
+
+/// Copy the `__metadata__` entry's string values into `metadata`.
+fn read_metadata(
+    file: &Path,
+    entry: &Value,
+    metadata: &mut BTreeMap<String, String>,
+) -> Result<()> {
+    let err = |msg: String| Error::container(file, None, msg);
+    let m = entry
+        .as_object()
+        .ok_or_else(|| err("__metadata__ is not an object".into()))?;
+    for (k, v) in m {
+        let v = v
+            .as_str()
+            .ok_or_else(|| err(format!("__metadata__ value of '{k}' is not a string")))?;
+        metadata.insert(k.clone(), v.to_owned());
+    }
+    Ok(())
+}
+
+/// One tensor's header entry: a known dtype, a shape whose bytes equal its `data_offsets`'
+/// span, and offsets inside the `data_len`-byte buffer at `data_start`.
+fn tensor_entry(
+    file: &Path,
+    name: &str,
+    entry: &Value,
+    data_start: usize,
+    data_len: u64,
+) -> Result<RawTensor> {
+    let err = |msg: String| Error::container(file, Some(name), msg);
+    let e = entry
+        .as_object()
+        .ok_or_else(|| err("header entry is not an object".into()))?;
+    let dtype_s = e
+        .get("dtype")
+        .and_then(Value::as_str)
+        .ok_or_else(|| err("missing 'dtype'".into()))?;
+    let dtype = Dtype::parse(dtype_s).ok_or_else(|| err(format!("unknown dtype '{dtype_s}'")))?;
+    let shape = e
+        .get("shape")
+        .and_then(Value::as_array)
+        .ok_or_else(|| err("missing 'shape'".into()))?
+        .iter()
+        .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+        .collect::<Option<Vec<usize>>>()
+        .ok_or_else(|| err("shape entries must be non-negative integers".into()))?;
+    let offs = e
+        .get("data_offsets")
+        .and_then(Value::as_array)
+        .filter(|a| a.len() == 2)
+        .ok_or_else(|| err("'data_offsets' must be [begin, end]".into()))?;
+    let (begin, end) = match (offs[0].as_u64(), offs[1].as_u64()) {
+        (Some(b), Some(e)) if b <= e && e <= data_len => (b, e),
+        _ => {
+            return Err(err(format!(
+                "data_offsets {} {} out of range of the {data_len}-byte data buffer",
+                offs[0], offs[1]
+            )))
+        }
+    };
+    let nbytes = shape
+        .iter()
+        .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| err(format!("shape {shape:?} overflows")))?;
+    if nbytes as u64 != end - begin {
+        return Err(err(format!(
+            "shape {shape:?} of {dtype} needs {nbytes} bytes but data_offsets span {}",
+            end - begin
+        )));
+    }
+    // Both fit: end ≤ data_len and data_start + data_len = file_len.
+    let start = data_start
+        .checked_add(usize::try_from(begin).map_err(|_| err("offset too large".into()))?)
+        .ok_or_else(|| err("offset overflows".into()))?;
+    let stop = start
+        .checked_add(nbytes)
+        .ok_or_else(|| err("offset overflows".into()))?;
+    Ok(RawTensor {
+        name: name.to_owned(),
+        dtype,
+        shape,
+        start,
+        end: stop,
+    })
+}
+
+/// No two tensors' bytes overlap (checked in offset order; zero-length tensors cannot
+/// overlap anything).
+fn check_no_overlap(file: &Path, tensors: &[RawTensor]) -> Result<()> {
+    let mut order: Vec<&RawTensor> = tensors.iter().filter(|t| !t.is_empty()).collect();
     order.sort_by_key(|t| (t.start, t.end));
     for pair in order.windows(2) {
         if pair[1].start < pair[0].end {
-            return Err(err(
+            return Err(Error::container(
+                file,
                 Some(&pair[1].name),
                 format!(
                     "data overlaps tensor '{}' (bytes {}..{} vs {}..{})",
@@ -267,8 +297,7 @@ pub fn parse_header(file: &Path, prefix: &[u8], file_len: u64) -> Result<Header>
             ));
         }
     }
-    header.tensors.sort_by_key(|t| t.start);
-    Ok(header)
+    Ok(())
 }
 
 /// One tensor to be written: name, dtype, shape and its byte length.

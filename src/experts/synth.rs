@@ -193,6 +193,16 @@ impl Rng {
     }
 }
 
+/// (rows, cols) of an expert's gate, up and down projections, in that order.
+type ExpertShapes = [(Proj, usize, usize); 3];
+
+/// Which bytes a shard's tensor holds: `None` for the misalignment pad, else
+/// (layer, expert, which) with which = 2·projection + is_scales.
+type TensorFill = Option<(usize, usize, usize)>;
+
+/// Each (layer, expert)'s byte ranges in one shard, in tensor order.
+type ExpertRanges = BTreeMap<(usize, usize), Vec<ByteRange>>;
+
 /// Write `config.json` and the expert shards into `dir` (created if needed). Returns the
 /// table of where every expert is.
 pub fn write(dir: &Path, spec: &SynthSpec) -> Result<StaticSource> {
@@ -206,7 +216,7 @@ pub fn write(dir: &Path, spec: &SynthSpec) -> Result<StaticSource> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let cfg_path = dir.join("config.json");
     std::fs::write(&cfg_path, spec.config_json()).map_err(|e| Error::io(&cfg_path, e))?;
-    let shapes = [
+    let shapes: ExpertShapes = [
         (Proj::Gate, spec.moe_intermediate, spec.hidden),
         (Proj::Up, spec.moe_intermediate, spec.hidden),
         (Proj::Down, spec.hidden, spec.moe_intermediate),
@@ -221,115 +231,13 @@ pub fn write(dir: &Path, spec: &SynthSpec) -> Result<StaticSource> {
     let mut fp = fnv1a(spec.config_json().as_bytes(), FNV_OFFSET);
     for (si, chunk) in all.chunks(spec.experts_per_shard.max(1)).enumerate() {
         let path: PathBuf = dir.join(format!("experts-{si:05}.safetensors"));
-        // Tensor list: (spec, (layer, expert, which)), which = 2·proj + is_scales.
-        let mut specs = Vec::new();
-        let mut gen = Vec::new();
-        if spec.misalign {
-            specs.push(TensorSpec {
-                name: "colibri.synthetic.pad".into(),
-                dtype: Dtype::U8,
-                shape: vec![2],
-            });
-            gen.push(None);
-        }
-        for &(l, e) in chunk {
-            for (p, (proj, rows, cols)) in shapes.iter().enumerate() {
-                let name = expert_tensor_name(l, e, *proj);
-                let nbytes = f.data_bytes(*rows, *cols).unwrap_or(0);
-                let nscales = f.scale_count(*rows, *cols).unwrap_or(0);
-                specs.push(TensorSpec {
-                    name: name.clone(),
-                    dtype: Dtype::U8,
-                    shape: vec![nbytes],
-                });
-                gen.push(Some((l, e, 2 * p)));
-                specs.push(TensorSpec {
-                    name: format!("{name}{SCALES_SUFFIX}"),
-                    dtype: Dtype::F32,
-                    shape: vec![nscales],
-                });
-                gen.push(Some((l, e, 2 * p + 1)));
-            }
-        }
-        let mut meta = BTreeMap::new();
-        meta.insert("format".to_string(), "pt".to_string());
-        meta.insert(
-            crate::container::FORMAT_VERSION_KEY.to_string(),
-            crate::container::FORMAT_VERSION.to_string(),
-        );
-        for s in &specs {
-            if s.dtype == Dtype::U8 && !s.name.starts_with("colibri.") {
-                meta.insert(s.name.clone(), f.name());
-            }
-        }
-        let header = write_header(&specs, &meta);
-        let file = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
-        let mut w = std::io::BufWriter::with_capacity(8 << 20, file);
-        w.write_all(&header).map_err(|e| Error::io(&path, e))?;
-        let mut offset = header.len() as u64;
-        let mut buf = Vec::new();
-        let mut locs: BTreeMap<(usize, usize), Vec<ByteRange>> = BTreeMap::new();
-        let file_idx = files.len();
-        for (s, g) in specs.iter().zip(&gen) {
-            let n = s.nbytes();
-            buf.resize(n, 0);
-            match g {
-                None => buf.fill(0),
-                Some((l, e, which)) => {
-                    let mut rng = Rng::new(spec.seed, *l, *e, *which);
-                    if which % 2 == 0 {
-                        rng.fill(&mut buf);
-                    } else {
-                        rng.fill_scales(&mut buf);
-                    }
-                    locs.entry((*l, *e)).or_default().push(ByteRange {
-                        file: file_idx,
-                        offset,
-                        len: n as u64,
-                    });
-                }
-            }
-            w.write_all(&buf).map_err(|e| Error::io(&path, e))?;
-            offset += n as u64;
-        }
-        let file = w
-            .into_inner()
-            .map_err(|e| Error::io(&path, e.into_error()))?;
-        // Durable and clean, so cold-cache benches can drop the pages (DONTNEED skips dirty ones).
-        file.sync_all().map_err(|e| Error::io(&path, e))?;
-        fp = fnv1a(&offset.to_le_bytes(), fp);
+        let (specs, fills) = shard_tensors(spec, chunk, &shapes);
+        let (size, locs) = write_shard(&path, spec, &specs, &fills, files.len())?;
+        fp = fnv1a(&size.to_le_bytes(), fp);
         for ((l, e), r) in locs {
-            let m = |i: usize, name: String, rows: usize, cols: usize| MatrixLoc {
-                name,
-                format: f,
-                rows,
-                cols,
-                data: r[2 * i],
-                scales: Some(r[2 * i + 1]),
-            };
-            let loc = ExpertLoc {
-                gate: m(
-                    0,
-                    expert_tensor_name(l, e, Proj::Gate),
-                    shapes[0].1,
-                    shapes[0].2,
-                ),
-                up: m(
-                    1,
-                    expert_tensor_name(l, e, Proj::Up),
-                    shapes[1].1,
-                    shapes[1].2,
-                ),
-                down: m(
-                    2,
-                    expert_tensor_name(l, e, Proj::Down),
-                    shapes[2].1,
-                    shapes[2].2,
-                ),
-            };
             let v = layers.entry(l).or_default();
             debug_assert_eq!(v.len(), e);
-            v.push(loc);
+            v.push(expert_loc(l, e, &r, f, &shapes));
         }
         files.push(path);
     }
@@ -344,6 +252,135 @@ pub fn write(dir: &Path, spec: &SynthSpec) -> Result<StaticSource> {
         num_layers: spec.num_hidden_layers + usize::from(spec.mtp),
         layers,
     })
+}
+
+/// The tensors of one shard holding `chunk`'s (layer, expert) pairs: each projection's
+/// packed data and its scales, after a 2-byte pad when the spec asks for misalignment.
+fn shard_tensors(
+    spec: &SynthSpec,
+    chunk: &[(usize, usize)],
+    shapes: &ExpertShapes,
+) -> (Vec<TensorSpec>, Vec<TensorFill>) {
+    let f = spec.format;
+    let mut specs = Vec::new();
+    let mut fills = Vec::new();
+    if spec.misalign {
+        specs.push(TensorSpec {
+            name: "colibri.synthetic.pad".into(),
+            dtype: Dtype::U8,
+            shape: vec![2],
+        });
+        fills.push(None);
+    }
+    for &(l, e) in chunk {
+        for (p, (proj, rows, cols)) in shapes.iter().enumerate() {
+            let name = expert_tensor_name(l, e, *proj);
+            let nbytes = f.data_bytes(*rows, *cols).unwrap_or(0);
+            let nscales = f.scale_count(*rows, *cols).unwrap_or(0);
+            specs.push(TensorSpec {
+                name: name.clone(),
+                dtype: Dtype::U8,
+                shape: vec![nbytes],
+            });
+            fills.push(Some((l, e, 2 * p)));
+            specs.push(TensorSpec {
+                name: format!("{name}{SCALES_SUFFIX}"),
+                dtype: Dtype::F32,
+                shape: vec![nscales],
+            });
+            fills.push(Some((l, e, 2 * p + 1)));
+        }
+    }
+    (specs, fills)
+}
+
+/// The shard header's metadata: the container format version, and each packed tensor's
+/// quantisation format.
+fn shard_metadata(specs: &[TensorSpec], f: QuantFormat) -> BTreeMap<String, String> {
+    let mut meta = BTreeMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    meta.insert(
+        crate::container::FORMAT_VERSION_KEY.to_string(),
+        crate::container::FORMAT_VERSION.to_string(),
+    );
+    for s in specs {
+        if s.dtype == Dtype::U8 && !s.name.starts_with("colibri.") {
+            meta.insert(s.name.clone(), f.name());
+        }
+    }
+    meta
+}
+
+/// Write one shard: the header, then every tensor's seeded bytes, synced to disk. Returns the
+/// file's size and each expert's byte ranges (gate, gate scales, up, …, in tensor order).
+fn write_shard(
+    path: &Path,
+    spec: &SynthSpec,
+    specs: &[TensorSpec],
+    fills: &[TensorFill],
+    file_idx: usize,
+) -> Result<(u64, ExpertRanges)> {
+    let header = write_header(specs, &shard_metadata(specs, spec.format));
+    let file = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
+    let mut w = std::io::BufWriter::with_capacity(8 << 20, file);
+    w.write_all(&header).map_err(|e| Error::io(path, e))?;
+    let mut offset = header.len() as u64;
+    let mut buf = Vec::new();
+    let mut locs = ExpertRanges::new();
+    for (s, g) in specs.iter().zip(fills) {
+        let n = s.nbytes();
+        buf.resize(n, 0);
+        match g {
+            None => buf.fill(0),
+            Some((l, e, which)) => {
+                let mut rng = Rng::new(spec.seed, *l, *e, *which);
+                if which % 2 == 0 {
+                    rng.fill(&mut buf);
+                } else {
+                    rng.fill_scales(&mut buf);
+                }
+                locs.entry((*l, *e)).or_default().push(ByteRange {
+                    file: file_idx,
+                    offset,
+                    len: n as u64,
+                });
+            }
+        }
+        w.write_all(&buf).map_err(|e| Error::io(path, e))?;
+        offset += n as u64;
+    }
+    let file = w
+        .into_inner()
+        .map_err(|e| Error::io(path, e.into_error()))?;
+    // Durable and clean, so cold-cache benches can drop the pages (DONTNEED skips dirty ones).
+    file.sync_all().map_err(|e| Error::io(path, e))?;
+    Ok((offset, locs))
+}
+
+/// Where expert `e` of layer `l` is, from its six byte ranges in tensor order.
+fn expert_loc(
+    l: usize,
+    e: usize,
+    r: &[ByteRange],
+    f: QuantFormat,
+    shapes: &ExpertShapes,
+) -> ExpertLoc {
+    let m = |i: usize| {
+        let (proj, rows, cols) = shapes[i];
+        MatrixLoc {
+            name: expert_tensor_name(l, e, proj),
+            format: f,
+            rows,
+            cols,
+            data: r[2 * i],
+            scales: Some(r[2 * i + 1]),
+        }
+    };
+    ExpertLoc {
+        gate: m(0),
+        up: m(1),
+        down: m(2),
+    }
 }
 
 /// Standard normal samples (Box-Muller on the splitmix stream).

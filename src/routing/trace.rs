@@ -236,7 +236,8 @@ impl Trace {
 
     /// Read the trace at `path`.
     pub fn load(path: &Path) -> Result<Self> {
-        let f = std::fs::File::open(path).map_err(|e| Error::io(path.to_path_buf(), e))?;
+        let f = crate::container::regular_file::open_read(path)
+            .map_err(|e| Error::io(path.to_path_buf(), e))?;
         Self::read(&mut std::io::BufReader::new(f), &path.display().to_string())
     }
 }

@@ -294,6 +294,19 @@ impl Moe {
         pool: Option<&rayon::ThreadPool>,
         shared_out: Option<Vec<f32>>,
     ) -> Result<Vec<f32>> {
+        self.forward_routed(h, s, experts, pool, shared_out)
+            .map(|(out, _)| out)
+    }
+
+    /// [`forward`](Self::forward), also returning each row's routing.
+    pub fn forward_routed(
+        &self,
+        h: &[f32],
+        s: usize,
+        experts: &dyn ExpertProvider,
+        pool: Option<&rayon::ThreadPool>,
+        shared_out: Option<Vec<f32>>,
+    ) -> Result<(Vec<f32>, Vec<Routing>)> {
         let hidden = h.len() / s.max(1);
         let routing = self.router.route(h, s, self.router.top_k, pool)?;
         let mut union: Vec<usize> = routing.iter().flat_map(|r| r.ids.iter().copied()).collect();
@@ -381,7 +394,7 @@ impl Moe {
                 *a += b;
             }
         }
-        Ok(out)
+        Ok((out, routing))
     }
 
     /// The shared experts' output for `h` ([s, hidden]); `None` without shared experts.

@@ -700,6 +700,7 @@ fn engine_options(a: &EngineArgs<'_>) -> crate::Result<EngineOptions> {
         max_context: a.max_context,
         idle_session_bytes: a.idle_session_bytes,
         spill_dir: a.spill_dir.clone(),
+        trace_routing: None,
         prefill: EngineOptions::parse_prefill(a.prefill)?,
         load_progress: None,
     })

@@ -109,6 +109,7 @@ def test_a_model_with_no_options_opens_the_engine_with_its_defaults() -> None:
         "spill_dir": None,
         "prefill": "auto",
         "load_progress": None,
+        "trace_routing": None,
     }
     model = inspect.signature(colibri.Model).parameters
     shared = set(model) & set(engine)

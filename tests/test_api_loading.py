@@ -121,6 +121,25 @@ def test_a_fifo_named_like_a_shard_is_a_container_error_not_a_wait(tmp_path: Pat
     assert "no *.safetensors shards" in run.stdout, run.stdout
 
 
+def test_trace_routing_writes_a_trace_of_every_forward(tmp_path: Path) -> None:
+    """``Model(trace_routing=FILE)``: a routing trace in the replay's format, one row per
+    prompt token, one decode row per decode forward; the text is the untraced one."""
+    path = tmp_path / "trace.jsonl"
+    kwargs: dict[str, Any] = {"max_new_tokens": 6, "temperature": 0, "draft": "off"}
+    plain = colibri.Model(threads=1).generate([5, 6, 7, 8], **kwargs)
+    m = colibri.Model(threads=1, trace_routing=path)
+    traced = m.generate([5, 6, 7, 8], **kwargs)
+    m.close()
+    assert traced.token_ids == plain.token_ids
+    header, *rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert header["format"] == "colibri-routing-trace" and header["version"] == 1
+    assert header["experts"] == m.config["n_routed_experts"]
+    kinds = [r["kind"] for r in rows]
+    assert kinds == ["prompt"] * 4 + ["decode"] * traced.stats.decode_forwards, kinds
+    assert all(len(r["experts"]) == len(header["layers"]) for r in rows)
+    assert all(len(ids) == header["top_k"] for r in rows for ids in r["experts"])
+
+
 def test_tokenizer_property(model: colibri.Model) -> None:
     assert isinstance(model.tokenizer, Tokenizer)
     ids = model.encode("héllo")

@@ -92,7 +92,8 @@ pub struct EngineOptions {
     /// default cache directory; the system temporary directory when there is none).
     pub spill_dir: Option<PathBuf>,
     /// Write every forward's routing to this file as a routing trace (JSON lines,
-    /// docs/expert-store.md), for `colibri plan --trace` and the replay; `None` = off.
+    /// docs/expert-store.md), which the replay reads (`tools/replay_routing.rs --trace`);
+    /// `None` = off.
     pub trace_routing: Option<PathBuf>,
     /// Told the load's progress (bytes of resident weights read, bytes to read) after each
     /// tensor; the last call has both equal. The total before it is the container's

@@ -109,7 +109,7 @@ fn json_to_py<'py, T: serde::Serialize>(py: Python<'py>, v: &T) -> PyResult<Boun
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, cache_dir=None, pin="auto", resident_layers=None, max_context=None, idle_session_bytes=None, spill_dir=None, prefill="auto", load_progress=None))]
+    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, cache_dir=None, pin="auto", resident_layers=None, max_context=None, idle_session_bytes=None, spill_dir=None, prefill="auto", load_progress=None, trace_routing=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -129,6 +129,7 @@ impl PyEngine {
         spill_dir: Option<PathBuf>,
         prefill: &str,
         load_progress: Option<Py<PyAny>>,
+        trace_routing: Option<PathBuf>,
     ) -> PyResult<Self> {
         // Told after each resident tensor: checks for Ctrl-C (a long load stops within a
         // tensor) and calls the caller's callback; an error of either stops the open.
@@ -168,6 +169,7 @@ impl PyEngine {
             idle_session_bytes,
             spill_dir,
             prefill,
+            trace_routing,
         })
         .map_err(to_py_err)?;
         opts.load_progress = Some(report);
@@ -682,6 +684,7 @@ struct EngineArgs<'a> {
     idle_session_bytes: Option<u64>,
     spill_dir: Option<PathBuf>,
     prefill: &'a str,
+    trace_routing: Option<PathBuf>,
 }
 
 /// The engine's options of `Engine(...)`'s arguments ("auto" and 0 mean the engine decides).
@@ -700,7 +703,7 @@ fn engine_options(a: &EngineArgs<'_>) -> crate::Result<EngineOptions> {
         max_context: a.max_context,
         idle_session_bytes: a.idle_session_bytes,
         spill_dir: a.spill_dir.clone(),
-        trace_routing: None,
+        trace_routing: a.trace_routing.clone(),
         prefill: EngineOptions::parse_prefill(a.prefill)?,
         load_progress: None,
     })
@@ -730,6 +733,7 @@ mod tests {
             idle_session_bytes: None,
             spill_dir: None,
             prefill: "auto",
+            trace_routing: None,
         };
         let got = engine_options(&no_options).unwrap();
         assert_eq!(

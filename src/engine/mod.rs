@@ -103,7 +103,7 @@ fn routing_trace_writer(model: &Model, path: &Path) -> Result<RoutingTraceWriter
         .filter(|&l| cfg.is_moe_layer(l))
         .collect();
     let mtp_layer = cfg.mtp_layer_index().filter(|_| model.has_mtp());
-    let header = RoutingTraceWriter::header(
+    let header = crate::routing::TraceHeader::new(
         layers,
         cfg.n_routed_experts,
         cfg.num_experts_per_tok,

@@ -18,7 +18,7 @@ use std::sync::Mutex;
 use crate::diagnostics::warn_once;
 use crate::error::{Error, Result};
 use crate::model::{ForwardKind, RoutedRows, RoutingSink};
-use crate::routing::trace::{Row, RowKind, TraceHeader, TRACE_FORMAT, TRACE_VERSION};
+use crate::routing::trace::{Row, RowKind, TraceHeader};
 
 /// Writes the routing trace of every forward it is told of ([`RoutingSink`]).
 pub struct RoutingTraceWriter {
@@ -58,24 +58,6 @@ impl RoutingTraceWriter {
                 pending: Vec::new(),
             }),
         })
-    }
-
-    /// The header of a model's trace: its MoE layers, routed experts, top-k and (when its
-    /// MTP head is loaded) the MTP layer.
-    pub fn header(
-        layers: Vec<usize>,
-        experts: usize,
-        top_k: usize,
-        mtp_layer: Option<usize>,
-    ) -> TraceHeader {
-        TraceHeader {
-            format: TRACE_FORMAT.into(),
-            version: TRACE_VERSION,
-            layers,
-            experts,
-            top_k,
-            mtp_layer,
-        }
     }
 
     pub fn path(&self) -> &Path {

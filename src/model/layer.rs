@@ -105,7 +105,7 @@ impl Layer {
             (Ffn::Dense(_), Some(y)) => (y, None),
             (Ffn::Dense(mlp), None) => (mlp.forward(&h, s, pool)?, None),
             (Ffn::Moe(moe), resident) => {
-                let (y, routing) = moe.forward_routed(&h, s, experts, pool, resident)?;
+                let (y, routing) = moe.forward(&h, s, experts, pool, resident)?;
                 (y, Some(routing))
             }
         };

@@ -285,21 +285,9 @@ impl Moe {
     /// result does not depend on the order experts arrive in).
     ///
     /// `shared_out` is the shared experts' output for `h` when the caller already computed it
-    /// (the router lookahead uses it); it is computed here otherwise.
+    /// (the router lookahead uses it); it is computed here otherwise. Returns the output and
+    /// each row's routing.
     pub fn forward(
-        &self,
-        h: &[f32],
-        s: usize,
-        experts: &dyn ExpertProvider,
-        pool: Option<&rayon::ThreadPool>,
-        shared_out: Option<Vec<f32>>,
-    ) -> Result<Vec<f32>> {
-        self.forward_routed(h, s, experts, pool, shared_out)
-            .map(|(out, _)| out)
-    }
-
-    /// [`forward`](Self::forward), also returning each row's routing.
-    pub fn forward_routed(
         &self,
         h: &[f32],
         s: usize,

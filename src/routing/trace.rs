@@ -89,17 +89,25 @@ pub struct Forward {
     pub end: usize,
 }
 
+impl TraceHeader {
+    /// The header of this format's version for a model of these MoE layers, routed experts
+    /// per layer, top-k and (when traced) MTP layer.
+    pub fn new(layers: Vec<usize>, experts: usize, top_k: usize, mtp_layer: Option<usize>) -> Self {
+        TraceHeader {
+            format: TRACE_FORMAT.into(),
+            version: TRACE_VERSION,
+            layers,
+            experts,
+            top_k,
+            mtp_layer,
+        }
+    }
+}
+
 impl Trace {
     pub fn new(layers: Vec<usize>, experts: usize, top_k: usize, mtp_layer: Option<usize>) -> Self {
         Trace {
-            header: TraceHeader {
-                format: TRACE_FORMAT.into(),
-                version: TRACE_VERSION,
-                layers,
-                experts,
-                top_k,
-                mtp_layer,
-            },
+            header: TraceHeader::new(layers, experts, top_k, mtp_layer),
             rows: Vec::new(),
         }
     }

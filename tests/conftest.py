@@ -7,18 +7,29 @@ the fixture's vocabulary of 256 lines up), a ``tokenizer_config.json`` with a ch
 and an EOS token, and a ``generation_config.json``. The model's output is random bytes,
 which is what the UTF-8-safe streaming tests want: random bytes form incomplete and invalid
 multi-byte sequences.
+
+Also shared by the test modules split by topic: ``_python_sigint_handler`` (every
+``test_api_*`` module uses it for all its tests) and the module-scoped ``server``, ``client``
+and ``local`` of the ``test_serve*`` modules (a live ``colibri serve``, tests/helpers/serve.py).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+
+if TYPE_CHECKING:
+    import colibri
+    import openai
+    from helpers.serve import Live
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -116,3 +127,41 @@ def model(test_model_dir: Path) -> Iterator[object]:
 def golden_a() -> dict[str, np.ndarray]:
     """The transformers goldens of ``dsv3_a`` (see docs/fixtures.md)."""
     return load_file(str(FIXTURES / "dsv3_a" / "golden.safetensors"))
+
+
+@pytest.fixture
+def _python_sigint_handler() -> Iterator[None]:
+    """Python's own Ctrl-C handler, as in an interactive session. A process started in the
+    background (CI, nohup) inherits SIGINT ignored, and Python then keeps it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Live]:
+    """A live ``colibri serve`` of the embedded model, one per test module."""
+    from helpers.serve import start_server, stop_server
+
+    # The lookahead on (the tiny model fits any budget, which turns "auto" off): the
+    # dashboard and metrics show its recall.
+    live = start_server(
+        "--max-queue", "3", "--sessions", "4", "--max-batch", "2", "--prefetch", "real"
+    )
+    yield live
+    stop_server(live)
+
+
+@pytest.fixture(scope="module")
+def client(server: Live) -> openai.OpenAI:
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def local() -> colibri.Model:
+    """The same model in this process: what the server's answers must equal."""
+    import colibri
+
+    return colibri.Model(threads=2)

@@ -283,8 +283,8 @@ def fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point."""
+def _parser() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", type=Path, help="a stand-in (tools/make_standin.py)")
     ap.add_argument(
@@ -327,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--io-threads", type=int, default=4, help="the store's demand threads")
     ap.add_argument("--jsonl", type=Path, default=None, help="append every run here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.runs < 1 or args.tokens < 2:
         ap.error("--runs must be >= 1 and --tokens >= 2")
@@ -347,18 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     main_layers = [layer for layer in layers if layer < mtp_layer]
     total = expert_bytes * cfg["n_routed_experts"] * len(main_layers)
     resident = [mtp_layer] if args.pin_mtp and mtp_layer in layers else []
-    grid = itertools.product(args.budgets, args.drafts, args.prefetch, args.pins)
-    if args.cells:
-        grid = (_parse_cell(c, ap) for c in args.cells)  # type: ignore[assignment]
-    cells = [
-        {"budget": b, "draft": d, "prefetch": p, "pins": pin}
-        for b, d, p, pin in grid
-        if not (pin == "learned" and b == 0)  # no budget, no pins
-    ]
-    if not any(c["pins"] == "learned" for c in cells):
-        args.pins = [p for p in args.pins if p != "learned"]
-    elif "learned" not in args.pins:
-        args.pins = [*args.pins, "learned"]
+    cells = _cells(args, ap)
     learned_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"colibri-learned-{os.getpid()}.json"
     relative = Path("unused")
     same = args.learn_workload == "same"
@@ -375,6 +370,52 @@ def main(argv: list[str] | None = None) -> int:
         f"io {args.io}; prompt {len(ids)} tokens, {args.tokens} new",
         file=sys.stderr,
     )
+    results, bandwidths = _run_rounds(model, ids, cells, args, total, expert_bytes, resident, usage)
+    learned_file.unlink(missing_ok=True)
+    bw = statistics.median(bandwidths)
+    print(
+        f"\ndisk bandwidth (random {expert_bytes / 1e6:.1f} MB O_DIRECT reads, "
+        f"{args.io_threads} threads): median {bw / 1e9:.2f} GB/s "
+        f"(rounds: {', '.join(f'{b / 1e9:.2f}' for b in bandwidths)})"
+    )
+    print("MTP layer: " + ("resident (proportional table)" if resident else "streamed (naive)"))
+    if "learned" in args.pins:
+        print(f"learned pins: taught by {kind}")
+    _print_table(cells, results, bw)
+    return 0
+
+
+def _cells(args: argparse.Namespace, ap: argparse.ArgumentParser) -> list[dict[str, Any]]:
+    """The cells to run (``--cells``, else the grid; none with pins and no budget), and
+    ``args.pins`` made to say whether any of them learns pins."""
+    grid = itertools.product(args.budgets, args.drafts, args.prefetch, args.pins)
+    if args.cells:
+        grid = (_parse_cell(c, ap) for c in args.cells)  # type: ignore[assignment]
+    cells = [
+        {"budget": b, "draft": d, "prefetch": p, "pins": pin}
+        for b, d, p, pin in grid
+        if not (pin == "learned" and b == 0)  # no budget, no pins
+    ]
+    if not any(c["pins"] == "learned" for c in cells):
+        args.pins = [p for p in args.pins if p != "learned"]
+    elif "learned" not in args.pins:
+        args.pins = [*args.pins, "learned"]
+    return cells
+
+
+def _run_rounds(
+    model: Path,
+    ids: list[int],
+    cells: list[dict[str, Any]],
+    args: argparse.Namespace,
+    total: int,
+    expert_bytes: int,
+    resident: list[int],
+    usage: UsageFile,
+) -> tuple[dict[int, list[dict[str, Any]]], list[float]]:
+    """``--runs`` rounds of every cell, each after a measurement of the disk: the runs of
+    each cell (by its index) and the disk bandwidth of each round. Exits when a cell's
+    greedy tokens differ from the first run's."""
     results: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(cells))}
     bandwidths = []
     reference: list[int] | None = None
@@ -398,16 +439,14 @@ def main(argv: list[str] | None = None) -> int:
                 with args.jsonl.open("a") as f:
                     f.write(json.dumps(res) + "\n")
             print(f"  {cell}: {res['tok_s']:.2f} tok/s", file=sys.stderr)
-    learned_file.unlink(missing_ok=True)
-    bw = statistics.median(bandwidths)
-    print(
-        f"\ndisk bandwidth (random {expert_bytes / 1e6:.1f} MB O_DIRECT reads, "
-        f"{args.io_threads} threads): median {bw / 1e9:.2f} GB/s "
-        f"(rounds: {', '.join(f'{b / 1e9:.2f}' for b in bandwidths)})"
-    )
-    print("MTP layer: " + ("resident (proportional table)" if resident else "streamed (naive)"))
-    if "learned" in args.pins:
-        print(f"learned pins: taught by {kind}")
+    return results, bandwidths
+
+
+def _print_table(
+    cells: list[dict[str, Any]], results: dict[int, list[dict[str, Any]]], bw: float
+) -> None:
+    """The markdown table: each cell's medians, its speed-up over the cell without draft and
+    prefetch, and the tok/s the disk's bandwidth ``bw`` allows for the bytes it reads."""
     print(
         "\n| budget | draft | prefetch | pins | tok/s | x plain | tok/fwd | loads/tok | MB/tok "
         "| wait ms/tok | compute ms/tok | hit rate | recall | precision | store GB/s "
@@ -435,7 +474,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{fmt(m('hit_rate'))} | {fmt(m('recall'))} | {fmt(m('precision'))} | "
             f"{fmt(m('store_gb_s'))} | {fmt(ceiling)} |"
         )
-    return 0
 
 
 def _expert_bytes(model: Path, cfg: dict[str, Any]) -> int:

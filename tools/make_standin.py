@@ -41,6 +41,7 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -197,8 +198,8 @@ def write_shard(
     tmp.replace(path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point."""
+def _parser() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("src", type=Path, help="a colibri container (e.g. the shipped tiny model)")
     ap.add_argument("dst", type=Path, help="output directory (created; must not exist)")
@@ -225,13 +226,53 @@ def main(argv: list[str] | None = None) -> int:
         "one layer of this shallow model: the naive stand-in)",
     )
     ap.add_argument("-q", "--quiet", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = _parser().parse_args(argv)
 
     cfg = json.loads((args.src / "config.json").read_text())
     hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    main_layers = cfg["num_hidden_layers"]
     tensors = list_tensors(args.src)
-    by_name = {t.name: t for t in tensors}
+    probe_fmt, new_inter = _padded_intermediate(args, cfg, tensors)
+    if args.dst.exists():
+        raise SystemExit(f"error: {args.dst} exists; choose a new directory")
+    args.dst.mkdir(parents=True)
+
+    total = _write_shards(args, cfg, tensors, new_inter)
+    if args.mtp == "keep" and cfg.get("num_nextn_predict_layers", 0):
+        cfg["colibri_mtp_moe_intermediate_size"] = cfg.get(
+            "colibri_mtp_moe_intermediate_size", inter
+        )
+    cfg["moe_intermediate_size"] = new_inter
+    (args.dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for name in SIDECARS:
+        if (args.src / name).exists():
+            shutil.copy2(args.src / name, args.dst / name)
+    per_expert = expert_bytes(probe_fmt, hidden, new_inter)
+    print(
+        json.dumps(
+            {
+                "moe_intermediate_size": new_inter,
+                "expert_bytes": per_expert,
+                "total_bytes": total,
+                "dst": str(args.dst),
+            }
+        )
+    )
+    return 0
+
+
+def _padded_intermediate(
+    args: argparse.Namespace, cfg: dict[str, Any], tensors: list[Tensor]
+) -> tuple[str, int]:
+    """The format of a main layer's routed expert and the padded ``moe_intermediate_size``:
+    ``--intermediate``, else the smallest multiple-of-64 step that reaches
+    ``--expert-bytes``."""
+    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    main_layers = cfg["num_hidden_layers"]
     probe = next(
         (
             t
@@ -257,11 +298,15 @@ def main(argv: list[str] | None = None) -> int:
             f"error: the padded intermediate {new_inter} must be a multiple of 64 "
             f"and at least {inter}"
         )
-    if args.dst.exists():
-        raise SystemExit(f"error: {args.dst} exists; choose a new directory")
-    args.dst.mkdir(parents=True)
+    return probe.fmt, new_inter
 
-    # One output shard per layer (and one for the rest), each expert's tensors back to back.
+
+def _write_shards(
+    args: argparse.Namespace, cfg: dict[str, Any], tensors: list[Tensor], new_inter: int
+) -> int:
+    """Write the stand-in's shards under ``args.dst``: one per layer (and one for the rest),
+    each expert's tensors back to back. Returns their total bytes."""
+    by_name = {t.name: t for t in tensors}
     groups: dict[str, list[Tensor]] = {}
     for t in tensors:
         if t.name.endswith(".qs"):
@@ -271,74 +316,70 @@ def main(argv: list[str] | None = None) -> int:
     total = 0
     names = sorted(groups)
     for k, key in enumerate(names):
-        items: list[tuple[str, str, list[int], int, object]] = []
-        meta: dict[str, str] = {"colibri_format_version": "1"}
-        for t in groups[key]:
-            qs = by_name.get(t.name + ".qs")
-            m = EXPERT_RE.match(t.name)
-            if t.fmt:
-                meta[t.name] = t.fmt
-            mtp_layer = m is not None and int(m.group(1)) >= main_layers
-            if m and mtp_layer and args.mtp == "keep":
-                m = None  # copied as it is, below
-            if m and qs is not None and t.fmt:
-                factor = cfg.get("n_shared_experts", 1) if ".shared_experts." in t.name else 1
-                proj, fmt = m.group(2), t.fmt
-                padded: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-
-                def weight(t=t, qs=qs, proj=proj, fmt=fmt, factor=factor, padded=padded):
-                    padded["w"] = pad_weight(
-                        load(t),
-                        load(qs).view(np.float32),
-                        fmt,
-                        proj,
-                        hidden,
-                        inter * factor,
-                        new_inter * factor,
-                    )
-                    return padded["w"][0]
-
-                def scales(padded=padded):
-                    return padded.pop("w")[1].view(np.uint8)
-
-                n_w = padded_size(t, fmt, proj, False, inter, new_inter)
-                n_s = padded_size(qs, fmt, proj, True, inter, new_inter)
-                items.append((t.name, t.dtype, [n_w], n_w, weight))
-                items.append((qs.name, qs.dtype, [n_s // 4], n_s, scales))
-            elif m:
-                raise SystemExit(f"error: {t.name} is not a quantised colibri weight")
-            else:
-                items.append((t.name, t.dtype, t.shape, t.end - t.start, lambda t=t: load(t)))
-                if qs is not None:
-                    items.append(
-                        (qs.name, qs.dtype, qs.shape, qs.end - qs.start, lambda qs=qs: load(qs))
-                    )
+        items, meta = _shard_items(groups[key], by_name, cfg, args.mtp, new_inter)
         path = args.dst / f"model-{k + 1:05d}-of-{len(names):05d}.safetensors"
         write_shard(path, items, meta)
         total += path.stat().st_size
         if not args.quiet:
             print(f"{path.name}: {path.stat().st_size / 1e9:.2f} GB", file=sys.stderr)
-    if args.mtp == "keep" and cfg.get("num_nextn_predict_layers", 0):
-        cfg["colibri_mtp_moe_intermediate_size"] = cfg.get(
-            "colibri_mtp_moe_intermediate_size", inter
-        )
-    cfg["moe_intermediate_size"] = new_inter
-    (args.dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    for name in SIDECARS:
-        if (args.src / name).exists():
-            shutil.copy2(args.src / name, args.dst / name)
-    per_expert = expert_bytes(probe.fmt, hidden, new_inter)
-    print(
-        json.dumps(
-            {
-                "moe_intermediate_size": new_inter,
-                "expert_bytes": per_expert,
-                "total_bytes": total,
-                "dst": str(args.dst),
-            }
-        )
-    )
-    return 0
+    return total
+
+
+def _shard_items(
+    group: list[Tensor],
+    by_name: dict[str, Tensor],
+    cfg: dict[str, Any],
+    mtp: str,
+    new_inter: int,
+) -> tuple[list[tuple[str, str, list[int], int, object]], dict[str, str]]:
+    """The tensors of one output shard, as :func:`write_shard` takes them (the experts'
+    padded to ``new_inter``, the rest copied; each with its ``.qs`` scales), and the
+    shard's metadata."""
+    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    main_layers = cfg["num_hidden_layers"]
+    items: list[tuple[str, str, list[int], int, object]] = []
+    meta: dict[str, str] = {"colibri_format_version": "1"}
+    for t in group:
+        qs = by_name.get(t.name + ".qs")
+        m = EXPERT_RE.match(t.name)
+        if t.fmt:
+            meta[t.name] = t.fmt
+        mtp_layer = m is not None and int(m.group(1)) >= main_layers
+        if m and mtp_layer and mtp == "keep":
+            m = None  # copied as it is, below
+        if m and qs is not None and t.fmt:
+            factor = cfg.get("n_shared_experts", 1) if ".shared_experts." in t.name else 1
+            proj, fmt = m.group(2), t.fmt
+            padded: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+            def weight(t=t, qs=qs, proj=proj, fmt=fmt, factor=factor, padded=padded):
+                padded["w"] = pad_weight(
+                    load(t),
+                    load(qs).view(np.float32),
+                    fmt,
+                    proj,
+                    hidden,
+                    inter * factor,
+                    new_inter * factor,
+                )
+                return padded["w"][0]
+
+            def scales(padded=padded):
+                return padded.pop("w")[1].view(np.uint8)
+
+            n_w = padded_size(t, fmt, proj, False, inter, new_inter)
+            n_s = padded_size(qs, fmt, proj, True, inter, new_inter)
+            items.append((t.name, t.dtype, [n_w], n_w, weight))
+            items.append((qs.name, qs.dtype, [n_s // 4], n_s, scales))
+        elif m:
+            raise SystemExit(f"error: {t.name} is not a quantised colibri weight")
+        else:
+            items.append((t.name, t.dtype, t.shape, t.end - t.start, lambda t=t: load(t)))
+            if qs is not None:
+                items.append(
+                    (qs.name, qs.dtype, qs.shape, qs.end - qs.start, lambda qs=qs: load(qs))
+                )
+    return items, meta
 
 
 if __name__ == "__main__":

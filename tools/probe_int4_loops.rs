@@ -7,9 +7,10 @@
 //! pieces: what decode could use to approach the bandwidth) — and a plain streaming read of
 //! the same bytes. Each variant computes two weight rows per pass over 6,144 columns; the
 //! values are not checked against each other (the activation layouts differ), only timed.
-//! The AVX-512 and VNNI variants run where the CPU has them. docs/benchmarks.md ("Session
-//! 14" for AVX2, "Side by side on AMD EPYC Zen 4" for AVX-512, "What bounds exact decode in
-//! cache on Zen 4" for the repacked layout) has the figures.
+//! The AVX-512 and VNNI variants run where the CPU has them. docs/benchmarks-history.md
+//! ("AVX2 int4 by group: decode on Zen 3" for AVX2, "Side by side on AMD EPYC Zen 4" for
+//! AVX-512, "What bounds exact decode in cache on Zen 4" for the repacked layout) has the
+//! figures.
 //!
 //! ```text
 //! rustc -O -C target-cpu=native tools/probe_int4_loops.rs -o /tmp/probe_int4_loops

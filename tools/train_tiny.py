@@ -35,7 +35,6 @@ Evaluation of the export (transformers reload, MTP acceptance, expert balance, s
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random
@@ -50,131 +49,23 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.modeling_layers import MtpModel
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-BOS = "<|bos|>"
-EOS = "<|endoftext|>"
-PAD = "<|pad|>"
-SPECIAL_TOKENS = [BOS, EOS, PAD, "<|system|>", "<|user|>", "<|assistant|>"]
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+# The corpus and tokenizer, and the export, are in the modules beside this file.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _train_tiny_data import (
+    BOS,
+    EOS,
+    PAD,
+    collect_corpus,
+    encode_stream,
+    read_texts,
+    train_tokenizer,
 )
-EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
-
-
-# --------------------------------------------------------------------------- corpus
-
-
-@dataclass
-class Corpus:
-    """Source files of the corpus, split by file."""
-
-    root: Path
-    train: list[Path]
-    heldout: list[Path]
-
-
-def is_heldout(rel: str, pct: int) -> bool:
-    """Whether the file with relative path ``rel`` belongs to the held-out split."""
-    digest = hashlib.sha256(rel.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "little") % 100 < pct
-
-
-def collect_corpus(root: Path, heldout_pct: int) -> Corpus:
-    """List the stdlib ``*.py`` files under ``root`` (sorted) and split them by path hash."""
-    train: list[Path] = []
-    heldout: list[Path] = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if any(part in EXCLUDED_DIRS for part in rel.parts[:-1]):
-            continue
-        (heldout if is_heldout(rel.as_posix(), heldout_pct) else train).append(path)
-    return Corpus(root=root, train=train, heldout=heldout)
-
-
-def read_text(path: Path) -> str | None:
-    """Read a source file as UTF-8; ``None`` when it is not valid UTF-8 or is empty."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError):
-        return None
-    return text if text.strip() else None
-
-
-def read_texts(paths: list[Path]) -> list[str]:
-    """Read all readable files of ``paths`` in order."""
-    return [t for t in (read_text(p) for p in paths) if t is not None]
-
-
-# --------------------------------------------------------------------------- tokenizer
-
-
-def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE tokenizer that prepends ``<|bos|>`` to every encoded sequence."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
-    )
-    return tok
-
-
-def encode_stream(tok: Tokenizer, texts: list[str]) -> np.ndarray:
-    """Encode documents as one stream: ``<|bos|> doc <|endoftext|>`` for each document."""
-    eos_id = tok.token_to_id(EOS)
-    parts: list[np.ndarray] = []
-    for enc in tok.encode_batch(texts, add_special_tokens=True):
-        ids = np.asarray([*enc.ids, eos_id], dtype=np.int32)
-        parts.append(ids)
-    return np.concatenate(parts)
-
-
-def save_tokenizer_files(tok: Tokenizer, out: Path, max_len: int) -> None:
-    """Write ``tokenizer.json`` and a ``tokenizer_config.json`` with bos/eos and a chat template."""
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    added = {
-        str(tok.token_to_id(t)): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for t in SPECIAL_TOKENS
-    }
-    cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "unk_token": None,
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_len,
-        "added_tokens_decoder": added,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-
+from _train_tiny_export import export_hf
 
 # --------------------------------------------------------------------------- model
 
@@ -429,98 +320,6 @@ def lr_at(progress: float, step: int, args: argparse.Namespace) -> float:
     return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * c)
 
 
-# --------------------------------------------------------------------------- export
-
-
-def export_state_dict(model: DeepseekV3ForCausalLM, mtp: MtpModel) -> dict[str, torch.Tensor]:
-    """Official DeepSeek-V3 tensor names: per-expert weights, MTP layer at index N."""
-    cfg = model.config
-    inter = cfg.moe_intermediate_size
-    out: dict[str, torch.Tensor] = {}
-
-    def put(name: str, t: torch.Tensor) -> None:
-        out[name] = t.detach().to(torch.float32).contiguous().clone()
-
-    def put_layer(prefix: str, sd: dict[str, torch.Tensor]) -> None:
-        for k, t in sd.items():
-            if k.endswith("mlp.experts.gate_up_proj"):
-                base = prefix + k[: -len("gate_up_proj")]
-                for e in range(t.shape[0]):
-                    put(f"{base}{e}.gate_proj.weight", t[e, :inter])
-                    put(f"{base}{e}.up_proj.weight", t[e, inter:])
-            elif k.endswith("mlp.experts.down_proj"):
-                base = prefix + k[: -len("down_proj")]
-                for e in range(t.shape[0]):
-                    put(f"{base}{e}.down_proj.weight", t[e])
-            else:
-                put(prefix + k, t)
-
-    sd = model.state_dict()
-    main = {k: v for k, v in sd.items() if not k.startswith("model.layers.")}
-    for k, v in main.items():
-        put(k, v)
-    for i, layer in enumerate(model.model.layers):
-        put_layer(f"model.layers.{i}.", layer.state_dict())
-    n = cfg.num_hidden_layers
-    mtp_layer = mtp.layers[0]
-    p = f"model.layers.{n}."
-    put(p + "embed_tokens.weight", model.model.embed_tokens.weight)
-    put(p + "enorm.weight", mtp_layer.enorm.weight)
-    put(p + "hnorm.weight", mtp_layer.hnorm.weight)
-    put(p + "eh_proj.weight", mtp_layer.eh_proj.weight)
-    put_layer(p, mtp_layer.mtp_block.state_dict())
-    put(p + "shared_head.norm.weight", mtp_layer.post_norm.weight)
-    put(p + "shared_head.head.weight", model.lm_head.weight)
-    return out
-
-
-def export_hf(
-    model: DeepseekV3ForCausalLM, mtp: MtpModel, tok: Tokenizer, out: Path, seq: int
-) -> None:
-    """Write the Hugging Face checkpoint directory."""
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = export_state_dict(model, mtp)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = model.config.to_dict()
-    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
-    cfg["model_type"] = "deepseek_v3"
-    cfg["torch_dtype"] = "float32"
-    cfg["dtype"] = "float32"
-    cfg["num_nextn_predict_layers"] = 1
-    cfg.pop("num_mtp_layers", None)
-    cfg.pop("_attn_implementation", None)
-    cfg.pop("_experts_implementation", None)
-    cfg["use_cache"] = True
-    # Official DeepSeek-V3 config.json spelling of the RoPE settings, next to transformers'
-    # ``rope_parameters`` (transformers accepts both; readers of the official layout need these).
-    cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
-    cfg["rope_scaling"] = None
-    cfg["scoring_func"] = "sigmoid"
-    cfg["topk_method"] = "noaux_tc"
-    for key in (
-        "_name_or_path",
-        "id2label",
-        "label2id",
-        "chunk_size_feed_forward",
-        "problem_type",
-        "return_dict",
-        "output_attentions",
-        "output_hidden_states",
-        "is_encoder_decoder",
-    ):
-        cfg.pop(key, None)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    gen = {
-        "bos_token_id": model.config.bos_token_id,
-        "eos_token_id": model.config.eos_token_id,
-        "pad_token_id": model.config.pad_token_id,
-        "do_sample": False,
-        "max_new_tokens": 128,
-    }
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    save_tokenizer_files(tok, out, seq)
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -639,11 +438,17 @@ def main(argv: list[str] | None = None) -> int:
         log(f"exported {args.out / 'hf'} from step {ckpt['step']}")
         return 0
 
-    windows = heldout_windows(held, args.seq, args.eval_windows)
-    params = unique_params(model, mtp)
+    run_training(args, model, mtp, tap, tok, train, held, counts, ckpt_path)
+    return 0
+
+
+def make_optimizer(
+    params: list[tuple[str, torch.nn.Parameter]], args: argparse.Namespace
+) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices other than the routers' (``gate.weight``)."""
     decay = [p for n, p in params if p.ndim >= 2 and "gate.weight" not in n]
     no_decay = [p for n, p in params if not (p.ndim >= 2 and "gate.weight" not in n)]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": args.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -652,6 +457,24 @@ def main(argv: list[str] | None = None) -> int:
         betas=(0.9, 0.95),
         eps=1e-8,
     )
+
+
+def run_training(
+    args: argparse.Namespace,
+    model: DeepseekV3ForCausalLM,
+    mtp: MtpModel,
+    tap: RouterTap,
+    tok: Tokenizer,
+    train: np.ndarray,
+    held: np.ndarray,
+    counts: dict[str, int],
+    ckpt_path: Path,
+) -> None:
+    """Train until the wall-clock budget (or ``--max-steps``) is spent, evaluating, saving
+    ``ckpt_path`` and exporting every ``--eval-minutes`` and at the end."""
+    windows = heldout_windows(held, args.seq, args.eval_windows)
+    params = unique_params(model, mtp)
+    opt = make_optimizer(params, args)
     rng = np.random.default_rng(args.seed)
     data = batches(train, args.seq, args.batch, rng)
     budget = args.minutes * 60.0
@@ -721,7 +544,6 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint(True)
     minutes = (time.time() - t_start) / 60
     log(f"done: {step} steps, {step * args.batch * args.seq} tokens, {minutes:.1f} min")
-    return 0
 
 
 if __name__ == "__main__":

@@ -74,6 +74,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         metavar="FILE_OR_TEXT",
         help="a jinja chat template (a file, or the template text) instead of the model's",
     )
+    g.add_argument(
+        "--trace-routing",
+        default=None,
+        metavar="FILE",
+        help="write every forward's routed experts to FILE (a routing trace, JSON lines; "
+        "docs/expert-store.md)",
+    )
     g.add_argument("--no-mtp", action="store_true", help="do not load the MTP head")
     g.add_argument(
         "--pin-mtp",
@@ -210,6 +217,7 @@ def _load(args: argparse.Namespace) -> Any:
         cache_dir=args.cache_dir,
         chat_template=args.chat_template,
         load_progress=_load_bar(),
+        trace_routing=args.trace_routing,
     )
 
 

@@ -167,115 +167,170 @@ def normalise(
 ) -> Normalised:
     """``body`` with the table's fields applied (see the module docstring); ``invalid`` and
     ``unsupported`` make the 400s."""
-    out = dict(body)
-    ignored: list[str] = []
-    n = Normalised(out, ignored)
+    fields = _Fields(body, kind, invalid, unsupported)
+    # The order of the steps is the order of the checks: a body with several bad fields
+    # is refused for the same one every time.
+    fields.llama_cpp_mapped(gbnf_to_lark)
+    fields.sampling_ignored()
+    fields.output_controls()
+    fields.template_controls("add_generation_prompt" in body)
+    fields.vllm_rest()
+    return fields.normalised
 
-    def take(name: str) -> Any:
-        return out.pop(name, None) if known(name, kind) else None
 
-    def mapped(name: str, target: str, value: object) -> None:
+class _Fields:
+    """A body being normalised: the fields not yet taken, and what was made of the others."""
+
+    def __init__(
+        self,
+        body: Mapping[str, Any],
+        kind: Kind,
+        invalid: Callable[[str, str], Exception],
+        unsupported: Callable[[str, str], Exception],
+    ) -> None:
+        self.out = dict(body)
+        self.ignored: list[str] = []
+        self.normalised = Normalised(self.out, self.ignored)
+        self.kind = kind
+        self.invalid = invalid
+        self.unsupported = unsupported
+
+    def take(self, name: str) -> Any:
+        """The value of a table field of this endpoint, removed from the body (None when
+        absent or not this endpoint's)."""
+        return self.out.pop(name, None) if known(name, self.kind) else None
+
+    def mapped(self, name: str, target: str, value: object) -> None:
+        """``value`` (from ``name``) set as ``target``, unless the body gave another."""
+        out = self.out
         if out.get(target) is not None and out[target] != value:
-            raise invalid(name, f"{value!r}, and '{target}' is {out[target]!r}: give one")
+            raise self.invalid(name, f"{value!r}, and '{target}' is {out[target]!r}: give one")
         out[target] = value
 
-    def boolean(name: str, v: object) -> bool:
+    def boolean(self, name: str, v: object) -> bool:
         if not isinstance(v, bool):
-            raise invalid(name, f"{v!r}; expected true or false")
+            raise self.invalid(name, f"{v!r}; expected true or false")
         return v
 
-    def number(name: str, v: object) -> float:
+    def number(self, name: str, v: object) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise invalid(name, f"{v!r}; expected a number")
+            raise self.invalid(name, f"{v!r}; expected a number")
         return float(v)
 
-    if (v := take("cache_prompt")) is not None:
-        boolean("cache_prompt", v)
-    if (v := take("n_predict")) is not None:
-        if isinstance(v, bool) or not isinstance(v, int) or v < -1 or v == 0:
-            raise invalid("n_predict", f"{v!r}; expected a positive integer, or -1")
-        if v > 0:
-            mapped("n_predict", "max_tokens", v)
-    if (v := take("n_probs")) is not None:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise invalid("n_probs", f"{v!r}; expected an integer >= 0")
-        if v > 0:
-            if kind == "chat":
-                mapped("n_probs", "logprobs", True)
-                mapped("n_probs", "top_logprobs", v)
-            else:
-                mapped("n_probs", "logprobs", v)
-    if (v := take("repeat_penalty")) is not None:
-        mapped("repeat_penalty", "repetition_penalty", number("repeat_penalty", v))
-    if (v := take("grammar")) is not None:
-        if not isinstance(v, str):
-            raise invalid("grammar", f"{v!r}; expected GBNF text")
-        if v.strip():
-            mapped("grammar", "guided_grammar", gbnf_to_lark(v))
-    for name, off in (("typical_p", 1.0), ("tfs_z", 1.0), ("mirostat", 0.0)):
-        if (v := take(name)) is not None and number(name, v) != off:
-            ignored.append(name)
-    for name in ("mirostat_tau", "mirostat_eta", "length_penalty"):
-        if (v := take(name)) is not None:
-            number(name, v)
-            if "mirostat" in ignored or name == "length_penalty":
+    def llama_cpp_mapped(self, gbnf_to_lark: Callable[[str], str]) -> None:
+        """llama.cpp's ``cache_prompt`` checked, and its fields with an OpenAI (or vLLM)
+        counterpart rewritten to it."""
+        invalid, take, mapped = self.invalid, self.take, self.mapped
+        if (v := take("cache_prompt")) is not None:
+            self.boolean("cache_prompt", v)
+        if (v := take("n_predict")) is not None:
+            if isinstance(v, bool) or not isinstance(v, int) or v < -1 or v == 0:
+                raise invalid("n_predict", f"{v!r}; expected a positive integer, or -1")
+            if v > 0:
+                mapped("n_predict", "max_tokens", v)
+        if (v := take("n_probs")) is not None:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise invalid("n_probs", f"{v!r}; expected an integer >= 0")
+            if v > 0:
+                if self.kind == "chat":
+                    mapped("n_probs", "logprobs", True)
+                    mapped("n_probs", "top_logprobs", v)
+                else:
+                    mapped("n_probs", "logprobs", v)
+        if (v := take("repeat_penalty")) is not None:
+            mapped("repeat_penalty", "repetition_penalty", self.number("repeat_penalty", v))
+        if (v := take("grammar")) is not None:
+            if not isinstance(v, str):
+                raise invalid("grammar", f"{v!r}; expected GBNF text")
+            if v.strip():
+                mapped("grammar", "guided_grammar", gbnf_to_lark(v))
+
+    def sampling_ignored(self) -> None:
+        """The sampling and context fields colibri has no counterpart for: checked, and
+        listed as ignored unless they are at their off value."""
+        take, ignored = self.take, self.ignored
+        for name, off in (("typical_p", 1.0), ("tfs_z", 1.0), ("mirostat", 0.0)):
+            if (v := take(name)) is not None and self.number(name, v) != off:
                 ignored.append(name)
-    for name in ("repeat_last_n", "n_keep", "id_slot", "min_keep"):
-        if (v := take(name)) is not None:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise invalid(name, f"{v!r}; expected an integer")
-            ignored.append(name)
-    if (v := take("penalize_nl")) is not None and boolean("penalize_nl", v):
-        ignored.append("penalize_nl")
-    if out.get("top_k") == -1 and not isinstance(out.get("top_k"), bool):
-        out.pop("top_k")
-    if (v := take("include_stop_str_in_output")) is not None and boolean(
-        "include_stop_str_in_output", v
-    ):
-        raise unsupported("include_stop_str_in_output", "stop strings are never in the text")
-    if (v := take("skip_special_tokens")) is not None and not boolean("skip_special_tokens", v):
-        ignored.append("skip_special_tokens")
-    if (v := take("spaces_between_special_tokens")) is not None:
-        boolean("spaces_between_special_tokens", v)
-    if (v := take("add_generation_prompt")) is not None:
-        n.add_generation_prompt = boolean("add_generation_prompt", v)
-    if (v := take("continue_final_message")) is not None:
-        n.continue_final_message = boolean("continue_final_message", v)
-    if n.continue_final_message and n.add_generation_prompt and "add_generation_prompt" in body:
-        raise invalid(
-            "continue_final_message",
-            "true with add_generation_prompt true: the last message is either continued or "
-            "answered; set add_generation_prompt false",
-        )
-    if n.continue_final_message:
-        n.add_generation_prompt = False
-    if (v := take("chat_template_kwargs")) is not None:
-        if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
-            raise invalid("chat_template_kwargs", f"{v!r}; expected an object")
-        reserved = {"messages", "add_generation_prompt"} & set(v)
-        if reserved:
-            raise invalid(
-                "chat_template_kwargs",
-                f"{sorted(reserved)[0]!r} is set by the request itself, not here",
+        for name in ("mirostat_tau", "mirostat_eta", "length_penalty"):
+            if (v := take(name)) is not None:
+                self.number(name, v)
+                if "mirostat" in ignored or name == "length_penalty":
+                    ignored.append(name)
+        for name in ("repeat_last_n", "n_keep", "id_slot", "min_keep"):
+            if (v := take(name)) is not None:
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise self.invalid(name, f"{v!r}; expected an integer")
+                ignored.append(name)
+        if (v := take("penalize_nl")) is not None and self.boolean("penalize_nl", v):
+            ignored.append("penalize_nl")
+
+    def output_controls(self) -> None:
+        """vLLM's ``top_k`` off value, and its controls of the output text."""
+        take, out = self.take, self.out
+        if out.get("top_k") == -1 and not isinstance(out.get("top_k"), bool):
+            out.pop("top_k")
+        if (v := take("include_stop_str_in_output")) is not None and self.boolean(
+            "include_stop_str_in_output", v
+        ):
+            raise self.unsupported(
+                "include_stop_str_in_output", "stop strings are never in the text"
             )
-        n.chat_template_kwargs = v
-    if (v := take("guided_choice")) is not None:
-        if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
-            raise invalid("guided_choice", f"{v!r}; expected a list of non-empty strings")
-        grammar = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in v)
-        mapped("guided_choice", "guided_grammar", grammar)
-    if kind == "chat":
-        if (v := take("best_of")) is not None and v != 1:
-            raise unsupported("best_of", "one candidate per request")
-        if (v := take("echo")) is not None and boolean("echo", v):
-            raise unsupported("echo", "a chat answer does not repeat the conversation")
-    if (v := take("use_beam_search")) is not None and boolean("use_beam_search", v):
-        raise unsupported("use_beam_search", "colibri samples or decodes greedily, no beams")
-    if (v := take("truncate_prompt_tokens")) is not None:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise invalid("truncate_prompt_tokens", f"{v!r}; expected an integer >= 1")
-        n.truncate_prompt_tokens = v
-    for name in ("priority", "request_id"):
-        if take(name) is not None:
-            ignored.append(name)
-    return n
+        if (v := take("skip_special_tokens")) is not None and not self.boolean(
+            "skip_special_tokens", v
+        ):
+            self.ignored.append("skip_special_tokens")
+        if (v := take("spaces_between_special_tokens")) is not None:
+            self.boolean("spaces_between_special_tokens", v)
+
+    def template_controls(self, generation_prompt_given: bool) -> None:
+        """vLLM's chat template controls, kept in :class:`Normalised`
+        (``generation_prompt_given``: the body set ``add_generation_prompt`` itself)."""
+        take, invalid, n = self.take, self.invalid, self.normalised
+        if (v := take("add_generation_prompt")) is not None:
+            n.add_generation_prompt = self.boolean("add_generation_prompt", v)
+        if (v := take("continue_final_message")) is not None:
+            n.continue_final_message = self.boolean("continue_final_message", v)
+        if n.continue_final_message and n.add_generation_prompt and generation_prompt_given:
+            raise invalid(
+                "continue_final_message",
+                "true with add_generation_prompt true: the last message is either continued "
+                "or answered; set add_generation_prompt false",
+            )
+        if n.continue_final_message:
+            n.add_generation_prompt = False
+        if (v := take("chat_template_kwargs")) is not None:
+            if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+                raise invalid("chat_template_kwargs", f"{v!r}; expected an object")
+            reserved = {"messages", "add_generation_prompt"} & set(v)
+            if reserved:
+                raise invalid(
+                    "chat_template_kwargs",
+                    f"{sorted(reserved)[0]!r} is set by the request itself, not here",
+                )
+            n.chat_template_kwargs = v
+
+    def vllm_rest(self) -> None:
+        """vLLM's ``guided_choice`` as a grammar, its candidate and beam fields refused
+        past their defaults, ``truncate_prompt_tokens`` kept, and its bookkeeping fields
+        ignored."""
+        take, invalid, unsupported = self.take, self.invalid, self.unsupported
+        if (v := take("guided_choice")) is not None:
+            if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+                raise invalid("guided_choice", f"{v!r}; expected a list of non-empty strings")
+            grammar = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in v)
+            self.mapped("guided_choice", "guided_grammar", grammar)
+        if self.kind == "chat":
+            if (v := take("best_of")) is not None and v != 1:
+                raise unsupported("best_of", "one candidate per request")
+            if (v := take("echo")) is not None and self.boolean("echo", v):
+                raise unsupported("echo", "a chat answer does not repeat the conversation")
+        if (v := take("use_beam_search")) is not None and self.boolean("use_beam_search", v):
+            raise unsupported("use_beam_search", "colibri samples or decodes greedily, no beams")
+        if (v := take("truncate_prompt_tokens")) is not None:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise invalid("truncate_prompt_tokens", f"{v!r}; expected an integer >= 1")
+            self.normalised.truncate_prompt_tokens = v
+        for name in ("priority", "request_id"):
+            if take(name) is not None:
+                self.ignored.append(name)

@@ -171,6 +171,7 @@ class Engine:
         spill_dir: str | PathLike[str] | None = None,
         prefill: str = "auto",
         load_progress: Callable[[int, int], object] | None = None,
+        trace_routing: str | PathLike[str] | None = None,
     ) -> None:
         """Load the model directory ``path``. ``io``, ``prefetch``, ``pin``: one of
         ``choices()[name]``; ``ram_budget``: expert-cache bytes (None: sized from available
@@ -187,7 +188,8 @@ class Engine:
         (activations rounded to int8 per 64-element block; "auto": int8 where the CPU has
         AVX-512 VNNI or AVX2); ``load_progress(done,
         total)``: called after each resident tensor is read (bytes; the last call has both
-        equal), where Ctrl-C is also checked."""
+        equal), where Ctrl-C is also checked; ``trace_routing``: a file that every forward's
+        routing is written to, as a routing trace (JSON lines, docs/expert-store.md)."""
     def config_json(self) -> str:
         """The model's ``config.json`` text."""
     def info(self) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The OpenAI wire format: request bodies checked field by field and turned into colibri
-generation arguments (``colibri._openai_errors`` has the error bodies,
-``colibri._openai_prompts`` the prompts, ``colibri._openai_answer`` the response, chunk and
-usage bodies; this module re-exports what the server and the library use).
+generation arguments (``colibri._openai_errors`` has the error bodies and the value
+checks, ``colibri._openai_prompts`` the prompts, ``colibri._openai_sampling`` the generation
+keywords, ``colibri._openai_answer`` the response, chunk and usage bodies; this module
+re-exports what the server and the library use).
 
 Every field of OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` requests is either
 honoured or refused with a 400 that names it (``param``): nothing is silently ignored. The
@@ -13,10 +14,9 @@ module needs no web framework: `colibri serve` answers with it, and
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,10 +42,13 @@ from colibri._openai_errors import (
     from_colibri_error,
     invalid,
     is_int,
+    must_be_off,
+    opt_bool,
     unknown_field,
     unsupported,
 )
 from colibri._openai_prompts import _chat_prompt, _completion_prompts
+from colibri._openai_sampling import generation_keywords, parse_logprobs
 from colibri.errors import ColibriError, InvalidArgumentError
 from colibri.model import Model
 from colibri.sampling import SAMPLING_FIELDS
@@ -270,49 +273,6 @@ _CHAT_ONLY = {
 _COMPLETION_ONLY = {"prompt", "best_of", "echo", "suffix"}
 
 
-def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _opt_int(body: Mapping[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not is_int(v):
-        raise invalid(name, f"{v!r}; expected an integer")
-    if v < lo or (hi is not None and v > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise invalid(name, f"{v}; must be {bound}")
-    return int(v)
-
-
-def _opt_num(body: Mapping[str, Any], name: str, lo: float, hi: float) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not _is_num(v):
-        raise invalid(name, f"{v!r}; expected a number")
-    if not lo <= v <= hi:
-        raise invalid(name, f"{v}; must be in [{lo:g}, {hi:g}]")
-    return float(v)
-
-
-def _opt_bool(body: Mapping[str, Any], name: str) -> bool | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, bool):
-        raise invalid(name, f"{v!r}; expected true or false")
-    return v
-
-
-def _must_be_off(body: Mapping[str, Any], name: str, off: Sequence[object], why: str) -> None:
-    v = body.get(name)
-    if v is None or any(v == o and type(v) is type(o) for o in off):
-        return
-    raise unsupported(name, why)
-
-
 def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     """Check an OpenAI request body for ``kind`` and prepare its generation.
 
@@ -320,149 +280,37 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     body = check_fields(body, set())  # an object; its fields are checked once normalised
     extra = _client_fields.normalise(body, kind, invalid, unsupported, _grammar_field)
     body = check_fields(extra.body, _COMMON | (_CHAT_ONLY if kind == "chat" else _COMPLETION_ONLY))
-    name = body.get("model")
-    if name is not None and name != served:
-        raise ApiError(
-            404,
-            f"the model '{name}' does not exist; this server serves '{served}' (GET /v1/models)",
-            param="model",
-            code="model_not_found",
-        )
-
-    n = body.get("n", 1)
-    if n is None:
-        n = 1
-    if not is_int(n) or not 1 <= n <= MAX_CHOICES:
-        raise invalid("n", f"{n!r}; expected an integer in 1..{MAX_CHOICES}")
+    # The steps run in this order so that a body with several bad fields is always
+    # refused for the same one.
+    _check_model(body, served)
+    n = _parse_n(body)
     # What colibri cannot do (yet): a 400 that says so, never a silent default.
     if kind == "chat":
         _refuse_chat_features(body)
     else:
-        best_of = body.get("best_of")
-        if best_of is not None and best_of != 1:
-            raise unsupported("best_of", "one candidate per request")
-        suffix = body.get("suffix")
-        if suffix not in (None, ""):
-            raise unsupported("suffix", "colibri does not insert text (no fill-in-the-middle)")
+        _refuse_completion_features(body)
+    stream, include_usage = _parse_stream(body)
+    logprobs = parse_logprobs(body, kind)
 
-    stream = bool(_opt_bool(body, "stream"))
-    include_usage = False
-    so = body.get("stream_options")
-    if so is not None:
-        if not stream:
-            raise invalid("stream_options", "only allowed when 'stream' is true")
-        if not isinstance(so, dict):
-            raise invalid("stream_options", f"{so!r}; expected an object")
-        for k in so:
-            if k not in ("include_usage", "include_obfuscation"):
-                raise unknown_field(f"stream_options.{k}")
-        include_usage = bool(_opt_bool(so, "include_usage"))
-        if so.get("include_obfuscation"):
-            raise unsupported(
-                "stream_options.include_obfuscation", "chunks are sent without padding"
-            )
-
-    logprobs = _parse_logprobs(body, kind)
-
-    # The prompt.
     tool_use: ToolUse | None = None
+    forced: str | None = None
     if kind == "chat":
-        template = _template_text(model)
-        fmt = _tools.detect(template)
-        tools, choice, forced = _tools.parse_request(body, invalid)
-        if tools and choice != "none":
-            if fmt is None:
-                raise unsupported(
-                    "tools",
-                    "this model's chat template writes no tool-call format colibri reads "
-                    "(GLM's <tool_call>, DeepSeek's tool-call tokens)",
-                )
-            parallel = _opt_bool(body, "parallel_tool_calls")
-            tool_use = ToolUse(tools, fmt, choice, parallel is not False)
-        prompts = [
-            _chat_prompt(
-                body.get("messages"),
-                model,
-                extra,
-                tools=tool_use.tools if tool_use else None,
-                fmt=fmt,
-                template_renders_tools="tools" in template,
-            )
-        ]
+        prompts, tool_use, forced = _chat_prompts(body, model, extra)
     else:
-        prompts = _completion_prompts(body.get("prompt"), model)
-        if len(prompts) * n > MAX_BATCH_CHOICES:
-            raise invalid(
-                "prompt",
-                f"{len(prompts)} prompts times n={n} choices; at most {MAX_BATCH_CHOICES} per "
-                "request: split the batch",
-            )
+        prompts = _completion_batch(body, model, n)
     if extra.truncate_prompt_tokens is not None:
         prompts = [p[-extra.truncate_prompt_tokens :] for p in prompts]
     echoes: list[str] = []
-    if kind == "completion" and _opt_bool(body, "echo"):
+    if kind == "completion" and opt_bool(body, "echo"):
         echoes = [model.decode(p) for p in prompts]
     prompt_ids = max(prompts, key=len)
     thinks = kind == "chat" and _reasoning.template_thinks(_template_text(model))
-    include_reasoning = _opt_bool(body, "include_reasoning")
+    include_reasoning = opt_bool(body, "include_reasoning")
 
-    # Sampling and length.
-    max_tokens = _opt_int(body, "max_tokens", 1)
-    if kind == "chat":
-        mct = _opt_int(body, "max_completion_tokens", 1)
-        if mct is not None:
-            max_tokens = mct
-        if max_tokens is None:  # OpenAI's (and vLLM's) default: the rest of the context
-            max_tokens = max(1, model.max_context - len(prompt_ids))
-    elif max_tokens is None:
-        max_tokens = 16  # OpenAI's default for /v1/completions
-    temperature = _opt_num(body, "temperature", 0.0, 2.0)
-    top_p = _opt_num(body, "top_p", 0.0, 1.0)
-    if top_p == 0.0:
-        top_p, temperature = None, 0.0  # no mass left but the most likely token: greedy
-    top_k = _opt_int(body, "top_k", 0)
-    seed = body.get("seed")
-    if seed is not None:
-        if not is_int(seed):
-            raise invalid("seed", f"{seed!r}; expected an integer")
-        seed %= 2**64  # OpenAI takes any 64-bit integer, negative ones included
-    stop = _parse_stop(body.get("stop"))
-    greedy = temperature == 0.0 or (
-        temperature is None and not model._generation_config.get("do_sample", False)
-    )
-    gen: dict[str, Any] = {
-        "max_new_tokens": max_tokens,
-        "temperature": temperature,
-        "stop": stop,
-    }
-    if not greedy:  # they only shape sampling: a greedy generation needs none of them
-        gen.update(top_p=top_p, top_k=top_k, seed=seed)
-    draft = body.get("draft")
-    if draft is not None:
-        gen["draft"] = draft
-    depth = body.get("draft_depth")
-    if depth is not None:
-        gen["draft_depth"] = depth
-    # As vLLM has them: extra stop tokens on top of EOS, and ignore_eos to drop EOS.
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and not isinstance(stop_ids, list):
-        raise invalid("stop_token_ids", f"{stop_ids!r}; expected a list of token ids")
-    ignore_eos = bool(_opt_bool(body, "ignore_eos"))
-    if stop_ids or ignore_eos:
-        eos = [] if ignore_eos else model.eos_token_ids
-        gen["stop_token_ids"] = eos + [t for t in stop_ids or [] if t not in eos]
-    if logprobs is not None:
-        gen["logprobs"] = logprobs
-    gen.update(_logit_processing(body, model))
-    gen.update(_structured_output(body))
+    gen = generation_keywords(body, kind, model, prompt_ids, logprobs)
     gen.update({f: body[f] for f in _PASSED_THROUGH if body.get(f) is not None})
     if tool_use is not None and tool_use.choice == "required":
-        if any(k in gen for k in ("guided_json", "guided_regex", "guided_grammar")):
-            raise invalid(
-                "tool_choice", "a forced tool call and response_format/guided_*: give one"
-            )
-        offered = [t for t in tool_use.tools if forced is None or t.name == forced]
-        gen["guided_grammar"] = _tools.forced_grammar(tool_use.format, offered)
+        gen["guided_grammar"] = _forced_call_grammar(gen, tool_use, forced)
     for text_field in ("user", "safety_identifier", "prompt_cache_key"):
         v = body.get(text_field)
         if v is not None and not isinstance(v, str):
@@ -488,6 +336,100 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
         include_reasoning=include_reasoning is not False,
         tool_use=tool_use,
     )
+
+
+def _check_model(body: Mapping[str, Any], served: str) -> None:
+    """The 404 for a request naming a model other than the one served."""
+    name = body.get("model")
+    if name is not None and name != served:
+        raise ApiError(
+            404,
+            f"the model '{name}' does not exist; this server serves '{served}' (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _parse_n(body: Mapping[str, Any]) -> int:
+    """OpenAI's ``n``: choices per prompt (1 when absent or null)."""
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise invalid("n", f"{n!r}; expected an integer in 1..{MAX_CHOICES}")
+    return n
+
+
+def _parse_stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options``: whether to stream, and whether the stream ends
+    with a usage chunk."""
+    stream = bool(opt_bool(body, "stream"))
+    include_usage = False
+    so = body.get("stream_options")
+    if so is not None:
+        if not stream:
+            raise invalid("stream_options", "only allowed when 'stream' is true")
+        if not isinstance(so, dict):
+            raise invalid("stream_options", f"{so!r}; expected an object")
+        for k in so:
+            if k not in ("include_usage", "include_obfuscation"):
+                raise unknown_field(f"stream_options.{k}")
+        include_usage = bool(opt_bool(so, "include_usage"))
+        if so.get("include_obfuscation"):
+            raise unsupported(
+                "stream_options.include_obfuscation", "chunks are sent without padding"
+            )
+    return stream, include_usage
+
+
+def _chat_prompts(
+    body: Mapping[str, Any], model: Model, extra: _client_fields.Normalised
+) -> tuple[list[list[int]], ToolUse | None, str | None]:
+    """A chat's one prompt, the tools it offers (None: no tool use) and the one tool a named
+    ``tool_choice`` forces."""
+    template = _template_text(model)
+    fmt = _tools.detect(template)
+    tools, choice, forced = _tools.parse_request(body, invalid)
+    tool_use: ToolUse | None = None
+    if tools and choice != "none":
+        if fmt is None:
+            raise unsupported(
+                "tools",
+                "this model's chat template writes no tool-call format colibri reads "
+                "(GLM's <tool_call>, DeepSeek's tool-call tokens)",
+            )
+        parallel = opt_bool(body, "parallel_tool_calls")
+        tool_use = ToolUse(tools, fmt, choice, parallel is not False)
+    prompt = _chat_prompt(
+        body.get("messages"),
+        model,
+        extra,
+        tools=tool_use.tools if tool_use else None,
+        fmt=fmt,
+        template_renders_tools="tools" in template,
+    )
+    return [prompt], tool_use, forced
+
+
+def _completion_batch(body: Mapping[str, Any], model: Model, n: int) -> list[list[int]]:
+    """A completions request's prompts, at most :data:`MAX_BATCH_CHOICES` choices in all."""
+    prompts = _completion_prompts(body.get("prompt"), model)
+    if len(prompts) * n > MAX_BATCH_CHOICES:
+        raise invalid(
+            "prompt",
+            f"{len(prompts)} prompts times n={n} choices; at most {MAX_BATCH_CHOICES} per "
+            "request: split the batch",
+        )
+    return prompts
+
+
+def _forced_call_grammar(gen: Mapping[str, Any], tool_use: ToolUse, forced: str | None) -> str:
+    """The grammar of ``tool_choice: required`` (or a named tool): the answer is one call
+    of an offered tool (``forced``, when named)."""
+    if any(k in gen for k in ("guided_json", "guided_regex", "guided_grammar")):
+        raise invalid("tool_choice", "a forced tool call and response_format/guided_*: give one")
+    offered = [t for t in tool_use.tools if forced is None or t.name == forced]
+    return _tools.forced_grammar(tool_use.format, offered)
 
 
 def _template_text(model: Model) -> str:
@@ -516,83 +458,15 @@ def ignored_warning(req: Request) -> str | None:
     return f'299 colibri "ignored fields: {", ".join(req.ignored)} (see docs/server.md)"'
 
 
-def _logit_processing(body: Mapping[str, Any], model: Model) -> dict[str, Any]:
-    """OpenAI's penalties and ``logit_bias`` and vLLM's ``min_p``, ``repetition_penalty``,
-    ``min_tokens``, as ``Model.generate`` keywords (applied in the engine's sampler, also
-    on greedy requests, and lossless under speculation)."""
-    out: dict[str, Any] = {}
-    for pen in ("frequency_penalty", "presence_penalty"):
-        v = _opt_num(body, pen, -2.0, 2.0)
-        if v:
-            out[pen] = v
-    rep = _opt_num(body, "repetition_penalty", 0.0, 10.0)
-    if rep is not None:
-        if rep <= 0:
-            raise invalid("repetition_penalty", f"{rep}; must be > 0 (1 = off)")
-        out["repetition_penalty"] = rep
-    min_p = _opt_num(body, "min_p", 0.0, 1.0)
-    if min_p:
-        out["min_p"] = min_p
-    min_tokens = _opt_int(body, "min_tokens", 0)
-    if min_tokens:
-        out["min_tokens"] = min_tokens
-    lb = body.get("logit_bias")
-    if lb is not None:
-        if not isinstance(lb, Mapping):
-            raise invalid("logit_bias", f"{lb!r}; expected a map of token id to bias")
-        bias: dict[int, float] = {}
-        for k, v in lb.items():
-            try:
-                tok = int(k)
-            except (TypeError, ValueError):
-                raise invalid("logit_bias", f"key {k!r} is not a token id") from None
-            if not 0 <= tok < model._vocab_size:
-                raise invalid("logit_bias", f"token id {tok} is outside the vocabulary")
-            if not _is_num(v) or not -100 <= v <= 100:
-                raise invalid("logit_bias", f"token {tok}: {v!r}; expected a number in [-100, 100]")
-            bias[tok] = float(v)
-        if bias:
-            out["logit_bias"] = bias
-    return out
-
-
-def _structured_output(body: Mapping[str, Any]) -> dict[str, Any]:
-    """OpenAI's ``response_format`` (``{"type": "json_object"}``, ``{"type": "json_schema",
-    "json_schema": {"schema": ...}}``; llama-cpp-python's ``{"type": "json_object", "schema":
-    ...}``) and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_grammar``, as
-    ``Model.generate`` keywords."""
-    out: dict[str, Any] = {}
-    for name in ("guided_json", "guided_regex", "guided_grammar"):
-        if body.get(name) is not None:
-            out[name] = body[name]
-    rf = body.get("response_format")
-    if rf is None:
-        return out
-    if not isinstance(rf, dict) or "type" not in rf:
-        raise invalid("response_format", f"{rf!r}; expected an object with a 'type'")
-    kind = rf["type"]
-    if kind == "text":
-        return out
-    if kind == "json_object":
-        schema: object = rf.get("schema", {"type": "object"})
-    elif kind == "json_schema":
-        spec = rf.get("json_schema")
-        if not isinstance(spec, dict) or "schema" not in spec:
-            raise invalid(
-                "response_format",
-                "type 'json_schema' needs 'json_schema': {'name': ..., 'schema': {...}}",
-            )
-        schema = spec["schema"]
-    else:
-        raise invalid(
-            "response_format",
-            f"type {kind!r}; expected 'text', 'json_object' or 'json_schema'",
-        )
-    if not isinstance(schema, (dict, bool)):
-        raise invalid("response_format", f"the schema {schema!r} is not a JSON schema object")
-    if out:
-        raise invalid("response_format", f"give it or {', '.join(out)}, not both")
-    return {"guided_json": schema}
+def _refuse_completion_features(body: Mapping[str, Any]) -> None:
+    """The 400s for completions features colibri has not got: several candidates, text
+    inserted before a suffix."""
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise unsupported("best_of", "one candidate per request")
+    suffix = body.get("suffix")
+    if suffix not in (None, ""):
+        raise unsupported("suffix", "colibri does not insert text (no fill-in-the-middle)")
 
 
 def _refuse_chat_features(body: Mapping[str, Any]) -> None:
@@ -603,8 +477,8 @@ def _refuse_chat_features(body: Mapping[str, Any]) -> None:
     if body.get("function_call") not in (None, "none"):
         raise unsupported("function_call", "the deprecated form: give 'tool_choice'")
     if body.get("parallel_tool_calls") is not None:
-        _opt_bool(body, "parallel_tool_calls")
-    _must_be_off(body, "store", [False], "completions are not stored")
+        opt_bool(body, "parallel_tool_calls")
+    must_be_off(body, "store", [False], "completions are not stored")
     md = body.get("metadata")
     if md not in (None, {}):
         raise unsupported("metadata", "completions are not stored, so there is none to tag")
@@ -625,23 +499,3 @@ def _refuse_chat_features(body: Mapping[str, Any]) -> None:
         raise unsupported("service_tier", f"'{tier}': there is one tier, 'default'")
     if body.get("top_logprobs") is not None and not body.get("logprobs"):
         raise invalid("top_logprobs", "requires 'logprobs': true")
-
-
-def _parse_logprobs(body: Mapping[str, Any], kind: Kind) -> int | None:
-    """How many alternatives per token the request wants, or None for no logprobs."""
-    if kind == "chat":
-        on = _opt_bool(body, "logprobs")
-        top = _opt_int(body, "top_logprobs", 0, 20)
-        return (top or 0) if on else None
-    return _opt_int(body, "logprobs", 0, 20)
-
-
-def _parse_stop(stop: object) -> list[str] | None:
-    if stop is None:
-        return None
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise invalid("stop", f"{stop!r}; expected a string or a list of strings")
-    if any(not s for s in stops):
-        raise invalid("stop", "empty strings never match; remove them")
-    return stops or None

@@ -1,10 +1,11 @@
 """The OpenAI wire format's errors: the 400 (and other) bodies every endpoint answers with,
-and the checks of a request body's shape that they come from."""
+and the checks of a request body's shape and of its fields' values that they come from."""
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from colibri.errors import ColibriError, InvalidArgumentError
@@ -126,3 +127,56 @@ def check_fields(body: object, allowed: set[str]) -> dict[str, Any]:
         if allowed and name not in allowed:
             raise unknown_field(name)
     return body
+
+
+# The checks of one optional field's value: None when the body leaves it out, else the
+# value, or the 400 that names the field.
+
+
+def is_num(v: object) -> bool:
+    """A finite number, not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def opt_int(body: Mapping[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+    """Field ``name`` as an integer in ``[lo, hi]`` (``hi`` None: no upper bound)."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if not is_int(v):
+        raise invalid(name, f"{v!r}; expected an integer")
+    if v < lo or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise invalid(name, f"{v}; must be {bound}")
+    return int(v)
+
+
+def opt_num(body: Mapping[str, Any], name: str, lo: float, hi: float) -> float | None:
+    """Field ``name`` as a number in ``[lo, hi]``."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if not is_num(v):
+        raise invalid(name, f"{v!r}; expected a number")
+    if not lo <= v <= hi:
+        raise invalid(name, f"{v}; must be in [{lo:g}, {hi:g}]")
+    return float(v)
+
+
+def opt_bool(body: Mapping[str, Any], name: str) -> bool | None:
+    """Field ``name`` as a bool."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise invalid(name, f"{v!r}; expected true or false")
+    return v
+
+
+def must_be_off(body: Mapping[str, Any], name: str, off: Sequence[object], why: str) -> None:
+    """The 400 (``unsupported``, saying ``why``) unless field ``name`` is absent or one of
+    the ``off`` values, of the same type."""
+    v = body.get(name)
+    if v is None or any(v == o and type(v) is type(o) for o in off):
+        return
+    raise unsupported(name, why)

@@ -142,6 +142,11 @@ class Model(ChatMixin):
             generating right now may hold together; beyond it the least recently used are
             written to ``sessions/`` in the cache directory and read back, unchanged, when
             next used. ``None``: one full context (``max_context`` tokens of KV).
+        trace_routing: a file (created or replaced) that every forward's routing is written
+            to as it runs: per row (prompt, decode, draft, MTP) each MoE layer's routed
+            experts, in the routing-trace format that the replay reads
+            (``tools/replay_routing.rs --trace``; docs/expert-store.md, "Trace format").
+            For measuring the expert levers on your own workload; off by default.
 
     Example:
         >>> import colibri
@@ -171,6 +176,7 @@ class Model(ChatMixin):
         chat_template: str | os.PathLike[str] | None = None,
         n_ctx: int | None = None,
         load_progress: Callable[[int, int], object] | None = None,
+        trace_routing: str | os.PathLike[str] | None = None,
     ) -> None:
         if load_progress is not None and not callable(load_progress):
             raise InvalidArgumentError(
@@ -230,6 +236,7 @@ class Model(ChatMixin):
             idle_session_bytes=idle,
             prefill=prefill,
             load_progress=load_progress,
+            trace_routing=None if trace_routing is None else os.fspath(trace_routing),
         )
         self.config: dict[str, Any] = json.loads(self._engine.config_json())
         facts = self._engine.info()

@@ -11,6 +11,7 @@
 
 pub mod finite;
 pub mod names;
+pub mod regular_file;
 pub mod safetensors;
 pub mod shard;
 

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
+use super::regular_file;
 use super::safetensors::{self, Header, MAX_HEADER_BYTES};
 
 /// An open shard file, shared by the container's tensors.
@@ -24,15 +25,18 @@ pub struct ShardFile {
 impl ShardFile {
     /// Open `path` read-only; it must be a regular file.
     pub fn open(path: &Path) -> Result<Arc<Self>> {
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = regular_file::open_read(path).map_err(|e| {
+            if regular_file::is_not_regular(&e) {
+                Error::container(
+                    path,
+                    None,
+                    "not a regular file (a FIFO, device or directory named like a shard)",
+                )
+            } else {
+                Error::io(path, e)
+            }
+        })?;
         let meta = file.metadata().map_err(|e| Error::io(path, e))?;
-        if !meta.is_file() {
-            return Err(Error::container(
-                path,
-                None,
-                "not a regular file (a FIFO, device or directory named like a shard)",
-            ));
-        }
         Ok(Arc::new(ShardFile {
             path: path.to_path_buf(),
             file,

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use crate::container::safetensors::{self, Dtype, MAX_HEADER_BYTES};
-use crate::container::shard_paths;
+use crate::container::{regular_file, shard_paths};
 use crate::error::{Error, Result};
 
 /// One tensor of a source shard.
@@ -107,7 +107,7 @@ impl Source {
             block,
         };
         for path in paths {
-            let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+            let file = regular_file::open_read(&path).map_err(|e| Error::io(&path, e))?;
             let header = read_header(&path, &file)?;
             let shard = src.files.len();
             for t in header.tensors {

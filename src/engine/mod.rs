@@ -10,6 +10,7 @@
 
 pub mod batch;
 pub mod options;
+pub mod routing_trace;
 pub mod saved;
 pub mod session;
 pub mod stats;
@@ -27,6 +28,7 @@ use crate::decode::{self, FinishReason, GenerateOptions};
 use crate::experts::{self, ExpertStore, PrefetchMode};
 use crate::model::{context, KvCaches, Model, Sequence};
 use crate::{Error, Result};
+use routing_trace::RoutingTraceWriter;
 
 pub use batch::{BatchIo, BatchRequest};
 pub use options::{check_choice, choices, EngineOptions, LoadProgress, PinChoice, CHOICES};
@@ -94,6 +96,22 @@ pub struct Engine {
     empty_caches: KvCaches,
 }
 
+/// The `trace_routing` writer of `model`: its MoE layers, routed experts, top-k and MTP layer.
+fn routing_trace_writer(model: &Model, path: &Path) -> Result<RoutingTraceWriter> {
+    let cfg = model.config();
+    let layers = (0..cfg.num_hidden_layers)
+        .filter(|&l| cfg.is_moe_layer(l))
+        .collect();
+    let mtp_layer = cfg.mtp_layer_index().filter(|_| model.has_mtp());
+    let header = crate::routing::TraceHeader::new(
+        layers,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+        mtp_layer,
+    );
+    RoutingTraceWriter::create(path, &header)
+}
+
 impl Engine {
     /// Open the container at `path` with `opts`: the store, its threads and the model.
     pub fn open(path: &Path, opts: &EngineOptions) -> Result<Self> {
@@ -122,6 +140,9 @@ impl Engine {
             Err(_) => container.report_loads(None),
         }
         let model = model?;
+        if let Some(path) = &opts.trace_routing {
+            model.set_routing_sink(Some(Arc::new(routing_trace_writer(&model, path)?)));
+        }
         let exact = model.max_exact_context();
         let max_context = match opts.max_context {
             Some(n) => context::check_max_context(n, exact, model.context_limit_reason())?,

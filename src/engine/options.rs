@@ -91,6 +91,10 @@ pub struct EngineOptions {
     /// Where evicted sessions are written; `None` = `sessions/` in `cache_dir` (or the
     /// default cache directory; the system temporary directory when there is none).
     pub spill_dir: Option<PathBuf>,
+    /// Write every forward's routing to this file as a routing trace (JSON lines,
+    /// docs/expert-store.md), which the replay reads (`tools/replay_routing.rs --trace`);
+    /// `None` = off.
+    pub trace_routing: Option<PathBuf>,
     /// Told the load's progress (bytes of resident weights read, bytes to read) after each
     /// tensor; the last call has both equal. The total before it is the container's
     /// resident bytes, an upper bound (the MTP layer's copies of the embedding and LM head
@@ -125,6 +129,7 @@ impl Default for EngineOptions {
             max_context: None,
             idle_session_bytes: None,
             spill_dir: None,
+            trace_routing: None,
             load_progress: None,
         }
     }

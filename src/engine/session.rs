@@ -1,7 +1,8 @@
 //! A session: one conversation's KV caches (main layers, MTP layer, DSA indexer keys) and
-//! the tokens they hold. The engine swaps a session's caches into the model for each of its
-//! generations, keeps idle ones within a RAM budget by writing the least recently used to
-//! disk, and reads them back on their next use.
+//! the tokens they hold. The model holds weights only: each of the session's generations runs
+//! the model's forwards over these caches (`model::Sequence`). The engine keeps idle
+//! sessions within a RAM budget by writing the least recently used to disk, and reads them
+//! back on their next use.
 
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};

@@ -33,6 +33,7 @@ use memmap2::{Advice, Mmap};
 use super::fault::{FaultInjector, FaultKind};
 use super::source::{ByteRange, ExpertLoc, MatrixLoc};
 use super::warn_once;
+use crate::container::regular_file;
 use crate::error::{Error, Result};
 
 use owned::plan;
@@ -116,7 +117,7 @@ impl Files {
         let mut lens = Vec::with_capacity(paths.len());
         let mut direct_ok = mode == IoMode::Direct;
         for p in paths {
-            let file = File::open(p).map_err(|e| Error::io(p, e))?;
+            let file = regular_file::open_read(p).map_err(|e| Error::io(p, e))?;
             let len = file.metadata().map_err(|e| Error::io(p, e))?.len();
             let map = if mode == IoMode::Mmap {
                 // SAFETY: a read-only shared mapping of a file we opened. Another process could

@@ -17,7 +17,9 @@ use crate::model::forward::Model;
 use crate::model::indexer::Selection;
 use crate::model::layer::Layer;
 use crate::model::linear;
+use crate::model::moe::Routing;
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
+use crate::model::routing_sink::{ForwardKind, RoutedRows};
 use crate::quant::kernels::int8act::PREFILL_MIN_ROWS;
 use crate::quant::kernels::Arithmetic;
 
@@ -68,6 +70,16 @@ pub struct MtpForward {
     pub selections: Vec<(usize, Selection)>,
 }
 
+/// One sequence's traced DSA selections: (layer, selection).
+type Traced = Vec<(usize, Selection)>;
+
+/// Every row's routing in one MoE layer, over the batch's rows.
+type LayerRouting = Vec<Routing>;
+
+/// One layer's pass: each sequence's DSA selection (on a full layer) and, on a MoE layer,
+/// every row's routing.
+type LayerPassed = (Vec<Option<Selection>>, Option<LayerRouting>);
+
 /// Where one sequence's rows sit in a batch: rows `at..at + rows` of the batch, positions
 /// `start..` of its caches.
 #[derive(Clone, Copy)]
@@ -111,7 +123,11 @@ impl Model {
     /// each sequence's [`Forward`], in order.
     pub fn forward(&self, seqs: &mut [SeqRows<'_>]) -> Result<Vec<Forward>> {
         let mut all: Vec<&mut SeqRows<'_>> = seqs.iter_mut().collect();
-        self.on_pool(|| linear::with_arithmetic(Arithmetic::Exact, || self.run(&mut all)))
+        self.on_pool(|| {
+            linear::with_arithmetic(Arithmetic::Exact, || {
+                self.run(&mut all, ForwardKind::Decode)
+            })
+        })
     }
 
     /// [`forward`](Self::forward) for the rows of prompts: the sequences of at least
@@ -137,7 +153,9 @@ impl Model {
                     .filter(|(_, &l)| l == in_group)
                     .map(|(s, _)| s)
                     .collect();
-                self.on_pool(|| linear::with_arithmetic(arith, || self.run(&mut group)))
+                self.on_pool(|| {
+                    linear::with_arithmetic(arith, || self.run(&mut group, ForwardKind::Prompt))
+                })
             };
             match done {
                 Ok(done) => {
@@ -162,8 +180,9 @@ impl Model {
             .collect()
     }
 
-    /// The forward of `seqs` in the caller's arithmetic, on the compute pool.
-    fn run(&self, seqs: &mut [&mut SeqRows<'_>]) -> Result<Vec<Forward>> {
+    /// The forward of `seqs` in the caller's arithmetic, on the compute pool; a routing
+    /// observer is told of it as a forward of `kind`.
+    fn run(&self, seqs: &mut [&mut SeqRows<'_>], kind: ForwardKind) -> Result<Vec<Forward>> {
         let h = self.cfg.hidden_size;
         let eps = self.cfg.rms_norm_eps;
         for seq in seqs.iter() {
@@ -176,7 +195,8 @@ impl Model {
         );
         let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let mut x = self.embed(&tokens);
-        let traced = match self.layers_pass(&mut x, &spans, seqs) {
+        let sink = self.routing_sink();
+        let (traced, routed) = match self.layers_pass(&mut x, &spans, seqs, sink.is_some()) {
             Ok(t) => t,
             Err(e) => {
                 for (seq, span) in seqs.iter_mut().zip(&spans) {
@@ -187,6 +207,10 @@ impl Model {
         };
         let xn = rmsnorm(&x, &self.norm, eps);
         let logits = self.head_over(&xn, &spans)?;
+        if let Some(sink) = sink {
+            let ids = seqs.iter().map(|s| s.caches.id());
+            sink.forward(kind, &routed_rows(&spans, ids, &routed));
+        }
         Ok(spans
             .iter()
             .zip(logits)
@@ -204,15 +228,18 @@ impl Model {
     }
 
     /// Every decoder layer over the batch's rows `x`; returns each sequence's traced
-    /// selections (empty unless tracing).
+    /// selections (empty unless tracing) and, with `keep_routing`, every MoE layer's
+    /// routing of every row.
     fn layers_pass(
         &self,
         x: &mut [f32],
         spans: &[Span],
         seqs: &mut [&mut SeqRows<'_>],
-    ) -> Result<Vec<Vec<(usize, Selection)>>> {
+        keep_routing: bool,
+    ) -> Result<(Vec<Traced>, Vec<LayerRouting>)> {
         let trace = self.tracing_selections();
         let mut traced = vec![Vec::new(); seqs.len()];
+        let mut routed = Vec::new();
         // Each sequence's latest DSA full-layer selection, which shared layers reuse.
         let mut shared: Vec<Option<Selection>> = vec![None; seqs.len()];
         for (i, layer) in self.layers.iter().enumerate() {
@@ -223,7 +250,11 @@ impl Model {
             };
             let mut kvs: Vec<&mut LayerKv> =
                 seqs.iter_mut().map(|s| &mut s.caches.layers[i]).collect();
-            let selected = self.layer_pass(layer, next, x, spans, &mut kvs, 0, &shared)?;
+            let (selected, routing) =
+                self.layer_pass(layer, next, x, spans, &mut kvs, 0, &shared)?;
+            if keep_routing {
+                routed.extend(routing);
+            }
             for (b, sel) in selected.into_iter().enumerate() {
                 if let Some(sel) = sel {
                     if trace {
@@ -233,7 +264,7 @@ impl Model {
                 }
             }
         }
-        Ok(traced)
+        Ok((traced, routed))
     }
 
     /// One layer over a batch's rows `x`: attention per sequence, each on its own cache
@@ -242,7 +273,8 @@ impl Model {
     /// (router lookahead on) it predicts that layer's experts from this residual plus this
     /// layer's resident feed-forward output and prefetches them, so their loads overlap
     /// this layer's routed experts; the resident output is reused, not recomputed. Returns
-    /// each sequence's DSA selection (on a full layer).
+    /// each sequence's DSA selection (on a full layer) and, on a MoE layer, every row's
+    /// routing.
     #[allow(clippy::too_many_arguments)]
     fn layer_pass(
         &self,
@@ -253,7 +285,7 @@ impl Model {
         kvs: &mut [&mut LayerKv],
         rope_offset: usize,
         shared: &[Option<Selection>],
-    ) -> Result<Vec<Option<Selection>>> {
+    ) -> Result<LayerPassed> {
         let h = self.cfg.hidden_size;
         let eps = self.cfg.rms_norm_eps;
         let pool = Some(self.pool());
@@ -287,8 +319,8 @@ impl Model {
             }
             resident_out = resident;
         }
-        layer.feed_forward(x, rows, eps, &*self.experts, pool, resident_out)?;
-        Ok(selected)
+        let routing = layer.feed_forward(x, rows, eps, &*self.experts, pool, resident_out)?;
+        Ok((selected, routing))
     }
 
     /// The LM head over each span's head rows of `xn`, in one matmul; each span's logits.
@@ -373,8 +405,9 @@ impl Model {
         // its own stack): it selects among the MTP layer's own cached rows.
         let mut kvs: Vec<&mut LayerKv> = seqs.iter_mut().map(|s| &mut s.caches.mtp).collect();
         let none = vec![None; spans.len()];
-        let selected = match self.layer_pass(&mtp.layer, None, &mut z, &spans, &mut kvs, 1, &none) {
-            Ok(sel) => sel,
+        let layer = self.layer_pass(&mtp.layer, None, &mut z, &spans, &mut kvs, 1, &none);
+        let (selected, routing) = match layer {
+            Ok(done) => done,
             Err(err) => {
                 for (kv, span) in kvs.iter_mut().zip(&spans) {
                     kv.truncate(span.start);
@@ -384,6 +417,11 @@ impl Model {
         };
         let out = rmsnorm(&z, &mtp.shared_head_norm, eps);
         let logits = self.head_over(&out, &spans)?;
+        if let Some(sink) = self.routing_sink() {
+            let ids = seqs.iter().map(|s| s.caches.id());
+            let routed: Vec<Vec<Routing>> = routing.into_iter().collect();
+            sink.forward(ForwardKind::Mtp, &routed_rows(&spans, ids, &routed));
+        }
         let trace = self.tracing_selections();
         let mtp_index = self.cfg.num_hidden_layers;
         Ok(spans
@@ -403,4 +441,29 @@ impl Model {
             })
             .collect())
     }
+}
+
+/// Each sequence's rows of a forward with their routing: `routed[layer][row]` over the
+/// batch's rows, cut into the sequences' spans.
+fn routed_rows(
+    spans: &[Span],
+    sequences: impl Iterator<Item = u64>,
+    routed: &[Vec<Routing>],
+) -> Vec<RoutedRows> {
+    spans
+        .iter()
+        .zip(sequences)
+        .map(|(span, sequence)| RoutedRows {
+            sequence,
+            start: span.start,
+            experts: (span.at..span.at + span.rows)
+                .map(|row| {
+                    routed
+                        .iter()
+                        .map(|layer| layer[row].ids.iter().map(|&e| e as u16).collect())
+                        .collect()
+                })
+                .collect(),
+        })
+        .collect()
 }

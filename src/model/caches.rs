@@ -1,5 +1,7 @@
 //! One sequence's KV caches, apart from the model's weights.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::model::attention::LayerKv;
 
 /// One sequence's KV caches (every main layer's and the MTP layer's). The model holds only
@@ -9,9 +11,24 @@ use crate::model::attention::LayerKv;
 pub struct KvCaches {
     pub(super) layers: Vec<LayerKv>,
     pub(super) mtp: LayerKv,
+    /// Names the sequence to a routing observer ([`super::RoutingSink`]); a clone keeps it.
+    id: u64,
 }
 
 impl KvCaches {
+    /// Caches of these layers, with a new [`id`](Self::id).
+    pub(super) fn new(layers: Vec<LayerKv>, mtp: LayerKv) -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        KvCaches {
+            layers,
+            mtp,
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+    /// A number that tells these caches from every other made in this process.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
     /// Bytes held (main layers and MTP layer).
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(LayerKv::bytes).sum::<usize>() + self.mtp.bytes()

@@ -13,7 +13,7 @@
 //! ```
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::carried::Carried;
 use crate::config::{ModelConfig, ModelFamily};
@@ -27,6 +27,7 @@ use crate::model::linear;
 use crate::model::moe::{ExpertProvider, ResidentExperts};
 use crate::model::norm::rmsnorm;
 use crate::model::rope::Rope;
+use crate::model::routing_sink::RoutingSink;
 use crate::quant::kernels::Arithmetic;
 use crate::quant::pack::reference_dequantize_row;
 
@@ -92,6 +93,8 @@ pub struct Model {
     /// GLM DSA: the checkpoint's lightning indexers are in use (see `max_exact_context`).
     dsa: bool,
     trace_selections: AtomicBool,
+    /// Told of every forward's routing (the engine's `trace_routing`); usually none.
+    routing_sink: Mutex<Option<Arc<dyn RoutingSink>>>,
 }
 
 impl Model {
@@ -166,6 +169,7 @@ impl Model {
             prefill_arithmetic: opts.prefill_arithmetic,
             dsa,
             trace_selections: AtomicBool::new(false),
+            routing_sink: Mutex::new(None),
         })
     }
 
@@ -184,13 +188,13 @@ impl Model {
 
     /// Empty caches shaped for this model (a new sequence's).
     pub fn new_caches(&self) -> KvCaches {
-        KvCaches {
-            layers: self.layers.iter().map(|l| l.new_kv(&self.cfg)).collect(),
-            mtp: match &self.mtp {
+        KvCaches::new(
+            self.layers.iter().map(|l| l.new_kv(&self.cfg)).collect(),
+            match &self.mtp {
                 Some(m) => m.layer.new_kv(&self.cfg),
                 None => LayerKv::new(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, 0),
             },
-        }
+        )
     }
 
     /// Whether GLM's sparse attention (the DSA lightning indexers) is in use.
@@ -207,6 +211,19 @@ impl Model {
 
     pub(super) fn tracing_selections(&self) -> bool {
         self.trace_selections.load(Ordering::Relaxed)
+    }
+
+    /// Tell `sink` every forward's routing from now on (`None`: stop).
+    pub fn set_routing_sink(&self, sink: Option<Arc<dyn RoutingSink>>) {
+        *self.routing_sink.lock().unwrap_or_else(|e| e.into_inner()) = sink;
+    }
+
+    /// The installed routing observer, if any.
+    pub(super) fn routing_sink(&self) -> Option<Arc<dyn RoutingSink>> {
+        self.routing_sink
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The arithmetic of long prefills.

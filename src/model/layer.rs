@@ -7,7 +7,7 @@ use crate::error::Result;
 use crate::model::attention::{Attention, Form, LayerKv};
 use crate::model::indexer::Selection;
 use crate::model::linear;
-use crate::model::moe::{ExpertProvider, Mlp, Moe};
+use crate::model::moe::{ExpertProvider, Mlp, Moe, Routing};
 use crate::model::norm::rmsnorm;
 use crate::model::rope::Rope;
 
@@ -90,6 +90,7 @@ impl Layer {
 
     /// Feed-forward half: `x += FFN(post_attention_layernorm(x))`. `resident` is
     /// [`Layer::resident_ffn`]'s output when the router lookahead already computed it.
+    /// Returns each row's routing on a MoE layer.
     pub(super) fn feed_forward(
         &self,
         x: &mut [f32],
@@ -98,17 +99,20 @@ impl Layer {
         experts: &dyn ExpertProvider,
         pool: Option<&rayon::ThreadPool>,
         resident: Option<Vec<f32>>,
-    ) -> Result<()> {
+    ) -> Result<Option<Vec<Routing>>> {
         let h = rmsnorm(x, &self.post_attention_layernorm, eps);
-        let y = match (&self.ffn, resident) {
-            (Ffn::Dense(_), Some(y)) => y,
-            (Ffn::Dense(mlp), None) => mlp.forward(&h, s, pool)?,
-            (Ffn::Moe(moe), resident) => moe.forward(&h, s, experts, pool, resident)?,
+        let (y, routing) = match (&self.ffn, resident) {
+            (Ffn::Dense(_), Some(y)) => (y, None),
+            (Ffn::Dense(mlp), None) => (mlp.forward(&h, s, pool)?, None),
+            (Ffn::Moe(moe), resident) => {
+                let (y, routing) = moe.forward(&h, s, experts, pool, resident)?;
+                (y, Some(routing))
+            }
         };
         for (v, d) in x.iter_mut().zip(&y) {
             *v += d;
         }
-        Ok(())
+        Ok(routing)
     }
 
     /// The resident part of this layer's feed-forward on `x` (after attention): the whole

@@ -15,10 +15,12 @@ mod mla_decompressed;
 pub mod moe;
 pub mod norm;
 pub mod rope;
+pub mod routing_sink;
 mod sequence;
 pub mod store_source;
 
 pub use batch::{Forward, MtpForward, MtpRows, SeqRows};
 pub use caches::KvCaches;
 pub use forward::{Model, ModelOptions};
+pub use routing_sink::{ForwardKind, RoutedRows, RoutingSink};
 pub use sequence::Sequence;

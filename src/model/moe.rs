@@ -285,7 +285,8 @@ impl Moe {
     /// result does not depend on the order experts arrive in).
     ///
     /// `shared_out` is the shared experts' output for `h` when the caller already computed it
-    /// (the router lookahead uses it); it is computed here otherwise.
+    /// (the router lookahead uses it); it is computed here otherwise. Returns the output and
+    /// each row's routing.
     pub fn forward(
         &self,
         h: &[f32],
@@ -293,7 +294,7 @@ impl Moe {
         experts: &dyn ExpertProvider,
         pool: Option<&rayon::ThreadPool>,
         shared_out: Option<Vec<f32>>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<(Vec<f32>, Vec<Routing>)> {
         let hidden = h.len() / s.max(1);
         let routing = self.router.route(h, s, self.router.top_k, pool)?;
         let mut union: Vec<usize> = routing.iter().flat_map(|r| r.ids.iter().copied()).collect();
@@ -381,7 +382,7 @@ impl Moe {
                 *a += b;
             }
         }
-        Ok(out)
+        Ok((out, routing))
     }
 
     /// The shared experts' output for `h` ([s, hidden]); `None` without shared experts.

@@ -117,6 +117,9 @@ impl<'a, C: BorrowMut<KvCaches>> Sequence<'a, C> {
     /// Drop main-model KV rows from `len` on (roll back rejected positions).
     pub fn truncate(&mut self, len: usize) {
         self.caches_mut().truncate_main(len);
+        if let Some(sink) = self.model.routing_sink() {
+            sink.truncated(self.caches().id(), len);
+        }
     }
     pub fn mtp_truncate(&mut self, len: usize) {
         self.caches_mut().truncate_mtp(len);

@@ -89,17 +89,25 @@ pub struct Forward {
     pub end: usize,
 }
 
+impl TraceHeader {
+    /// The header of this format's version for a model of these MoE layers, routed experts
+    /// per layer, top-k and (when traced) MTP layer.
+    pub fn new(layers: Vec<usize>, experts: usize, top_k: usize, mtp_layer: Option<usize>) -> Self {
+        TraceHeader {
+            format: TRACE_FORMAT.into(),
+            version: TRACE_VERSION,
+            layers,
+            experts,
+            top_k,
+            mtp_layer,
+        }
+    }
+}
+
 impl Trace {
     pub fn new(layers: Vec<usize>, experts: usize, top_k: usize, mtp_layer: Option<usize>) -> Self {
         Trace {
-            header: TraceHeader {
-                format: TRACE_FORMAT.into(),
-                version: TRACE_VERSION,
-                layers,
-                experts,
-                top_k,
-                mtp_layer,
-            },
+            header: TraceHeader::new(layers, experts, top_k, mtp_layer),
             rows: Vec::new(),
         }
     }
@@ -236,7 +244,8 @@ impl Trace {
 
     /// Read the trace at `path`.
     pub fn load(path: &Path) -> Result<Self> {
-        let f = std::fs::File::open(path).map_err(|e| Error::io(path.to_path_buf(), e))?;
+        let f = crate::container::regular_file::open_read(path)
+            .map_err(|e| Error::io(path.to_path_buf(), e))?;
         Self::read(&mut std::io::BufReader::new(f), &path.display().to_string())
     }
 }

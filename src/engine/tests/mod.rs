@@ -4,6 +4,7 @@
 //! and come back intact.
 
 mod batch;
+mod routing_trace;
 mod saved;
 mod spill;
 

@@ -49,7 +49,7 @@ pub struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, cache_dir=None, pin="auto", resident_layers=None, max_context=None, idle_session_bytes=None, spill_dir=None, prefill="auto", load_progress=None))]
+    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, cache_dir=None, pin="auto", resident_layers=None, max_context=None, idle_session_bytes=None, spill_dir=None, prefill="auto", load_progress=None, trace_routing=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -69,6 +69,7 @@ impl PyEngine {
         spill_dir: Option<PathBuf>,
         prefill: &str,
         load_progress: Option<Py<PyAny>>,
+        trace_routing: Option<PathBuf>,
     ) -> PyResult<Self> {
         let args = options::EngineArgs {
             threads,
@@ -85,6 +86,7 @@ impl PyEngine {
             idle_session_bytes,
             spill_dir,
             prefill,
+            trace_routing,
         };
         Self::open(py, path, &args, load_progress)
     }

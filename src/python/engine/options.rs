@@ -29,6 +29,7 @@ pub(super) struct EngineArgs<'a> {
     pub(super) idle_session_bytes: Option<u64>,
     pub(super) spill_dir: Option<PathBuf>,
     pub(super) prefill: &'a str,
+    pub(super) trace_routing: Option<PathBuf>,
 }
 
 /// The engine's options of `Engine(...)`'s arguments ("auto" and 0 mean the engine decides).
@@ -47,6 +48,7 @@ pub(super) fn engine_options(a: &EngineArgs<'_>) -> crate::Result<EngineOptions>
         max_context: a.max_context,
         idle_session_bytes: a.idle_session_bytes,
         spill_dir: a.spill_dir.clone(),
+        trace_routing: a.trace_routing.clone(),
         prefill: EngineOptions::parse_prefill(a.prefill)?,
         load_progress: None,
     })

@@ -9,7 +9,8 @@
 //! Everything here, and every [`Isa`] and [`Src`] method, is `#[inline(always)]`: the whole
 //! call tree is inlined into the entry point and compiled with its target features. A
 //! function left out of line would be compiled without them and its intrinsics would become
-//! calls (docs/benchmarks.md, "Kernels": a closure that did so ran at a quarter speed).
+//! calls (docs/benchmarks-history.md, "Kernels: dequant-matmul": a closure inside the kernel
+//! compiled without the features, and its intrinsics ran as out-of-line calls).
 
 use crate::quant::format::{QMatrix, QuantFormat};
 

@@ -1,0 +1,212 @@
+"""What ``colibri serve`` shows of itself: Prometheus metrics, ``/stats`` (live and totals),
+and the dashboard in a headless Chromium (tests/helpers/serve.py starts the server).
+
+Set ``COLIBRI_DASHBOARD_SCREENSHOT=docs/dashboard.png`` to write the dashboard screenshot of
+the browser test where the docs show it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import ROOT
+from helpers.serve import (
+    MODEL,
+    PROMPT,
+    Live,
+    long_stream,
+    wait_for,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_metrics_are_prometheus_text(server: Live, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in (
+        "colibri_requests",
+        "colibri_generated_tokens",
+        "colibri_prompt_tokens",
+        "colibri_prompt_cached_tokens",
+        "colibri_tokens_per_second",
+        "colibri_tokens_per_forward",
+        "colibri_drafts_proposed",
+        "colibri_drafts_accepted",
+        "colibri_draft_acceptance",
+        "colibri_expert_hits",
+        "colibri_expert_misses",
+        "colibri_expert_bytes_read",
+        "colibri_expert_wait_seconds",
+        "colibri_expert_layer_hits",
+        "colibri_prefetch_recall",
+        "colibri_queue_depth",
+        "colibri_memory_bytes",
+        "colibri_request_seconds",
+    ):
+        assert name in fams, name
+
+    def value(name: str, **labels: str) -> float:
+        return sum(
+            s.value
+            for s in fams[name].samples
+            if s.name.endswith("_total") or s.name == name
+            if all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    assert value("colibri_generated_tokens") >= 8
+    assert value("colibri_requests", endpoint="/v1/completions", status="200") >= 1
+    assert value("colibri_expert_hits") > 0
+    assert value("colibri_tokens_per_second") > 0
+    assert value("colibri_memory_bytes", kind="expert_budget") > 0
+    assert value("colibri_queue_depth") == 0
+
+
+# ----------------------------------------------------------------------------- dashboard
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+def test_dashboard_updates_in_a_browser(server: Live, tmp_path: Path) -> None:
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        why = (
+            "needs Debian's chromium and chromium-driver (apt-get install chromium "
+            "chromium-driver; .ci/run installs them)"
+        )
+        if os.environ.get("COLIBRI_REQUIRE_BROWSER"):  # CI: the browser must be there
+            pytest.fail(why)
+        pytest.skip(why)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              "--window-size=1280,1180", "--hide-scrollbars"):  # fmt: skip
+        opts.add_argument(a)
+    os.environ.setdefault("SE_OFFLINE", "true")  # never let selenium fetch a driver
+    driver = webdriver.Chrome(options=opts, service=Service(str(CHROMEDRIVER)))
+    try:
+        driver.get(server.url + "/")
+
+        def text(id_: str) -> str:
+            return str(driver.find_element("id", id_).text)
+
+        def polls() -> int:
+            return int(driver.find_element("tag name", "body").get_attribute("data-polls") or 0)
+
+        wait_for(lambda: polls() >= 1, what="the first poll")
+        assert "live" in text("status")
+        n0, tokens0 = int(text("generations")), int(text("tokens"))
+        c = server.client()
+        for q in ("class Node:", "def walk(tree):"):
+            c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": q}],
+                max_tokens=20,
+                temperature=0,
+            )
+        wait_for(lambda: int(text("generations")) == n0 + 2, what="the dashboard to update")
+        assert int(text("tokens")) == tokens0 + 40
+        # While a long generation runs, its row in "Running now" counts up.
+        seen, stop = [0], threading.Event()
+        runner = threading.Thread(target=long_stream, args=(server, seen, stop), daemon=True)
+        runner.start()
+        try:
+
+            def generated() -> int:
+                # Poll now rather than wait for the page's 1 s timer: on the tiny model
+                # the whole generation takes about two seconds.
+                driver.execute_script("return poll();")
+                rows = driver.find_elements("css selector", "#active tr")
+                if not rows:
+                    return 0
+                cells = rows[0].find_elements("tag name", "td")
+                return int(cells[3].text.split(" / ")[0])
+
+            a = wait_for(lambda: generated() >= 5, what="a running row on the page")
+            wait_for(lambda: generated() > a, what="the row to count up")
+            assert not driver.find_element("id", "active-empty").is_displayed()
+        finally:
+            stop.set()
+            runner.join(timeout=60)
+        wait_for(lambda: driver.find_element("id", "active-empty").is_displayed(),
+                 what="the row to go when the generation ends")  # fmt: skip
+        assert float(text("tps")) > 0
+        assert float(text("tpf")) >= 1.0
+        assert text("hitrate").endswith("%")
+        assert text("recall").endswith("%")
+        # The charts drew: the heat map has coloured cells (not only the background).
+        coloured = driver.execute_script(
+            """const c = document.getElementById('c-heat');
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            let n = 0; for (let i = 0; i < d.length; i += 4) if (d[i + 1] > 150) n++;
+            return n;"""
+        )
+        assert coloured > 500
+        logs = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert not logs, logs
+        shot = tmp_path / "dashboard.png"
+        driver.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+        if target := os.environ.get("COLIBRI_DASHBOARD_SCREENSHOT"):
+            shutil.copyfile(shot, ROOT / target)
+    finally:
+        driver.quit()
+
+
+def test_stats_show_running_requests_live(server: Live) -> None:
+    """``/stats`` describes a generation while it runs, not only when it ends: its tokens
+    grow between polls, with its speed and an ETA against ``max_tokens``."""
+    seen, stop = [0], threading.Event()
+    t = threading.Thread(target=long_stream, args=(server, seen, stop), daemon=True)
+    t.start()
+    try:
+        first = wait_for(
+            lambda: [a for a in server.stats()["active"] if a["generated_tokens"] >= 5],
+            what="a running generation in /stats",
+        )[0]
+        assert first["endpoint"] == "/v1/completions" and first["phase"] == "decode"
+        assert first["max_tokens"] == 1900 and first["prompt_tokens"] > 0
+        later = wait_for(
+            lambda: [
+                a
+                for a in server.stats()["active"]
+                if a["generated_tokens"] >= first["generated_tokens"] + 20
+            ],
+            what="its token count to grow",
+        )[0]
+        assert later["tokens_per_second"] > 0 and later["eta_seconds"] is not None
+        assert later["tokens_per_forward"] >= 1.0 and later["elapsed_seconds"] > 0
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    wait_for(lambda: not server.stats()["active"], what="the generation to end")
+
+
+def test_stats_json(server: Live) -> None:
+    s = server.stats()
+    assert s["served_model"] == MODEL
+    # The request count is of API requests: the dashboard's polling and scrapes add none.
+    for _ in range(3):
+        server.stats()
+        httpx.get(server.url + "/health", timeout=10)
+        httpx.get(server.url + "/metrics", timeout=10)
+    assert server.stats()["totals"]["requests"] == s["totals"]["requests"]
+    httpx.get(server.url + "/v1/models", timeout=10)
+    assert server.stats()["totals"]["requests"] == s["totals"]["requests"] + 1
+    assert s["totals"]["generations"] == len(s["history"]) or len(s["history"]) == 120
+    assert s["layers"] and all(0.0 <= v["hit_rate"] <= 1.0 for v in s["layers"].values())
+    json.dumps(s)

@@ -1,4 +1,4 @@
-"""Hostile files and faults (issue 24, docs/reliability.md): shards that change under a
+"""Hostile files and faults (docs/reliability.md): shards that change under a
 running model, stored non-finite values, and what the process does about them. Anything that
 could kill the process before its fix runs in a subprocess, so a regression is a failed test
 (with the signal named), not a dead test run."""
@@ -49,7 +49,7 @@ def test_truncating_the_dense_shard_of_a_running_model_is_an_error_not_a_signal(
 ) -> None:
     """The fixture is one shard holding dense weights and experts. Cutting it back to its
     header while the model is loaded must not kill the process (dense weights live in owned
-    memory since issue 24): the dense part keeps working, an expert read is a ContainerError
+    memory): the dense part keeps working, an expert read is a ContainerError
     naming the shard, and once the file is back the model generates what it did before."""
     d = make_test_model(tmp_path / "m")
     shard = d / "model.safetensors"

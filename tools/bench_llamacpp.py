@@ -1,4 +1,4 @@
-"""colibri and llama.cpp side by side on one synthetic DeepSeek-V3-shaped model (issue 23).
+"""colibri and llama.cpp side by side on one synthetic DeepSeek-V3-shaped model.
 
 One command builds everything it needs outside the repository, in a cache directory:
 
@@ -14,7 +14,8 @@ medians over the rounds: decode tok/s after 8- and 512-token prompts, prefill to
 and 2,048 tokens, and each process's peak RSS; plus, in the same run (before and after the
 rounds), the 2-thread streaming-read bandwidth, the f32 FMA ceiling and the int8 VNNI ceiling
 (a small probe compiled with rustc, the method of benches/probes.rs). It prints a markdown
-table with the ratios issue 23 names and writes JSON.
+table with each ratio beside its goal (colibri over llama.cpp, tok/s times bytes per token over the
+measured bandwidth) and writes JSON.
 
     python tools/bench_llamacpp.py --cache /work/llamabench            # full size, 3 rounds
     python tools/bench_llamacpp.py --cache /tmp/lb --quick             # tiny model, 1 round

@@ -328,7 +328,7 @@ fn corrupted_bytes_never_panic() {
     }
 }
 
-/// Issue 24: a weight read after its shard shrank is `Error::Container` naming the file and
+/// A weight read after its shard shrank is `Error::Container` naming the file and
 /// tensor (through the old mapping it was a SIGBUS that killed the test binary), and a weight
 /// read before the truncation stays valid (it is owned memory).
 #[test]

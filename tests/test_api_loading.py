@@ -485,3 +485,31 @@ def test_a_legacy_history_next_to_the_weights_is_migrated(
     assert m.usage_path is not None
     saved = json.loads(m.usage_path.read_text())
     assert sum(map(sum, saved["layers"].values())) > legacy_total
+
+
+def test_pin_mtp_goes_beyond_the_budget_while_the_history_pins_the_rest(
+    tmp_path: Path,
+) -> None:
+    """``pin_mtp`` keeps the MTP layer's experts in RAM on top of ``ram_budget``, while the
+    routing history (the shipped one routes the MTP layer too) pins hot experts of the other
+    layers within the budget. A budget that holds some of those pins once made the store
+    refuse to open ("the pinned experts take ... bytes, over the ...-byte budget")."""
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(EMBEDDED_TINY, model_dir)
+    budget = 1_000_000
+    m = colibri.Model(
+        model_dir, cache_dir=tmp_path / "cache", ram_budget=budget, pin_mtp=True, prefetch="off"
+    )
+    mem, st = m.info()["memory"], m._engine.expert_stats()
+    mtp_data = sum(m.info()["tensors"]["mtp_routed_experts"].values())
+    assert mem["mtp_resident_bytes"] >= mtp_data > 0
+    assert mem["ram_budget_bytes"] == budget + mem["mtp_resident_bytes"]
+    # Pinned: the MTP layer's experts (loaded at open) and some history pins (loaded on use).
+    assert st["pinned_bytes"] == mem["mtp_resident_bytes"]
+    assert st["pin_set_len"] > m.info()["config"]["n_routed_experts"], "no history pins"
+    plain = colibri.Model(model_dir, cache_dir=tmp_path / "cache", ram_budget=budget)
+    assert plain.info()["memory"]["mtp_resident_bytes"] == 0
+    assert plain.info()["memory"]["ram_budget_bytes"] == budget
+    a = m.generate("def f(x):", max_new_tokens=12, temperature=0, draft="mtp", draft_depth=2)
+    b = plain.generate("def f(x):", max_new_tokens=12, temperature=0, draft="off")
+    assert a.token_ids == b.token_ids

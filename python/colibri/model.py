@@ -390,12 +390,15 @@ class Model(ChatMixin):
     # ----------------------------------------------------------------------------- info
     def info(self) -> dict[str, Any]:
         """Config summary, container formats and byte sizes per tensor role, and the memory
-        plan (see :func:`model_info`), and what was decided at load: ``max_context``,
+        plan (see :func:`model_info`; ``memory["ram_budget_bytes"]`` is the experts' whole
+        allowance, ``memory["mtp_resident_bytes"]`` the part of it that ``pin_mtp`` added on
+        top of ``ram_budget``), and what was decided at load: ``max_context``,
         ``prefill`` (the arithmetic of long prefills, ``"exact"`` or ``"int8"``) and
         ``lookahead`` (whether decode predicts the next layer's experts to prefetch them)."""
         info = model_info(self.path, mtp_loaded=self.has_mtp)
         stats, decided = self._engine.expert_stats(), self._engine.info()
         info["memory"]["ram_budget_bytes"] = stats["budget_bytes"]
+        info["memory"]["mtp_resident_bytes"] = stats["resident_bytes"]
         info["memory"]["io_mode"] = stats["io_mode"]
         info["max_context"] = self.max_context
         info["prefill"] = decided["prefill"]

@@ -123,6 +123,8 @@ struct Inner {
     budget: u64,
     pin_set_bytes: u64,
     pin_set_len: usize,
+    /// Bytes of the resident layers' experts (inside `budget` and `pin_set_bytes`).
+    resident_bytes: u64,
     busy: BusyClock,
 }
 

@@ -119,6 +119,7 @@ impl ExpertStore {
             budget: plan.budget + plan.resident_bytes,
             pin_set_bytes: plan.pin_set_bytes + plan.resident_bytes,
             pin_set_len: plan.pins.len(),
+            resident_bytes: plan.resident_bytes,
             busy: BusyClock::default(),
         });
         let workers = match &inner.queue {

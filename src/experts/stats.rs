@@ -147,6 +147,9 @@ pub struct StoreStats {
     pub pin_set_bytes: u64,
     /// Number of experts chosen to be pinned.
     pub pin_set_len: usize,
+    /// Bytes of the resident layers' experts, loaded at open on top of the RAM budget the
+    /// user gave (`budget_bytes` and `pin_set_bytes` include them).
+    pub resident_bytes: u64,
     /// Bytes of owned expert buffers alive right now (pread/direct slabs in use or waiting in
     /// the recycling pool, and copied scales): the real allocation, for budget accounting.
     pub live_owned_bytes: u64,
@@ -206,6 +209,7 @@ impl ExpertStore {
             budget_bytes: inner.budget,
             pin_set_bytes: inner.pin_set_bytes,
             pin_set_len: inner.pin_set_len,
+            resident_bytes: inner.resident_bytes,
             live_owned_bytes: inner.files.pool.gauge.live(),
             peak_owned_bytes: inner.files.pool.gauge.peak(),
             io_busy_ns: inner.busy.busy_ns(),

@@ -336,10 +336,13 @@ pub fn select_pins(
     let mut used = 0u64;
     let mut pins = Vec::new();
     for (_, l, e) in cand {
-        let b = bytes_of(l, e);
-        if used + b <= budget {
-            used += b;
-            pins.push((l, e));
+        // `bytes_of` may say u64::MAX for "never pin this one": the sum must not wrap.
+        match used.checked_add(bytes_of(l, e)) {
+            Some(total) if total <= budget => {
+                used = total;
+                pins.push((l, e));
+            }
+            _ => {}
         }
     }
     pins.sort_unstable();
@@ -487,5 +490,14 @@ mod tests {
             5,
             "zero counts never pinned"
         );
+    }
+
+    /// An expert priced u64::MAX ("never pin", as resident layers' are) after a chosen one
+    /// must not wrap the running sum into a small number and be pinned.
+    #[test]
+    fn never_pin_prices_do_not_wrap_the_sum() {
+        let c = counts([9, 0, 0, 0], [8, 7, 0, 0]);
+        let bytes = |l: usize, _: usize| if l == 5 { u64::MAX } else { 10 };
+        assert_eq!(select_pins(&c, bytes, 30), vec![(3, 0)]);
     }
 }

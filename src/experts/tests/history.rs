@@ -144,3 +144,50 @@ fn a_legacy_history_in_the_model_directory_is_read_but_never_written() {
     ));
     assert!(!d.path().join(USAGE_FILE).exists());
 }
+
+/// A history that routed the MTP layer (taken while it was not resident), then a store that
+/// keeps that layer resident: the history pins spend the budget on the other layers only, and
+/// the resident layer comes on top (a wrapped sum once pinned it and refused the budget).
+#[test]
+fn a_resident_layer_in_the_history_is_not_pinned_from_the_budget() {
+    let spec = SynthSpec::tiny(G64);
+    let (_d, src) = make(&spec);
+    let mtp = spec.num_hidden_layers;
+    let one = ExpertStore::open_source(src.clone(), opts(IoMode::Pread, 0))
+        .and_then(|s| s.charged_bytes(1, 0))
+        .expect("charged");
+    let cache = tempfile::tempdir().expect("cache dir");
+    let o = history_options(cache.path(), one);
+    let mut ok = |_: usize, _: &ExpertView<'_>| Ok(());
+    {
+        let store = ExpertStore::open_source(src.clone(), o.clone()).expect("open");
+        for _ in 0..3 {
+            store.with_experts(1, &[0, 1], &mut ok).expect("call");
+            store
+                .with_experts(
+                    mtp,
+                    &(0..spec.n_routed_experts).collect::<Vec<_>>(),
+                    &mut ok,
+                )
+                .expect("call");
+        }
+        store.with_experts(2, &[5], &mut ok).expect("call");
+        store.save_usage().expect("save");
+    }
+    let resident = StoreOptions {
+        resident_layers: vec![mtp],
+        ..o
+    };
+    let store =
+        ExpertStore::open_source(src, resident).expect("a resident layer beyond the budget");
+    let s = store.stats();
+    let n = spec.n_routed_experts;
+    let mtp_bytes: u64 = (0..n)
+        .map(|e| store.charged_bytes(mtp, e).expect("bytes"))
+        .sum();
+    // Half the 8-expert budget pins layer 1's two hot experts and layer 2's one; the
+    // resident layer is pinned on top.
+    assert_eq!(s.pin_set_bytes, 3 * one + mtp_bytes);
+    assert_eq!(s.pin_set_len, 3 + n);
+    assert_eq!(s.budget_bytes, 8 * one + mtp_bytes);
+}

@@ -107,6 +107,7 @@ pub(super) fn expert_stats_dict<'py>(
     d.set_item("pinned_bytes", st.pinned_bytes)?;
     d.set_item("lru_bytes", st.lru_bytes)?;
     d.set_item("pin_set_len", st.pin_set_len)?;
+    d.set_item("resident_bytes", st.resident_bytes)?;
     d.set_item("peak_owned_bytes", st.peak_owned_bytes)?;
     d.set_item("io_busy_seconds", st.io_busy_ns as f64 / 1e9)?;
     let total = PyDict::new(py);

@@ -265,6 +265,45 @@ impl ModelConfig {
     pub fn q_out_dim(&self) -> usize {
         self.num_attention_heads * self.q_head_dim()
     }
+
+    /// Weights one token uses in `layer`: attention projections, and the dense MLP or the
+    /// routed experts it picks plus the shared ones (a count, not bytes: formats differ by
+    /// role, but a draft's price only needs the ratio of like to like).
+    pub fn weights_per_token(&self, layer: usize) -> usize {
+        let h = self.hidden_size;
+        let heads = self.num_attention_heads;
+        let q = match self.q_lora_rank {
+            Some(r) => h * r + r * self.q_out_dim(),
+            None => h * self.q_out_dim(),
+        };
+        let kv = h * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim);
+        let o = heads * self.v_head_dim * h;
+        let mlp = if self.is_moe_layer(layer) {
+            let experts = self.num_experts_per_tok + self.n_shared_experts;
+            3 * h * self.moe_intermediate(layer) * experts
+        } else {
+            3 * h * self.intermediate_size
+        };
+        q + kv + o + mlp
+    }
+
+    /// What an MTP draft token costs against a plain decode step, by the weights each uses:
+    /// the MTP layer, its input projection and the LM head, over every main layer and the
+    /// LM head. 0 for a model without an MTP layer.
+    pub fn mtp_draft_share(&self) -> f64 {
+        let Some(mtp) = self.mtp_layer_index() else {
+            return 0.0;
+        };
+        let h = self.hidden_size;
+        let head = self.vocab_size * h;
+        let draft = self.weights_per_token(mtp) + 2 * h * h + head;
+        let main: usize = (0..self.num_hidden_layers)
+            .map(|l| self.weights_per_token(l))
+            .sum::<usize>()
+            + head;
+        draft as f64 / main.max(1) as f64
+    }
 }
 
 #[cfg(test)]

@@ -33,6 +33,10 @@ pub struct MockConfig {
     /// Virtual seconds a `step_all` over S rows advances the mock's clock: base + per_row · S.
     pub cost_base: f64,
     pub cost_per_row: f64,
+    /// Virtual seconds an `mtp_step` advances the clock per row.
+    pub mtp_cost_per_row: f64,
+    /// What the mock reports as `Target::mtp_draft_share`.
+    pub mtp_draft_share: f64,
 }
 
 impl Default for MockConfig {
@@ -45,6 +49,8 @@ impl Default for MockConfig {
             mtp_error: 0.2,
             cost_base: 0.0,
             cost_per_row: 0.0,
+            mtp_cost_per_row: 0.0,
+            mtp_draft_share: 0.0,
         }
     }
 }
@@ -264,6 +270,8 @@ impl Target for MockTarget {
         // Rows already there must still be true (a main rollback must not strand them).
         self.check_mtp_rows(false)?;
         self.mtp_calls += 1;
+        let t = self.time.get() + self.cfg.mtp_cost_per_row * tokens.len() as f64;
+        self.time.set(t);
         let v = self.cfg.vocab;
         let mut out_logits = Vec::with_capacity(tokens.len() * v);
         let mut out_hidden = Vec::with_capacity(tokens.len() * H);
@@ -306,6 +314,10 @@ impl Target for MockTarget {
 
     fn mtp_truncate(&mut self, len: usize) {
         self.mtp_kv.truncate(len);
+    }
+
+    fn mtp_draft_share(&self) -> f64 {
+        self.cfg.mtp_draft_share
     }
 }
 

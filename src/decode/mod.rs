@@ -15,6 +15,7 @@ pub mod depth;
 pub mod guard;
 pub mod mtp;
 pub mod ngram;
+pub mod pricing;
 pub mod prompt;
 pub mod request;
 pub mod rng;
@@ -112,6 +113,11 @@ pub trait Target {
     }
     fn mtp_kv_len(&self) -> usize;
     fn mtp_truncate(&mut self, len: usize);
+    /// What an MTP draft token costs against a plain step before one was timed (the share of
+    /// the weights it uses: `ModelConfig::mtp_draft_share`); 0 = free.
+    fn mtp_draft_share(&self) -> f64 {
+        0.0
+    }
 }
 
 /// A source of draft tokens for the loop in [`spec`].
@@ -149,6 +155,10 @@ pub trait Drafter {
         0
     }
 
+    /// Drafting is over for this generation (priced out): drop what is held for it and do no
+    /// more upkeep.
+    fn release(&mut self) {}
+
     /// What the drafter holds for the next generation on the same caches (the MTP drafter:
     /// the main hidden states its layer has not absorbed), taken out of it.
     fn take_pending(&mut self) -> Carried {
@@ -180,6 +190,9 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
     }
     fn mtp_forwards(&self) -> u64 {
         (**self).mtp_forwards()
+    }
+    fn release(&mut self) {
+        (**self).release()
     }
     fn take_pending(&mut self) -> Carried {
         (**self).take_pending()

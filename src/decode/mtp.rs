@@ -28,6 +28,8 @@ pub struct MtpDrafter {
     /// Rows per absorbing `mtp_step` (0 = all at once).
     chunk: usize,
     forwards: u64,
+    /// Drafting was priced out: nothing is kept or absorbed any more.
+    released: bool,
 }
 
 impl MtpDrafter {
@@ -38,6 +40,7 @@ impl MtpDrafter {
             pending: Carried::default(),
             chunk,
             forwards: 0,
+            released: false,
         }
     }
 
@@ -130,7 +133,9 @@ impl MtpDrafter {
 
 impl Drafter for MtpDrafter {
     fn observe(&mut self, hidden: &Carried) {
-        self.pending.extend(hidden);
+        if !self.released {
+            self.pending.extend(hidden);
+        }
     }
 
     fn propose(
@@ -140,6 +145,9 @@ impl Drafter for MtpDrafter {
         max: usize,
         cancel: &AtomicBool,
     ) -> Result<Vec<u32>> {
+        if self.released {
+            return Ok(Vec::new());
+        }
         let Some((logits, z)) = self.absorb(target, context, cancel)? else {
             return Ok(Vec::new());
         };
@@ -156,7 +164,7 @@ impl Drafter for MtpDrafter {
         context: &[u32],
         cancel: &AtomicBool,
     ) -> Result<()> {
-        if self.pending_rows() >= BACKLOG_ROWS {
+        if !self.released && self.pending_rows() >= BACKLOG_ROWS {
             self.absorb(target, context, cancel)?;
         }
         Ok(())
@@ -164,6 +172,11 @@ impl Drafter for MtpDrafter {
 
     fn mtp_forwards(&self) -> u64 {
         self.forwards
+    }
+
+    fn release(&mut self) {
+        self.released = true;
+        self.pending = Carried::default();
     }
 
     /// The hidden states not yet absorbed (positions `mtp_kv_len()..kv_len()`), for the

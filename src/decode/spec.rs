@@ -18,6 +18,7 @@ use super::depth::DepthController;
 use super::guard::{GuardConfig, PauseGuard};
 use super::mtp::MtpDrafter;
 use super::ngram::NgramDrafter;
+use super::pricing::DraftPricing;
 use super::rng::Rng;
 use super::sampling::{
     pick, token_logprob, History, SamplingParams, TokenLogprob, MAX_TOP_LOGPROBS,
@@ -289,10 +290,23 @@ pub fn generate_after(
     on_tokens: &mut dyn FnMut(&[u32]) -> bool,
     cancel: &AtomicBool,
 ) -> Result<Generation> {
-    let previous = std::mem::take(state);
     let epoch = Instant::now();
     let clock = move || epoch.elapsed().as_secs_f64();
-    let mut decoding = Decoding::start(target, previous, prompt, opts, &clock)?;
+    generate_timed(target, state, prompt, opts, on_tokens, cancel, &clock)
+}
+
+/// [`generate_after`] timed by `clock` (tests pass the mock's virtual clock).
+pub(crate) fn generate_timed(
+    target: &mut dyn Target,
+    state: &mut CacheState,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    cancel: &AtomicBool,
+    clock: Clock<'_>,
+) -> Result<Generation> {
+    let previous = std::mem::take(state);
+    let mut decoding = Decoding::start(target, previous, prompt, opts, clock)?;
     let finish = decoding.run(target, on_tokens, cancel);
     let (generation, next) = decoding.end(target, finish)?;
     *state = next;
@@ -360,6 +374,12 @@ pub(crate) struct Decoding<'d, 'c> {
     stats: DecodeStats,
     guard: PauseGuard,
     depth: DepthController,
+    /// Drafting was priced out on these caches before this generation (it runs without).
+    mtp_priced_out: bool,
+    /// The price check of the default drafter (`None`: not priced).
+    pricing: Option<DraftPricing>,
+    /// The drafter was told to drop what it holds.
+    drafter_released: bool,
     /// Whether the previous cycle drafted: only then is a draft's time typical (after a
     /// cycle without drafts the MTP drafter also absorbs the rows it skipped).
     drafted_last_cycle: bool,
@@ -389,6 +409,8 @@ struct Planned {
     kv: usize,
     drafts: Vec<u32>,
     feed: Vec<u32>,
+    /// The drafts are a probe's (free, not the drafter's).
+    probe: bool,
     started: f64,
 }
 
@@ -404,7 +426,13 @@ impl<'c> Decoding<'static, 'c> {
         clock: Clock<'c>,
     ) -> Result<Self> {
         opts.validate()?;
+        // The defaults price MTP drafting before paying for it (docs/speculative.md, "Priced
+        // drafting"); once priced out on these caches it stays off for them.
+        let priced =
+            opts.draft == DraftSource::Auto && opts.depth == DraftDepth::Auto && target.has_mtp();
+        let priced_out = priced && previous.mtp_priced_out;
         let source = match opts.draft {
+            _ if priced_out => DraftSource::Off,
             DraftSource::Auto if target.has_mtp() => DraftSource::Mtp,
             DraftSource::Auto => DraftSource::Ngram,
             DraftSource::Mtp if !target.has_mtp() => {
@@ -425,7 +453,13 @@ impl<'c> Decoding<'static, 'c> {
             DraftSource::Ngram => Some(Box::new(NgramDrafter)),
             _ => None,
         };
-        Decoding::new(target, keep, mtp_keep, prompt, opts, drafter, clock)
+        let mut decoding = Decoding::new(target, keep, mtp_keep, prompt, opts, drafter, clock)?;
+        if priced_out {
+            decoding.mtp_priced_out = true;
+        } else if priced {
+            decoding.pricing = Some(DraftPricing::new(target.mtp_draft_share()));
+        }
+        Ok(decoding)
     }
 }
 
@@ -467,6 +501,9 @@ impl<'d, 'c> Decoding<'d, 'c> {
             prefill_started: None,
             guard: PauseGuard::new(opts.guard.clone()),
             depth: DepthController::new(MAX_DEPTH),
+            mtp_priced_out: false,
+            pricing: None,
+            drafter_released: false,
             drafted_last_cycle: false,
             started: clock(),
             clock,

@@ -72,4 +72,7 @@ impl<C: BorrowMut<KvCaches>> Target for Sequence<'_, C> {
     fn mtp_truncate(&mut self, len: usize) {
         Sequence::mtp_truncate(self, len)
     }
+    fn mtp_draft_share(&self) -> f64 {
+        self.model().config().mtp_draft_share()
+    }
 }

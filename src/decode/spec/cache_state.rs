@@ -15,6 +15,10 @@ pub struct CacheState {
     pub tokens: Vec<u32>,
     /// [rows, hidden]: main hidden states of positions `mtp_kv_len()..kv_len()`.
     pub(super) mtp_pending: Carried,
+    /// A generation with the default drafting found that MTP drafts cannot pay here
+    /// (`DepthController::could_pay`) and dropped the MTP layer's state: later default
+    /// generations on these caches start without drafting and keep the whole prefix.
+    pub(super) mtp_priced_out: bool,
 }
 
 impl CacheState {
@@ -22,6 +26,7 @@ impl CacheState {
     pub fn clear(&mut self) {
         self.tokens.clear();
         self.mtp_pending = Carried::default();
+        self.mtp_priced_out = false;
     }
 
     /// A state restored from what [`mtp_pending`](Self::mtp_pending) and `tokens` were
@@ -31,7 +36,13 @@ impl CacheState {
         CacheState {
             tokens,
             mtp_pending,
+            mtp_priced_out: false,
         }
+    }
+
+    /// Whether the last default generation priced MTP drafting out on these caches.
+    pub fn mtp_priced_out(&self) -> bool {
+        self.mtp_priced_out
     }
 
     /// [rows, hidden]: the main hidden states the MTP layer has not absorbed yet.

@@ -4,6 +4,16 @@
 use std::sync::atomic::AtomicBool;
 
 use super::{CacheState, Decoding, DraftDepth, FinishReason, Generation, Planned};
+use crate::decode::ngram;
+use crate::decode::pricing::{Backlog, Engagement, Step};
+
+/// What the next cycle verifies.
+enum Cycle {
+    /// This many of the drafter's drafts (0: a plain step).
+    Draft(usize),
+    /// This many free drafts, to price drafting before the drafter works.
+    Probe(usize),
+}
 use crate::decode::stats::MAX_DEPTH;
 use crate::decode::{check_cancel, check_step, StepOutput, Target};
 use crate::{Error, Result};
@@ -60,11 +70,17 @@ impl<'d, 'c> Decoding<'d, 'c> {
             .as_mut()
             .map(|d| d.take_pending())
             .unwrap_or_default();
+        let mtp_priced_out = self.mtp_priced_out
+            || self
+                .pricing
+                .as_ref()
+                .is_some_and(|p| p.state() == Engagement::PricedOut);
         Ok((
             generation,
             CacheState {
                 tokens,
                 mtp_pending,
+                mtp_priced_out,
             },
         ))
     }
@@ -78,8 +94,8 @@ impl<'d, 'c> Decoding<'d, 'c> {
         }
     }
 
-    /// Depth for the next cycle, capped so that the burst fits max_new_tokens and the context.
-    fn next_depth(&mut self) -> usize {
+    /// The next cycle, its depth capped so that the burst fits max_new_tokens and the context.
+    fn next_cycle(&mut self, target: &dyn Target) -> Cycle {
         let generated = self.ctx.len() - self.prompt_len;
         let remaining = self.opts.max_new_tokens - generated;
         let mut cap = MAX_DEPTH.min(remaining - 1);
@@ -87,11 +103,47 @@ impl<'d, 'c> Decoding<'d, 'c> {
             cap = cap.min(mc - self.ctx.len() - 1);
         }
         if self.drafter.is_none() || self.guard.paused() || cap == 0 {
-            return 0;
+            return Cycle::Draft(0);
         }
         match self.opts.depth {
-            DraftDepth::Fixed(g) => g.min(cap),
-            DraftDepth::Auto => self.depth.choose(cap),
+            DraftDepth::Fixed(g) => Cycle::Draft(g.min(cap)),
+            DraftDepth::Auto => {
+                let backlog = self.backlog(target);
+                let first = self.stats.decode_forwards == 0;
+                let Some(pricing) = self.pricing.as_mut() else {
+                    return Cycle::Draft(self.depth.choose(cap));
+                };
+                let step = pricing.next(first, backlog);
+                if pricing.state() == Engagement::PricedOut {
+                    self.release_drafter();
+                }
+                match step {
+                    Step::Plain => Cycle::Draft(0),
+                    Step::Probe => Cycle::Probe(1),
+                    Step::Draft => Cycle::Draft(self.depth.choose(cap)),
+                }
+            }
+        }
+    }
+
+    /// What the drafter must absorb before its first draft, and what is left to repay it.
+    fn backlog(&self, target: &dyn Target) -> Backlog {
+        let prefilled = self.prompt_len - self.prefilled_from;
+        Backlog {
+            rows: target.kv_len().saturating_sub(target.mtp_kv_len()),
+            remaining: self.opts.max_new_tokens - (self.ctx.len() - self.prompt_len),
+            prefill_row_secs: (prefilled > 0 && self.stats.prefill_secs > 0.0)
+                .then(|| self.stats.prefill_secs / prefilled as f64),
+        }
+    }
+
+    /// Drafting was priced out: the drafter drops what it holds (once).
+    fn release_drafter(&mut self) {
+        if !self.drafter_released {
+            self.drafter_released = true;
+            if let Some(d) = self.drafter.as_mut() {
+                d.release();
+            }
         }
     }
 
@@ -108,8 +160,10 @@ impl<'d, 'c> Decoding<'d, 'c> {
                 return Ok(Some(FinishReason::ContextFull));
             }
         }
-        let g = self.next_depth();
-        let drafts = self.draft(target, g, cancel)?;
+        let (drafts, probe) = match self.next_cycle(target) {
+            Cycle::Draft(g) => (self.draft(target, g, cancel)?, false),
+            Cycle::Probe(g) => (self.probe_drafts(g), true),
+        };
         let mut feed = Vec::with_capacity(1 + drafts.len());
         feed.push(self.ctx[self.ctx.len() - 1]);
         feed.extend_from_slice(&drafts);
@@ -117,9 +171,19 @@ impl<'d, 'c> Decoding<'d, 'c> {
             kv: target.kv_len(),
             drafts,
             feed,
+            probe,
             started: self.now(),
         });
         Ok(None)
+    }
+
+    /// `g` free drafts for a probe: prompt lookup, padded with the last context token. Any
+    /// drafts are lossless (each row's pick decides), so a probe costs only its extra rows.
+    fn probe_drafts(&self, g: usize) -> Vec<u32> {
+        let mut drafts = ngram::lookup(&self.ctx, g);
+        let last = self.ctx[self.ctx.len() - 1];
+        drafts.resize(g, last);
+        drafts
     }
 
     /// The rows the planned cycle verifies (empty when none is planned).
@@ -140,11 +204,13 @@ impl<'d, 'c> Decoding<'d, 'c> {
             kv,
             drafts,
             feed,
+            probe,
             started,
         }) = self.planned.take()
         else {
             return Err(Error::Internal("a verify without a planned cycle".into()));
         };
+        let first = self.stats.decode_forwards == 0;
         self.stats.forwards += 1;
         self.stats.decode_forwards += 1;
         check_step(out, feed.len(), self.vocab, self.hidden, "step_all")?;
@@ -153,8 +219,12 @@ impl<'d, 'c> Decoding<'d, 'c> {
         let secs = self.now() - started;
         self.stats.verify_secs += secs;
         self.depth.record_verify(feed.len(), secs);
+        if let Some(p) = self.pricing.as_mut() {
+            p.record_verify(feed.len(), secs, probe, first);
+        }
 
-        if !drafts.is_empty() {
+        // A probe's drafts are not the drafter's: they say nothing of its acceptance.
+        if !drafts.is_empty() && !probe {
             self.depth.record_acceptance(drafts.len(), accepted);
             self.guard.record(drafts.len(), accepted);
         }
@@ -176,13 +246,20 @@ impl<'d, 'c> Decoding<'d, 'c> {
         cancel: &AtomicBool,
     ) -> Result<Vec<u32>> {
         let clock = self.clock;
+        // While drafting is being priced the drafter does no work, upkeep included.
+        let probing = self
+            .pricing
+            .as_ref()
+            .is_some_and(|p| p.state() == Engagement::Probing);
         let Some(drafter) = self.drafter.as_mut() else {
             return Ok(Vec::new());
         };
         let t = clock();
         let typical = std::mem::replace(&mut self.drafted_last_cycle, g > 0);
         if g == 0 {
-            drafter.idle(target, &self.ctx, cancel)?;
+            if !probing {
+                drafter.idle(target, &self.ctx, cancel)?;
+            }
             self.stats.draft_secs += clock() - t;
             return Ok(Vec::new());
         }
@@ -198,6 +275,13 @@ impl<'d, 'c> Decoding<'d, 'c> {
         }
         if !drafts.is_empty() && typical {
             self.depth.record_draft(drafts.len(), secs);
+            let priced_out = self
+                .pricing
+                .as_mut()
+                .is_some_and(|p| p.record_draft(drafts.len(), secs));
+            if priced_out {
+                self.release_drafter();
+            }
         }
         Ok(drafts)
     }

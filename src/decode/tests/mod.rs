@@ -3,6 +3,7 @@
 mod depth;
 mod ending;
 mod lossless;
+mod pricing;
 mod sampling;
 
 use std::sync::atomic::{AtomicBool, Ordering};

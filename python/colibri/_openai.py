@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,12 +24,14 @@ from colibri import _client_fields, _reasoning, _tools
 from colibri._gbnf import gbnf_to_lark
 from colibri._openai_answer import (
     FINISH_REASONS,
+    Scored,
     closing_chunks,
     colibri_stats,
     finish_chunk,
     logprobs_body,
     opening_chunks,
     response,
+    scored_body,
     system_fingerprint,
     text_chunks,
     usage,
@@ -177,13 +179,27 @@ class ToolUse:
 
 
 class ChoiceStream:
-    """One streamed choice: reasoning split from the answer, tool calls held back."""
+    """One streamed choice: reasoning split from the answer, tool calls held back, and the
+    log-probabilities sent so far (each chunk carries those of the tokens it completes)."""
 
     def __init__(self, req: Request) -> None:
         self.reasoning = (
             _reasoning.ReasoningSplitter(req.opens_reasoning) if req.reasoning else None
         )
         self.calls = None if req.tool_use is None else _tools.CallFilter(req.tool_use.format)
+        #: Scored tokens received but not sent yet (their text made no chunk so far).
+        self.pending: list[Scored] = []
+        #: How many tokens' log-probabilities chunks carried, and where their text ended
+        #: (completions' ``text_offset``).
+        self.sent = 0
+        self.offset = 0
+
+    def logprobs(self, model: Model, req: Request, scored: Sequence[Scored]) -> dict[str, Any]:
+        """The ``logprobs`` object of the next ``scored`` tokens, counted as sent."""
+        assert req.logprobs is not None
+        body, self.offset = scored_body(model, scored, req.kind, req.logprobs, self.offset)
+        self.sent += len(scored)
+        return body
 
 
 #: Most choices one request may ask for (``n``).

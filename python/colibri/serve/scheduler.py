@@ -19,6 +19,7 @@ from typing import Any
 
 from colibri.model import BatchEntry, Model, Session
 from colibri.results import GenerationResult
+from colibri.stream import ScoredRow, TextSink
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -114,6 +115,10 @@ class Outcome:
     queued_seconds: float
 
 
+#: A piece of a job's text and the log-probability rows of the tokens it completes.
+Delta = tuple[str, list[ScoredRow]]
+
+
 class Job:
     """One admitted request. Iterate :meth:`chunks` for its text; :attr:`outcome` is set
     once it has finished. :meth:`cancel` (a client that went away) stops it within one
@@ -182,8 +187,9 @@ class Job:
         if self._scheduler is not None:
             self._scheduler._drop_queued(self)
 
-    async def chunks(self) -> AsyncIterator[str]:
-        """The generated text, chunk by chunk; raises what the generation raised."""
+    async def chunks(self) -> AsyncIterator[Delta]:
+        """The generated text, chunk by chunk, each with the log-probability rows of the
+        tokens it completes (none unless asked for); raises what the generation raised."""
         while True:
             item = await self._queue.get()
             if item is _END:
@@ -356,9 +362,9 @@ class Scheduler:
         jobs = sorted(self._by_id.items())
         return [job.progress(now, wait) for _, job in jobs if job.started]
 
-    def _text_sink(self, job: Job) -> Callable[[str], bool]:
-        def on_text(delta: str) -> bool:
-            self._post(job._queue.put_nowait, delta)
+    def _text_sink(self, job: Job) -> TextSink:
+        def on_text(delta: str, rows: list[ScoredRow]) -> bool:
+            self._post(job._queue.put_nowait, (delta, rows))
             return not job.cancelled
 
         return on_text

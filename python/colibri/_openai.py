@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from colibri import _client_fields, _reasoning, _tools
+from colibri import _client_fields, _fim, _reasoning, _tools
 from colibri._gbnf import gbnf_to_lark
 from colibri._openai_answer import (
     FINISH_REASONS,
@@ -49,7 +49,7 @@ from colibri._openai_errors import (
     unknown_field,
     unsupported,
 )
-from colibri._openai_prompts import _chat_prompt, _completion_prompts
+from colibri._openai_prompts import _chat_prompt, _completion_prompt, _completion_prompts
 from colibri._openai_sampling import generation_keywords, parse_logprobs
 from colibri.errors import ColibriError, InvalidArgumentError
 from colibri.model import Model
@@ -312,13 +312,16 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     forced: str | None = None
     if kind == "chat":
         prompts, tool_use, forced = _chat_prompts(body, model, extra)
+        texts = None
     else:
-        prompts = _completion_batch(body, model, n)
+        prompts, texts = _completion_batch(body, model, n)
     if extra.truncate_prompt_tokens is not None:
+        if texts is not None:
+            raise invalid("truncate_prompt_tokens", "with 'suffix': a FIM prompt is not cut")
         prompts = [p[-extra.truncate_prompt_tokens :] for p in prompts]
     echoes: list[str] = []
     if kind == "completion" and opt_bool(body, "echo"):
-        echoes = [model.decode(p) for p in prompts]
+        echoes = texts if texts is not None else [model.decode(p) for p in prompts]
     prompt_ids = max(prompts, key=len)
     thinks = kind == "chat" and _reasoning.template_thinks(_template_text(model))
     include_reasoning = opt_bool(body, "include_reasoning")
@@ -427,16 +430,49 @@ def _chat_prompts(
     return [prompt], tool_use, forced
 
 
-def _completion_batch(body: Mapping[str, Any], model: Model, n: int) -> list[list[int]]:
-    """A completions request's prompts, at most :data:`MAX_BATCH_CHOICES` choices in all."""
-    prompts = _completion_prompts(body.get("prompt"), model)
+def _completion_batch(
+    body: Mapping[str, Any], model: Model, n: int
+) -> tuple[list[list[int]], list[str] | None]:
+    """A completions request's prompts, at most :data:`MAX_BATCH_CHOICES` choices in all,
+    and with a ``suffix`` (fill-in-the-middle) the prompts' texts (what ``echo`` repeats)."""
+    texts = _fim_texts(body, model)
+    if texts is None:
+        prompts = _completion_prompts(body.get("prompt"), model)
+    else:
+        prompts = [_completion_prompt(t, model) for t in texts]
+        texts = [body["prompt"]] if isinstance(body["prompt"], str) else list(body["prompt"])
     if len(prompts) * n > MAX_BATCH_CHOICES:
         raise invalid(
             "prompt",
             f"{len(prompts)} prompts times n={n} choices; at most {MAX_BATCH_CHOICES} per "
             "request: split the batch",
         )
-    return prompts
+    return prompts, texts
+
+
+def _fim_texts(body: Mapping[str, Any], model: Model) -> list[str] | None:
+    """With a ``suffix``, each prompt's fill-in-the-middle prompt text in the format of the
+    model's tokenizer (``colibri._fim``); None without one. A tokenizer with no FIM tokens
+    is a 400 naming ``suffix``."""
+    suffix = body.get("suffix")
+    if suffix is None or suffix == "":
+        return None
+    if not isinstance(suffix, str):
+        raise invalid("suffix", f"{suffix!r}; expected a string")
+    fmt = _fim.detect(model.tokenizer)
+    if fmt is None:
+        raise unsupported(
+            "suffix",
+            "this model's tokenizer has no fill-in-the-middle tokens (DeepSeek's, Qwen's or "
+            "StarCoder's, GLM's code tokens), so there is no prompt that inserts text",
+        )
+    prompt = body.get("prompt")
+    texts = prompt if isinstance(prompt, list) and prompt else [prompt]
+    if not all(isinstance(t, str) for t in texts):
+        raise invalid(
+            "prompt", "with 'suffix', expected the text before the gap, or a list of texts"
+        )
+    return [fmt.prompt(t, suffix) for t in texts]
 
 
 def _forced_call_grammar(gen: Mapping[str, Any], tool_use: ToolUse, forced: str | None) -> str:
@@ -475,14 +511,10 @@ def ignored_warning(req: Request) -> str | None:
 
 
 def _refuse_completion_features(body: Mapping[str, Any]) -> None:
-    """The 400s for completions features colibri has not got: several candidates, text
-    inserted before a suffix."""
+    """The 400 for the completions feature colibri has not got: several candidates."""
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise unsupported("best_of", "one candidate per request")
-    suffix = body.get("suffix")
-    if suffix not in (None, ""):
-        raise unsupported("suffix", "colibri does not insert text (no fill-in-the-middle)")
 
 
 def _refuse_chat_features(body: Mapping[str, Any]) -> None:

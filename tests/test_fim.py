@@ -77,6 +77,8 @@ def test_suffix_builds_the_tokenizers_fim_prompt(tmp_path: Path, name: str) -> N
         model.create_completion(**{**body, "prompt": [1, 2, 3]})
     with pytest.raises(colibri.InvalidArgumentError, match="'suffix'"):
         model.create_completion(**{**body, "suffix": 3})
+    with pytest.raises(colibri.InvalidArgumentError, match="'truncate_prompt_tokens'"):
+        model.create_completion(**body, truncate_prompt_tokens=4)
 
 
 def test_without_fim_tokens_suffix_is_a_400_naming_it(server: Live) -> None:

@@ -146,6 +146,7 @@ def test_sampling_params_object_equals_keywords_and_conflicts_are_errors() -> No
         ({"stop": 3}, "stop"),
         ({"stop_token_ids": "1"}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
+        ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
         ({"n": 0}, "n"),
         ({"min_p": 1.5}, "min_p"),
         ({"repetition_penalty": -1.0}, "repetition_penalty"),

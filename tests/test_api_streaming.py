@@ -39,9 +39,9 @@ def test_stream_yields_multi_token_bursts(model: colibri.Model) -> None:
     original = model._run
 
     def spy(p: Any, on_text: Any, cancel: Any = None) -> Any:
-        def counting(delta: str) -> bool:
+        def counting(delta: str, rows: Any) -> bool:
             bursts.append(len(delta))
-            return bool(on_text(delta))
+            return bool(on_text(delta, rows))
 
         return original(p, counting, cancel)
 
@@ -112,9 +112,9 @@ class _SlowEngine:
         return getattr(self._engine, name)
 
     def generate(self, ids: list[int], request: Any, *, on_tokens: Any, **kw: Any) -> Any:
-        def slow(toks: list[int]) -> bool:
+        def slow(toks: list[int], scored: Any) -> bool:
             time.sleep(self._delay)
-            return bool(on_tokens(toks))
+            return bool(on_tokens(toks, scored))
 
         raw = self._engine.generate(ids, request, on_tokens=slow, **kw)
         self.finished.append((str(raw["finish_reason"]), len(raw["tokens"])))

@@ -73,13 +73,13 @@ class _EngineSpy:
         return getattr(self._engine, name)
 
     def generate(self, ids: list[int], request: Any, *, on_tokens: Any, **kw: Any) -> Any:
-        def wrapped(toks: list[int]) -> bool:
+        def wrapped(toks: list[int], scored: Any) -> bool:
             self.calls += 1
             if self.fired.is_set():
                 self.calls_after_fire += 1
             if self.calls == self._after:
                 self._started.set()
-            return bool(on_tokens(toks))
+            return bool(on_tokens(toks, scored))
 
         return self._engine.generate(ids, request, on_tokens=wrapped, **kw)
 

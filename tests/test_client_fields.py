@@ -111,7 +111,7 @@ def test_fields_at_their_off_value_are_silent(tiny: colibri.Model, name: str, va
 @pytest.mark.parametrize(
     ("kind", "fields", "needle"),
     [
-        ("completion", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ("completion", {"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
         ("chat", {"best_of": 2}, "best_of"),
         ("chat", {"echo": True}, "echo"),
         ("completion", {"use_beam_search": True}, "use_beam_search"),

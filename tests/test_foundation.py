@@ -24,6 +24,18 @@ def test_version_is_single_sourced_with_cargo() -> None:
     assert re.fullmatch(r"\d+\.\d+\.\d+.*", colibri.__version__)
 
 
+def test_cargo_bench_needs_no_flag() -> None:
+    """``cargo bench`` as users run it, with no ``--features``, runs the benches (kernels,
+    expert store, model; one criterion binary): no bench target requires a feature, and
+    scripts/test.sh lints them built without one."""
+    cargo = tomllib.loads((ROOT / "Cargo.toml").read_text())
+    benches = cargo.get("bench", [])
+    assert [b["name"] for b in benches] == ["main"]
+    assert all("required-features" not in b for b in benches)
+    assert (ROOT / "benches" / "main.rs").is_file()
+    assert "--benches" in (ROOT / "scripts" / "test.sh").read_text()
+
+
 def test_cpu_features_match_the_os_view() -> None:
     feats = set(_core.cpu_features())
     machine = platform.machine().lower()

@@ -6,21 +6,31 @@ the browser test where the docs show it."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
-from conftest import ROOT
+from colibri.serve.scheduler import Job
+from conftest import EMBEDDED_TINY, ROOT
 from helpers.serve import (
     MODEL,
     PROMPT,
     Live,
     long_stream,
+    start_server,
+    stop_server,
     wait_for,
 )
 from prometheus_client.parser import text_string_to_metric_families
@@ -79,7 +89,9 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 
 
-def test_dashboard_updates_in_a_browser(server: Live, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _browser() -> Iterator[Any]:
+    """A headless Chromium under selenium (skipped without it, failed in CI)."""
     if CHROMIUM is None or CHROMEDRIVER is None:
         why = (
             "needs Debian's chromium and chromium-driver (apt-get install chromium "
@@ -99,6 +111,26 @@ def test_dashboard_updates_in_a_browser(server: Live, tmp_path: Path) -> None:
     os.environ.setdefault("SE_OFFLINE", "true")  # never let selenium fetch a driver
     driver = webdriver.Chrome(options=opts, service=Service(str(CHROMEDRIVER)))
     try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _running_row(driver: Any) -> dict[str, str] | None:
+    """The first row of the page's "Running now" table, by column, or None."""
+    # Read in one script: the page rewrites the table at each poll.
+    cells = driver.execute_script(
+        "const r = document.querySelector('#active tr');"
+        "return r ? [...r.cells].map(c => c.textContent) : null;"
+    )
+    if not cells:
+        return None
+    names = ("request", "phase", "prompt", "generated", "tps", "tpf", "wait", "elapsed", "eta")
+    return dict(zip(names, cells, strict=True))
+
+
+def test_dashboard_updates_in_a_browser(server: Live, tmp_path: Path) -> None:
+    with _browser() as driver:
         driver.get(server.url + "/")
 
         def text(id_: str) -> str:
@@ -128,13 +160,11 @@ def test_dashboard_updates_in_a_browser(server: Live, tmp_path: Path) -> None:
 
             def generated() -> int:
                 # Poll now rather than wait for the page's 1 s timer: on the tiny model
-                # the whole generation takes about two seconds.
+                # the whole generation takes about two seconds (the stand-in test below
+                # leaves the page to its timer).
                 driver.execute_script("return poll();")
-                rows = driver.find_elements("css selector", "#active tr")
-                if not rows:
-                    return 0
-                cells = rows[0].find_elements("tag name", "td")
-                return int(cells[3].text.split(" / ")[0])
+                row = _running_row(driver)
+                return 0 if row is None else int(row["generated"].split(" / ")[0])
 
             a = wait_for(lambda: generated() >= 5, what="a running row on the page")
             wait_for(lambda: generated() > a, what="the row to count up")
@@ -163,8 +193,90 @@ def test_dashboard_updates_in_a_browser(server: Live, tmp_path: Path) -> None:
         assert shot.stat().st_size > 10_000
         if target := os.environ.get("COLIBRI_DASHBOARD_SCREENSHOT"):
             shutil.copyfile(shot, ROOT / target)
-    finally:
-        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def standin_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    """``colibri serve`` on the disk stand-in of the tiny model (every expert padded to
+    885 kB), its experts read with ``io=direct`` through a 4 MB budget: disk-bound."""
+    dst = tmp_path_factory.mktemp("standin") / "tiny-standin"
+    subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "make_standin.py"), str(EMBEDDED_TINY), str(dst),
+         "--intermediate", "2048", "-q"], check=True, capture_output=True,
+    )  # fmt: skip
+    live = start_server(
+        str(dst), "--ram-budget", "4MB", "--io", "direct", "--served-model-name", MODEL
+    )
+    yield live
+    stop_server(live)
+
+
+def test_the_page_follows_a_disk_bound_generation_by_itself(standin_server: Live) -> None:
+    """The page polls ``/stats`` every second by itself: during a long generation on the
+    disk stand-in its "Running now" row counts up at least once a second, with a speed,
+    the expert wait growing and an ETA; the page's polling counts no request."""
+    with _browser() as driver:
+        driver.get(standin_server.url + "/")
+        body = driver.find_element("tag name", "body")
+        wait_for(lambda: int(body.get_attribute("data-polls") or 0) >= 1, what="a first poll")
+        requests0 = int(driver.find_element("id", "requests").text)
+        seen, stop = [0], threading.Event()
+        runner = threading.Thread(
+            target=long_stream, args=(standin_server, seen, stop), daemon=True
+        )
+        runner.start()
+        try:
+            wait_for(lambda: _running_row(driver), what="a running row", timeout=30)
+            # Sample the page, never prompting it, for four of its polls (or 4 s).
+            samples: list[tuple[float, int, dict[str, str]]] = []
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 4.0 and len(samples) < 4:
+                row = _running_row(driver)
+                polls = int(body.get_attribute("data-polls") or 0)
+                if row is not None and (not samples or polls != samples[-1][1]):
+                    samples.append((time.monotonic(), polls, row))
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            runner.join(timeout=60)
+    assert len(samples) == 4, samples  # four updates in 4 s
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(samples)]
+    assert max(gaps) < 1.6, gaps  # a 1 s timer (and the time a poll takes)
+    generated = [int(r["generated"].split(" / ")[0]) for _, _, r in samples]
+    assert generated == sorted(generated) and generated[-1] > generated[0], generated
+    last = samples[-1][2]
+    assert last["phase"] == "decode" and last["generated"].endswith(" / 1900")
+    assert float(last["tps"]) > 0 and float(last["tpf"]) >= 1.0
+    waits = [float(r["wait"].removesuffix(" s")) for _, _, r in samples]
+    assert waits[-1] > 0 and waits[-1] >= waits[0], waits  # the experts come from disk
+    assert last["eta"].endswith(" s")
+    # The page's own polls counted no request: the one generation is the only API request.
+    assert standin_server.stats()["totals"]["requests"] == requests0 + 1
+
+
+def test_a_running_requests_speed_is_its_current_one() -> None:
+    """The speed ``/stats`` shows for a running request is over the last seconds: one that
+    slowed from 100 to 10 tokens/s shows about 10, not its average, and its ETA follows."""
+    job = Job([1, 2, 3], {"max_new_tokens": 1000})
+    job._began = 0.0
+    t = 0.0
+    for _ in range(500):  # 5 s at 100 tokens/s
+        t += 0.01
+        job._count([7], now=t)
+    for _ in range(50):  # then 5 s at 10 tokens/s
+        t += 0.1
+        job._count([7], now=t)
+    p = job.progress(t, 0.0)
+    assert p["generated_tokens"] == 550 and p["phase"] == "decode"
+    assert 9.0 < p["tokens_per_second"] < 11.0, p
+    assert p["eta_seconds"] == pytest.approx(450 / p["tokens_per_second"])
+    # While no token comes, the speed falls.
+    assert job.progress(t + 3.0, 0.0)["tokens_per_second"] < p["tokens_per_second"] / 2
+    # Young: the speed since the first token.
+    young = Job([1], {"max_new_tokens": 10})
+    young._count([7], now=1.0)
+    young._count([7, 7], now=1.1)
+    assert young.progress(1.2, 0.0)["tokens_per_second"] == pytest.approx(2 / 0.2)
 
 
 def test_stats_show_running_requests_live(server: Live) -> None:

@@ -53,8 +53,8 @@ def test_clients_extra_fields_over_http(server: Live) -> None:
         r = httpx.post(url, json={**base, "mirostat": 2, "stream": stream}, timeout=30)
         assert r.status_code == 200, r.text
         assert r.headers["warning"].startswith('299 colibri "ignored fields: mirostat')
-    r = httpx.post(url, json={**base, "include_stop_str_in_output": True}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "include_stop_str_in_output"
+    r = httpx.post(url, json={**base, "use_beam_search": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
 
 
 def test_http_errors_are_openai_shaped(server: Live) -> None:

@@ -132,6 +132,35 @@ def test_stop_strings_are_removed(client: openai.OpenAI, local: colibri.Model) -
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+def test_include_stop_str_in_output_keeps_the_stop(
+    client: openai.OpenAI, local: colibri.Model
+) -> None:
+    """vLLM's ``include_stop_str_in_output``: the stop string that ended the text stays at
+    its end, streamed or not, from the server and the library; so does a stop token's text."""
+    full = local.generate(PROMPT, max_new_tokens=40, temperature=0)
+    stop = full.text[12:16]
+    want = full.text[: full.text.index(stop) + len(stop)]
+    kw: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
+    keep = {"include_stop_str_in_output": True}
+    got = client.completions.create(**kw, stop=stop, extra_body=keep)
+    assert got.choices[0].text == want and got.choices[0].finish_reason == "stop"
+    parts = list(client.completions.create(**kw, stop=stop, extra_body=keep, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == want
+    assert local.generate(PROMPT, max_new_tokens=40, temperature=0, stop=stop, **keep).text == want
+    streamed = local.generate(PROMPT, max_new_tokens=40, temperature=0, stop=stop, stream=True,
+                              **keep)  # fmt: skip
+    assert "".join(streamed) == want
+    # A stop token (one that first appears after a few tokens): its text is kept too.
+    i, tok = next((i, t) for i, t in enumerate(full.token_ids) if i > 3 and t not in
+                  full.token_ids[:i])  # fmt: skip
+    ended = local.generate(PROMPT, max_new_tokens=40, temperature=0, stop_token_ids=[tok])
+    assert ended.text == local.decode(full.token_ids[:i])
+    kept = local.generate(PROMPT, max_new_tokens=40, temperature=0, stop_token_ids=[tok], **keep)
+    assert kept.text == local.decode(full.token_ids[: i + 1]) != ended.text
+    with pytest.raises(colibri.InvalidArgumentError, match="include_stop_str_in_output"):
+        local.generate(PROMPT, include_stop_str_in_output=1)  # type: ignore[arg-type]
+
+
 def test_seed_really_seeds(client: openai.OpenAI, local: colibri.Model) -> None:
     def ask(seed: int) -> str:
         r = client.completions.create(
@@ -312,6 +341,72 @@ def test_logprobs_penalties_and_bias_through_the_openai_client(
         lambda: client.completions.create(model=MODEL, prompt="a", logit_bias={"x": 1}),
         "logit_bias",
     )
+
+
+def _joined_completion_logprobs(chunks: list[Any]) -> dict[str, list[Any]]:
+    """The ``logprobs`` of a streamed completion's chunks, put end to end."""
+    out: dict[str, list[Any]] = {k: [] for k in ("tokens", "token_logprobs", "top_logprobs")}
+    out["text_offset"] = []
+    for c in chunks:
+        lp = c["choices"][0]["logprobs"] if c["choices"] else None
+        if lp is not None:
+            for k in out:
+                out[k].extend(lp[k])
+    return out
+
+
+def _stream_json(server: Live, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def test_streamed_chunks_carry_their_tokens_logprobs(server: Live, local: colibri.Model) -> None:
+    """Each streamed chunk carries the log-probabilities of the tokens whose text it
+    carries (not all of them in the last chunk): the tokens of a completion chunk spell
+    its text, and the chunks' logprobs put end to end are the non-streamed answer's."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "logprobs": 2}
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    want = whole["choices"][0]["logprobs"]
+    chunks = _stream_json(server, "/v1/completions", body)
+    texts = [c for c in chunks if c["choices"] and c["choices"][0]["text"]]
+    assert len(texts) > 5
+    for c in texts:  # the tiny model's code is ASCII: each token's piece is its text
+        lp = c["choices"][0]["logprobs"]
+        assert lp is not None and "".join(lp["tokens"]) == c["choices"][0]["text"]
+    assert _joined_completion_logprobs(chunks) == want
+    assert len(want["tokens"]) == 40
+    # A stop string's tokens are not in the text: their logprobs come in the last chunk.
+    # (Without drafting, so that both end at the same token: the burst that completes a
+    # stop string may hold more tokens, and bursts depend on the drafter's timing.)
+    stopped = {**body, "stop": whole["choices"][0]["text"][20:24], "draft": "off"}
+    cut = _stream_json(server, "/v1/completions", stopped)
+    whole_cut = httpx.post(server.url + "/v1/completions", json=stopped, timeout=60).json()
+    assert cut[-1]["choices"][0]["finish_reason"] == "stop"
+    assert cut[-1]["choices"][0]["logprobs"] is not None
+    assert _joined_completion_logprobs(cut) == whole_cut["choices"][0]["logprobs"]
+    # Chat: each content chunk's entries, end to end, are the answer's; the library's
+    # create_chat_completion streams them the same way.
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "import os"}],
+            "max_tokens": 30, "temperature": 0, "logprobs": True, "top_logprobs": 3}  # fmt: skip
+    answer = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    want_content = answer["choices"][0]["logprobs"]["content"]
+    for stream in (
+        _stream_json(server, "/v1/chat/completions", chat),
+        list(local.create_chat_completion(**{**chat, "stream": True})),
+    ):
+        carrying = [c for c in stream if c["choices"] and c["choices"][0]["logprobs"]]
+        assert len(carrying) > 5
+        got = [e for c in carrying for e in c["choices"][0]["logprobs"]["content"]]
+        assert got == want_content
+        for c in carrying:
+            entries = c["choices"][0]["logprobs"]["content"]
+            assert "".join(e["token"] for e in entries) == c["choices"][0]["delta"]["content"]
+    # Without logprobs, no chunk has any.
+    plain = _stream_json(server, "/v1/completions", {**body, "logprobs": None})
+    assert all(c["choices"][0]["logprobs"] is None for c in plain if c["choices"])
 
 
 def test_logprobs_mapping() -> None:

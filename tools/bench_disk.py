@@ -218,7 +218,7 @@ def run_cell(
         )
         after_prefill: dict[str, Any] = {}
 
-        def on_tokens(_toks: list[int]) -> bool:
+        def on_tokens(_toks: list[int], _scored: object) -> bool:
             if not after_prefill:
                 snap = eng.expert_stats()
                 after_prefill.update(snap["total"], io_busy=snap["io_busy_seconds"])

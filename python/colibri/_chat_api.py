@@ -298,11 +298,11 @@ class ChatMixin(GenerationMixin):
             yield from _openai.opening_chunks(req)
             splitter = req.choice_stream()
             with self.generate(req.prompt_ids, stream=True, **req.generate) as stream:
-                for text in stream:
-                    yield from _openai.text_chunks(req, splitter, text)
+                for text, rows in stream._scored_chunks():
+                    yield from _openai.text_chunks(req, splitter, text, 0, rows, self)
                 result = stream.result
-            yield from _openai.text_chunks(req, splitter, None)
+            yield from _openai.text_chunks(req, splitter, None, 0, (), self)
             if result is not None:
-                yield from _openai.closing_chunks(req, result, self)
+                yield from _openai.closing_chunks(req, result, self, [splitter])
 
         return chunks()

@@ -99,6 +99,7 @@ _FLAG_HELP = {
     "seed": "seed for reproducible sampling",
     "stop": "stop string (repeatable)",
     "stop_token_ids": "a token id that ends the generation (repeatable; replaces the EOS ids)",
+    "include_stop_str_in_output": "keep the stop string (or stop token's text) at the end",
     "ignore_eos": "do not stop at EOS tokens",
     "repetition_penalty": "> 1 discourages tokens already in the prompt or output (1 = off)",
     "presence_penalty": "subtracted once per seen token",

@@ -79,8 +79,8 @@ FIELDS: tuple[ClientField, ...] = (
     ClientField(
         "include_stop_str_in_output",
         "vLLM",
-        "refused",
-        "false (the default) is silent; true is a 400: not supported yet",
+        "honoured",
+        "true keeps the stop string that ended the text (and a stop token's text) at its end",
     ),
     ClientField(
         "skip_special_tokens",
@@ -273,9 +273,7 @@ class _Fields:
         if (v := take("include_stop_str_in_output")) is not None and self.boolean(
             "include_stop_str_in_output", v
         ):
-            raise self.unsupported(
-                "include_stop_str_in_output", "stop strings are never in the text"
-            )
+            out["include_stop_str_in_output"] = True  # colibri's sampling field
         if (v := take("skip_special_tokens")) is not None and not self.boolean(
             "skip_special_tokens", v
         ):

@@ -226,7 +226,7 @@ class Engine:
         ids: list[int],
         request: GenerateRequest | None = None,
         *,
-        on_tokens: Callable[[list[int]], bool] | None = None,
+        on_tokens: Callable[[list[int], list[dict[str, Any]] | None], bool] | None = None,
         session: Session | None = None,
         prefill_progress: Callable[[int, int], object] | None = None,
         **fields: Any,
@@ -235,8 +235,9 @@ class Engine:
         the dict or as keywords; one it does not have, or a value of the wrong type or range, raises
         ``InvalidArgumentError`` naming it); returns ``{"tokens", "finish_reason", "stats"}``
         (stats keyed by ``generation_stats_fields()``). ``draft_depth`` 0 is auto; ``stop_ids``
-        None uses the EOS ids; ``on_tokens`` gets the tokens each forward accepted and
-        returns False to stop. Ctrl-C raises KeyboardInterrupt within one forward. The KV
+        None uses the EOS ids; ``on_tokens(tokens, logprobs)`` gets the tokens each forward
+        accepted, with their ``"logprobs"`` rows (None without ``logprobs``), and returns
+        False to stop. Ctrl-C raises KeyboardInterrupt within one forward. The KV
         cache reused is ``session``'s, or the engine's own. The penalties, ``logit_bias``
         and ``min_tokens`` process every row's logits (verify rows included, so speculation
         stays lossless); ``logprobs`` k adds ``"logprobs"``: per token
@@ -253,7 +254,7 @@ class Engine:
         self,
         requests: list[dict[str, Any]],
         sessions: list[Session],
-        on_tokens: Callable[[int, list[int]], bool] | None = None,
+        on_tokens: Callable[[int, list[int], list[dict[str, Any]] | None], bool] | None = None,
     ) -> list[dict[str, Any] | BaseException]:
         """Generate for several sessions at once, their decode forwards shared (batched
         decode). ``requests[i]``: ``"ids"`` and every keyword of :meth:`generate` but
@@ -262,13 +263,14 @@ class Engine:
     def run_batch(
         self,
         admit: Callable[[int], list[tuple[int, dict[str, Any], Session]]],
-        on_tokens: Callable[[int, list[int]], bool],
+        on_tokens: Callable[[int, list[int], list[dict[str, Any]] | None], bool],
         on_done: Callable[[int, dict[str, Any] | BaseException], None],
     ) -> None:
         """A continuous batch: ``admit(running)`` is called before every forward and returns
         ``(id, request, session)`` triples to start (``request`` as in
-        :meth:`generate_batch`); ``on_tokens(id, tokens)`` gets each one's emitted tokens
-        (False stops it); ``on_done(id, result)`` its result dict or its error. Returns once
+        :meth:`generate_batch`); ``on_tokens(id, tokens, logprobs)`` gets each one's
+        emitted tokens and their log-probability rows, as :meth:`generate`'s (False stops
+        it); ``on_done(id, result)`` its result dict or its error. Returns once
         nothing runs and ``admit`` gives nothing; an exception raised by a callback cancels
         every running request and is raised here."""
     def drop_page_cache(self) -> None:

@@ -21,12 +21,12 @@ from colibri.sampling import (
     SamplingParams,
     Unpack,
 )
-from colibri.stream import GenerationStream, _Lane
+from colibri.stream import GenerationStream, ScoredRow, TextSink, _Lane
 from colibri.validation import (
     _DRAFT_MODES,
+    _check_bool,
     _check_choice,
     _check_depth,
-    _check_ignore_eos,
     _check_int,
     _check_processing,
     _check_seed,
@@ -251,7 +251,7 @@ class GenerationMixin:
             stop_ids = self.eos_token_ids
         else:
             stop_ids = _check_stop_ids(stop_token_ids, self._check_token)
-        if given.get("ignore_eos") is not None and _check_ignore_eos(given["ignore_eos"]):
+        if given.get("ignore_eos") is not None and _check_bool("ignore_eos", given["ignore_eos"]):
             stop_ids = [t for t in stop_ids if t not in self.eos_token_ids]
         processing = {
             **_check_processing(given, self._check_token),
@@ -281,6 +281,8 @@ class GenerationMixin:
             "top_p": float(top_p),
             "seed": seed,
             "stops": stops,
+            "include_stop_str_in_output": given.get("include_stop_str_in_output") is not None
+            and _check_bool("include_stop_str_in_output", given["include_stop_str_in_output"]),
             "draft": d,
             "draft_depth": depth,
             "stop_ids": stop_ids,
@@ -321,7 +323,7 @@ class GenerationMixin:
     def _run(
         self,
         p: Mapping[str, Any],
-        on_text: Callable[[str], bool] | None,
+        on_text: TextSink | None,
         cancel: threading.Event | None = None,
     ) -> GenerationResult:
         lane = _Lane(self.tokenizer, p, on_text, cancel)
@@ -344,7 +346,7 @@ class GenerationMixin:
             raw = self._engine.generate_batch(
                 [{"ids": p["ids"], **_engine_request(p)} for p in params],
                 sessions,
-                lambda i, ids: lanes[i].on_tokens(ids),
+                lambda i, ids, scored: lanes[i].on_tokens(ids, scored),
             )
         for r in raw:
             if isinstance(r, BaseException):
@@ -374,11 +376,11 @@ class GenerationMixin:
                 out.append((entry.id, request, entry.session._core))
             return out
 
-        def on_tokens(i: int, ids: list[int]) -> bool:
+        def on_tokens(i: int, ids: list[int], scored: list[ScoredRow] | None) -> bool:
             hook = progress.get(i)
             if hook is not None:
                 hook(ids)
-            return lanes[i].on_tokens(ids)
+            return lanes[i].on_tokens(ids, scored)
 
         def finished(i: int, raw: Any) -> None:
             lane = lanes.pop(i)
@@ -433,6 +435,7 @@ _SHAPED_HERE = frozenset(
         "stop",
         "stop_token_ids",
         "ignore_eos",
+        "include_stop_str_in_output",
         "min_p",
         "repetition_penalty",
         "presence_penalty",
@@ -451,8 +454,8 @@ _SHAPED_HERE = frozenset(
 def _engine_request(p: Mapping[str, Any]) -> dict[str, Any]:
     """The engine's request (``GenerateRequest``'s fields) of a checked generation
     (:meth:`Model._params`): everything but what stays on the Python side (the prompt, the
-    stop strings, the session, the progress callback)."""
-    python_side = ("ids", "stops", "session", "prefill_progress")
+    stop strings and whether they stay in the text, the session, the progress callback)."""
+    python_side = ("ids", "stops", "include_stop_str_in_output", "session", "prefill_progress")
     return {k: v for k, v in p.items() if k not in python_side}
 
 
@@ -465,7 +468,7 @@ class BatchEntry:
     id: int
     params: Mapping[str, Any]
     session: Session
-    on_text: Callable[[str], bool] | None
+    on_text: TextSink | None
     cancel: threading.Event | None
     #: Called with each burst of generated token ids as the engine emits them (live
     #: progress: the server's ``/stats``), before the text is decoded.

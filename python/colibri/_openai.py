@@ -16,20 +16,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from colibri import _client_fields, _reasoning, _tools
+from colibri import _client_fields, _fim, _reasoning, _tools
 from colibri._gbnf import gbnf_to_lark
 from colibri._openai_answer import (
     FINISH_REASONS,
+    Scored,
     closing_chunks,
     colibri_stats,
     finish_chunk,
     logprobs_body,
     opening_chunks,
     response,
+    scored_body,
     system_fingerprint,
     text_chunks,
     usage,
@@ -47,7 +49,7 @@ from colibri._openai_errors import (
     unknown_field,
     unsupported,
 )
-from colibri._openai_prompts import _chat_prompt, _completion_prompts
+from colibri._openai_prompts import _chat_prompt, _completion_prompt, _completion_prompts
 from colibri._openai_sampling import generation_keywords, parse_logprobs
 from colibri.errors import ColibriError, InvalidArgumentError
 from colibri.model import Model
@@ -177,13 +179,27 @@ class ToolUse:
 
 
 class ChoiceStream:
-    """One streamed choice: reasoning split from the answer, tool calls held back."""
+    """One streamed choice: reasoning split from the answer, tool calls held back, and the
+    log-probabilities sent so far (each chunk carries those of the tokens it completes)."""
 
     def __init__(self, req: Request) -> None:
         self.reasoning = (
             _reasoning.ReasoningSplitter(req.opens_reasoning) if req.reasoning else None
         )
         self.calls = None if req.tool_use is None else _tools.CallFilter(req.tool_use.format)
+        #: Scored tokens received but not sent yet (their text made no chunk so far).
+        self.pending: list[Scored] = []
+        #: How many tokens' log-probabilities chunks carried, and where their text ended
+        #: (completions' ``text_offset``).
+        self.sent = 0
+        self.offset = 0
+
+    def logprobs(self, model: Model, req: Request, scored: Sequence[Scored]) -> dict[str, Any]:
+        """The ``logprobs`` object of the next ``scored`` tokens, counted as sent."""
+        assert req.logprobs is not None
+        body, self.offset = scored_body(model, scored, req.kind, req.logprobs, self.offset)
+        self.sent += len(scored)
+        return body
 
 
 #: Most choices one request may ask for (``n``).
@@ -296,13 +312,16 @@ def parse(body: object, kind: Kind, model: Model, served: str) -> Request:
     forced: str | None = None
     if kind == "chat":
         prompts, tool_use, forced = _chat_prompts(body, model, extra)
+        texts = None
     else:
-        prompts = _completion_batch(body, model, n)
+        prompts, texts = _completion_batch(body, model, n)
     if extra.truncate_prompt_tokens is not None:
+        if texts is not None:
+            raise invalid("truncate_prompt_tokens", "with 'suffix': a FIM prompt is not cut")
         prompts = [p[-extra.truncate_prompt_tokens :] for p in prompts]
     echoes: list[str] = []
     if kind == "completion" and opt_bool(body, "echo"):
-        echoes = [model.decode(p) for p in prompts]
+        echoes = texts if texts is not None else [model.decode(p) for p in prompts]
     prompt_ids = max(prompts, key=len)
     thinks = kind == "chat" and _reasoning.template_thinks(_template_text(model))
     include_reasoning = opt_bool(body, "include_reasoning")
@@ -411,16 +430,49 @@ def _chat_prompts(
     return [prompt], tool_use, forced
 
 
-def _completion_batch(body: Mapping[str, Any], model: Model, n: int) -> list[list[int]]:
-    """A completions request's prompts, at most :data:`MAX_BATCH_CHOICES` choices in all."""
-    prompts = _completion_prompts(body.get("prompt"), model)
+def _completion_batch(
+    body: Mapping[str, Any], model: Model, n: int
+) -> tuple[list[list[int]], list[str] | None]:
+    """A completions request's prompts, at most :data:`MAX_BATCH_CHOICES` choices in all,
+    and with a ``suffix`` (fill-in-the-middle) the prompts' texts (what ``echo`` repeats)."""
+    texts = _fim_texts(body, model)
+    if texts is None:
+        prompts = _completion_prompts(body.get("prompt"), model)
+    else:
+        prompts = [_completion_prompt(t, model) for t in texts]
+        texts = [body["prompt"]] if isinstance(body["prompt"], str) else list(body["prompt"])
     if len(prompts) * n > MAX_BATCH_CHOICES:
         raise invalid(
             "prompt",
             f"{len(prompts)} prompts times n={n} choices; at most {MAX_BATCH_CHOICES} per "
             "request: split the batch",
         )
-    return prompts
+    return prompts, texts
+
+
+def _fim_texts(body: Mapping[str, Any], model: Model) -> list[str] | None:
+    """With a ``suffix``, each prompt's fill-in-the-middle prompt text in the format of the
+    model's tokenizer (``colibri._fim``); None without one. A tokenizer with no FIM tokens
+    is a 400 naming ``suffix``."""
+    suffix = body.get("suffix")
+    if suffix is None or suffix == "":
+        return None
+    if not isinstance(suffix, str):
+        raise invalid("suffix", f"{suffix!r}; expected a string")
+    fmt = _fim.detect(model.tokenizer)
+    if fmt is None:
+        raise unsupported(
+            "suffix",
+            "this model's tokenizer has no fill-in-the-middle tokens (DeepSeek's, Qwen's or "
+            "StarCoder's, GLM's code tokens), so there is no prompt that inserts text",
+        )
+    prompt = body.get("prompt")
+    texts = prompt if isinstance(prompt, list) and prompt else [prompt]
+    if not all(isinstance(t, str) for t in texts):
+        raise invalid(
+            "prompt", "with 'suffix', expected the text before the gap, or a list of texts"
+        )
+    return [fmt.prompt(t, suffix) for t in texts]
 
 
 def _forced_call_grammar(gen: Mapping[str, Any], tool_use: ToolUse, forced: str | None) -> str:
@@ -459,14 +511,10 @@ def ignored_warning(req: Request) -> str | None:
 
 
 def _refuse_completion_features(body: Mapping[str, Any]) -> None:
-    """The 400s for completions features colibri has not got: several candidates, text
-    inserted before a suffix."""
+    """The 400 for the completions feature colibri has not got: several candidates."""
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise unsupported("best_of", "one candidate per request")
-    suffix = body.get("suffix")
-    if suffix not in (None, ""):
-        raise unsupported("suffix", "colibri does not insert text (no fill-in-the-middle)")
 
 
 def _refuse_chat_features(body: Mapping[str, Any]) -> None:

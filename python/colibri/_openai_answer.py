@@ -3,7 +3,7 @@ checked request (``colibri._openai.Request``) and its generations."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from colibri import _reasoning
@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from colibri._openai_errors import Kind
 
 
+#: One scored token: its id, its log-probability and the top alternatives ``(id, logprob)``.
+Scored = tuple[int, float, Sequence[tuple[int, float]]]
+
+
 def logprobs_body(
     model: Model, result: GenerationResult, kind: Kind, top: int
 ) -> dict[str, Any] | None:
@@ -24,21 +28,43 @@ def logprobs_body(
 
     Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}],
     "refusal": None}``; completions: ``{"tokens", "token_logprobs", "top_logprobs",
-    "text_offset"}``. The one place that maps them, for JSON and SSE answers alike."""
+    "text_offset"}``. The one place that maps them, for JSON and SSE answers alike (a
+    stream sends the tokens' entries chunk by chunk, :func:`scored_body`)."""
+    scored = result_scored(result)
+    return None if scored is None else scored_body(model, scored, kind, top)[0]
+
+
+def result_scored(result: GenerationResult) -> list[Scored] | None:
+    """The scored tokens of a result (None when it has no log-probabilities)."""
     lps: Sequence[float] | None = getattr(result, "logprobs", None)
     if lps is None:
         return None
     tops: Sequence[Sequence[tuple[int, float]]] = getattr(result, "top_logprobs", None) or [
         [] for _ in lps
     ]
-    ids = result.token_ids[: len(lps)]
+    return list(zip(result.token_ids[: len(lps)], lps, tops, strict=False))
+
+
+def rows_scored(rows: Sequence[Mapping[str, Any]]) -> list[Scored]:
+    """The engine's log-probability rows (``on_tokens``'s) as scored tokens."""
+    return [
+        (int(r["token"]), float(r["logprob"]), [(int(t), float(lp)) for t, lp in r["top"]])
+        for r in rows
+    ]
+
+
+def scored_body(
+    model: Model, scored: Sequence[Scored], kind: Kind, top: int, offset: int = 0
+) -> tuple[dict[str, Any], int]:
+    """The ``logprobs`` object of ``scored`` tokens, and the text offset after them
+    (completions' ``text_offset`` counts from ``offset``, where the earlier tokens ended)."""
 
     def text(t: int) -> str:
         return model.decode([t], skip_special_tokens=False)
 
     if kind == "chat":
         content = []
-        for t, lp, alts in zip(ids, lps, tops, strict=False):
+        for t, lp, alts in scored:
             s = text(t)
             content.append(
                 {
@@ -51,20 +77,21 @@ def logprobs_body(
                     ],
                 }
             )
-        return {"content": content, "refusal": None}
-    tokens = [text(t) for t in ids]
-    offsets, at = [], 0
+        return {"content": content, "refusal": None}, offset
+    tokens = [text(t) for t, _, _ in scored]
+    offsets, at = [], offset
     for s in tokens:
         offsets.append(at)
         at += len(s)
-    return {
+    body = {
         "tokens": tokens,
-        "token_logprobs": [float(lp) for lp in lps],
-        "top_logprobs": [{text(a): float(b) for a, b in list(alts)[:top]} for alts in tops]
+        "token_logprobs": [float(lp) for _, lp, _ in scored],
+        "top_logprobs": [{text(a): float(b) for a, b in list(alts)[:top]} for _, _, alts in scored]
         if top
         else None,
         "text_offset": offsets,
     }
+    return body, at
 
 
 FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "stop"}
@@ -191,11 +218,18 @@ def chunk(
 
 
 def text_chunks(
-    req: Request, state: ChoiceStream, text: str | None, index: int = 0
+    req: Request,
+    state: ChoiceStream,
+    text: str | None,
+    index: int = 0,
+    rows: Sequence[Mapping[str, Any]] = (),
+    model: Model | None = None,
 ) -> list[dict[str, Any]]:
     """The chunks of a streamed text delta of choice ``index``: split into reasoning and
     content deltas, tool calls held back for the end (``text=None``: what ``state`` still
-    holds, at the end of the choice)."""
+    holds, at the end of the choice). ``rows`` are the log-probability rows of the tokens
+    the delta completes: the first chunk made carries them (with those of earlier deltas
+    that made none), in the ``logprobs`` shape of the request (``model`` names tokens)."""
     pieces: list[_reasoning.Piece]
     if state.reasoning is None:
         pieces = [] if text is None else [("content", text)]
@@ -213,6 +247,11 @@ def text_chunks(
         rest = state.calls.flush()
         if rest:
             out.append(chunk(req, text=rest, index=index))
+    if req.logprobs is not None:
+        state.pending.extend(rows_scored(rows))
+        if out and state.pending and model is not None:
+            out[0]["choices"][0]["logprobs"] = state.logprobs(model, req, state.pending)
+            state.pending = []
     return out
 
 
@@ -226,11 +265,22 @@ def opening_chunks(req: Request, index: int = 0) -> list[dict[str, Any]]:
 
 
 def finish_chunk(
-    req: Request, result: GenerationResult, model: Model, index: int = 0
+    req: Request,
+    result: GenerationResult,
+    model: Model,
+    index: int = 0,
+    state: ChoiceStream | None = None,
 ) -> dict[str, Any]:
-    """The chunk that ends choice ``index``: its finish reason, with its logprobs (which
-    come at the end: the stream carries text, not tokens)."""
-    lp = None if req.logprobs is None else logprobs_body(model, result, req.kind, req.logprobs)
+    """The chunk that ends choice ``index``: its finish reason, with the log-probabilities
+    of the tokens no earlier chunk carried (``state``: what the stream sent; without it,
+    all of them): those of a stop string or stop token, or of text held back."""
+    lp = None
+    scored = None if req.logprobs is None else result_scored(result)
+    if scored is not None:
+        if state is None:
+            lp = scored_body(model, scored, req.kind, req.logprobs)[0]
+        elif scored[state.sent :]:
+            lp = state.logprobs(model, req, scored[state.sent :])
     finish = FINISH_REASONS[result.finish_reason]
     body = chunk(req, text=None if req.kind == "chat" else "", logprobs=lp, index=index)
     if req.tool_use is not None:
@@ -245,12 +295,19 @@ def finish_chunk(
 
 
 def closing_chunks(
-    req: Request, results: GenerationResult | Sequence[GenerationResult], model: Model
+    req: Request,
+    results: GenerationResult | Sequence[GenerationResult],
+    model: Model,
+    states: Sequence[ChoiceStream] | None = None,
 ) -> list[dict[str, Any]]:
-    """The chunks a finished stream ends with: each choice's finish chunk and, when asked,
-    the usage."""
+    """The chunks a finished stream ends with: each choice's finish chunk (``states``: each
+    choice's stream, for the log-probabilities it has not sent) and, when asked, the
+    usage."""
     every = _results(results)
-    out = [finish_chunk(req, r, model, i) for i, r in enumerate(every)]
+    out = [
+        finish_chunk(req, r, model, i, None if states is None else states[i])
+        for i, r in enumerate(every)
+    ]
     if req.include_usage:
         out.append(usage_chunk(req, every))
     return out

@@ -40,6 +40,11 @@ class IncrementalDecoder:
         self.text += delta
         return delta
 
+    @property
+    def pending(self) -> bool:
+        """Whether tokens were pushed whose text is not out yet (an incomplete character)."""
+        return self._read < len(self.ids)
+
     def flush(self) -> str:
         """Emit whatever is left, even an incomplete character (end of generation)."""
         full = self._decode(self.ids[self._prefix :])
@@ -71,6 +76,11 @@ class StopMatcher:
         lo = max(0, start - self._longest + 1)
         hits = [i for i in (text.find(s, lo) for s in self.stops) if i >= 0]
         return min(hits) if hits else None
+
+    def length_at(self, text: str, at: int) -> int:
+        """The length of the stop string found at ``at`` (:meth:`check`'s answer): the
+        longest one that ``text`` has there."""
+        return max((len(s) for s in self.stops if text.startswith(s, at)), default=0)
 
     def safe_len(self, text: str) -> int:
         """How much of ``text`` can be shown: all of it but a tail that could still grow into

@@ -64,8 +64,12 @@ class SamplingOptions(TypedDict, total=False):
     #: Strings that end the generation (not included in the text).
     stop: str | Sequence[str] | None
     #: Token ids that end it; ``None``: the model's EOS ids; ``[]`` never stops on a token.
-    #: The stopping token is kept in ``token_ids`` but not in ``text``.
+    #: The stopping token is kept in ``token_ids``, not in ``text`` (unless
+    #: ``include_stop_str_in_output``).
     stop_token_ids: Sequence[int] | None
+    #: Keep the stop string that ended the generation at the end of the text, and a stop
+    #: token's text (vLLM's; default false: both are left out).
+    include_stop_str_in_output: bool | None
     #: Keep generating past EOS (other stop token ids still stop).
     ignore_eos: bool | None
     #: > 1 discourages every token already in the prompt or output (transformers' and

@@ -15,6 +15,15 @@ from colibri._text import IncrementalDecoder, StopMatcher
 from colibri.errors import InternalError
 from colibri.results import _ENGINE_FINISH_REASONS, GenerationResult, _stats
 
+#: One generated token's log-probability row, as the engine reports it:
+#: ``{"token": id, "logprob": float, "top": [(id, logprob), ...]}``.
+ScoredRow = Mapping[str, Any]
+
+#: Where a generation's text goes: ``on_text(delta, rows)`` gets each new piece of text
+#: with the log-probability rows of the tokens it completes (empty without ``logprobs``);
+#: False stops the generation.
+TextSink = Callable[[str, list[ScoredRow]], bool]
+
 
 class _Finished:
     def __init__(self, result: GenerationResult | None, error: BaseException | None) -> None:
@@ -35,16 +44,17 @@ class GenerationStream(Iterator[str]):
     within one forward too, as a generator is closed when it is dropped.
     """
 
-    def __init__(
-        self, run: Callable[[Callable[[str], bool], threading.Event], GenerationResult]
-    ) -> None:
+    def __init__(self, run: Callable[[TextSink, threading.Event], GenerationResult]) -> None:
         self._run = run
-        self._queue: queue.Queue[str | _Finished] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, list[ScoredRow]] | _Finished] = queue.Queue()
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
         self._finished = False
         #: The complete result, set when the stream is exhausted or closed.
         self.result: GenerationResult | None = None
+        #: The log-probability rows of the tokens the last chunk completed (with
+        #: ``logprobs``; ``create_completion`` streams them with their text).
+        self._rows: list[ScoredRow] = []
 
     def _start(self) -> None:
         # The worker must not reference the stream: a running thread is a GC root, and a
@@ -76,6 +86,11 @@ class GenerationStream(Iterator[str]):
             if not self._finished:
                 self.close()
 
+    def _scored_chunks(self) -> Iterator[tuple[str, list[ScoredRow]]]:
+        """The chunks with the log-probability rows of the tokens each completes."""
+        for text in self:
+            yield text, self._rows
+
     def __next__(self) -> str:
         if self._finished:
             raise StopIteration
@@ -87,9 +102,10 @@ class GenerationStream(Iterator[str]):
             except BaseException:  # KeyboardInterrupt while waiting: stop the engine too
                 self.close()
                 raise
-            if isinstance(item, str):
-                if item:
-                    return item
+            if isinstance(item, tuple):
+                if item[0]:
+                    self._rows = item[1]
+                    return item[0]
                 continue
             self._finish(item)
             raise StopIteration
@@ -141,15 +157,15 @@ class GenerationStream(Iterator[str]):
 
 
 def _stream_worker(
-    run: Callable[[Callable[[str], bool], threading.Event], GenerationResult],
-    out: queue.Queue[str | _Finished],
+    run: Callable[[TextSink, threading.Event], GenerationResult],
+    out: queue.Queue[tuple[str, list[ScoredRow]] | _Finished],
     cancel: threading.Event,
 ) -> None:
     """The body of a :class:`GenerationStream`'s worker thread (it holds no reference to the
     stream itself, see ``GenerationStream._start``)."""
 
-    def on_text(delta: str) -> bool:
-        out.put(delta)
+    def on_text(delta: str, rows: list[ScoredRow]) -> bool:
+        out.put((delta, rows))
         return not cancel.is_set()
 
     try:
@@ -159,42 +175,82 @@ def _stream_worker(
 
 
 class _Lane:
-    """One generation's text side: incremental decoding, stop strings, the text callback."""
+    """One generation's text side: incremental decoding, stop strings, the text callback.
+
+    With log-probabilities asked for and a text callback, each token's row goes out with
+    the delta that completes the token's text (tokens are then decoded one at a time to
+    know where each one's text ends); rows of tokens whose text never goes out (a stop
+    string's, a stop token's) stay in :attr:`unsent` for the caller, who has the result."""
 
     def __init__(
         self,
         tokenizer: Tokenizer,
         p: Mapping[str, Any],
-        on_text: Callable[[str], bool] | None,
+        on_text: TextSink | None,
         cancel: threading.Event | None,
     ) -> None:
         self.decoder = IncrementalDecoder(tokenizer)
         self.matcher = StopMatcher(p["stops"])
-        self.hidden = set(p["stop_ids"])
+        self.include_stop = bool(p.get("include_stop_str_in_output"))
+        # A stop token's text is left out unless stop strings are kept (vLLM's rule; EOS,
+        # a special token, has no text either way).
+        self.hidden: set[int] = set() if self.include_stop else set(p["stop_ids"])
         self.on_text = on_text
         self.cancel = cancel
         self.shown = 0
         self.stopped_by_string = False
+        #: Rows not yet sent with a delta: ``[end, row]``, ``end`` the text length once the
+        #: token's text is whole (None while it is not).
+        self.unsent: list[list[Any]] = []
 
-    def on_tokens(self, new_ids: list[int]) -> bool:
-        """The engine's callback: False stops the generation (a stop string, a cancel)."""
+    def _push(self, new_ids: list[int], scored: list[ScoredRow] | None) -> None:
+        if scored is None or self.on_text is None:
+            self.decoder.push([t for t in new_ids if t not in self.hidden])
+            return
+        for t, row in zip(new_ids, scored, strict=True):
+            if t not in self.hidden:
+                self.decoder.push([t])
+            self.unsent.append([None, row])
+            if not self.decoder.pending:
+                self._settle_ends()
+
+    def _settle_ends(self) -> None:
+        end = len(self.decoder.text)
+        for entry in reversed(self.unsent):
+            if entry[0] is not None:
+                break
+            entry[0] = end
+
+    def _send(self, upto: int) -> bool:
+        """The text up to ``upto`` out, with the rows of the tokens it completes."""
+        rows: list[ScoredRow] = []
+        while self.unsent and self.unsent[0][0] is not None and self.unsent[0][0] <= upto:
+            rows.append(self.unsent.pop(0)[1])
+        assert self.on_text is not None
+        keep_going = self.on_text(self.decoder.text[self.shown : upto], rows)
+        self.shown = upto
+        return keep_going
+
+    def on_tokens(self, new_ids: list[int], scored: list[ScoredRow] | None = None) -> bool:
+        """The engine's callback (``scored``: the tokens' log-probability rows, when asked
+        for): False stops the generation (a stop string, a cancel)."""
         if self.cancel is not None and self.cancel.is_set():
             return False
-        self.decoder.push([t for t in new_ids if t not in self.hidden])
+        self._push(new_ids, scored)
         text = self.decoder.text
         cut = self.matcher.check(text, self.shown)
         if cut is not None:
             self.stopped_by_string = True
+            if self.include_stop:
+                cut += self.matcher.length_at(text, cut)
             if self.on_text is not None and cut > self.shown:
-                self.on_text(text[self.shown : cut])
+                self._send(cut)
             self.shown = cut
             return False
         if self.on_text is not None:
             upto = self.matcher.safe_len(text)
             if upto > self.shown:
-                keep_going = self.on_text(text[self.shown : upto])
-                self.shown = upto
-                return keep_going
+                return self._send(upto)
         return True
 
     def result(self, raw: Mapping[str, Any]) -> GenerationResult:
@@ -208,9 +264,10 @@ class _Lane:
             finish = "stop"
         else:
             self.decoder.flush()
+            self._settle_ends()
             text = self.decoder.text
             if self.on_text is not None and len(text) > self.shown:
-                self.on_text(text[self.shown :])
+                self._send(len(text))
         scored = raw.get("logprobs")
         prompt = raw.get("prompt_logprobs")
         return GenerationResult(

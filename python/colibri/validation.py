@@ -285,9 +285,9 @@ def _check_stop_ids(value: object, check_token: Callable[[str, object], int]) ->
     return [check_token("stop_token_ids", t) for t in value]
 
 
-def _check_ignore_eos(value: object) -> bool:
+def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise InvalidArgumentError(f"invalid value for 'ignore_eos': {value!r}; expected a bool")
+        raise InvalidArgumentError(f"invalid value for '{name}': {value!r}; expected a bool")
     return value
 
 
@@ -338,8 +338,9 @@ def check_sampling_fields(fields: Mapping[str, Any]) -> None:
     _check_stops(fields.get("stop"))
     if fields.get("stop_token_ids") is not None:
         _check_stop_ids(fields["stop_token_ids"], _token_id_shape)
-    if fields.get("ignore_eos") is not None:
-        _check_ignore_eos(fields["ignore_eos"])
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        if fields.get(name) is not None:
+            _check_bool(name, fields[name])
     if fields.get("n") is not None:
         _check_int("n", fields["n"], minimum=1, maximum=_MAX_CHOICES)
     processing = _check_processing(fields, _token_id_shape)

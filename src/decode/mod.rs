@@ -42,8 +42,8 @@ pub use guard::GuardConfig;
 pub use prompt::PromptLogprobs;
 pub use sampling::{History, SamplingParams, TokenLogprob};
 pub use spec::{
-    generate, generate_after, CacheState, DraftDepth, DraftSource, FinishReason, GenerateOptions,
-    Generation, PrefillProgress, PROGRESS_CHUNK,
+    generate, generate_after, CacheState, DraftDepth, DraftSource, Emitted, FinishReason,
+    GenerateOptions, Generation, PrefillProgress, PROGRESS_CHUNK,
 };
 pub use stats::DecodeStats;
 

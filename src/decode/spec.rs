@@ -31,6 +31,16 @@ use cache_state::reusable_prefix;
 pub use cache_state::CacheState;
 use prefill::check_prompt;
 
+/// What one forward emitted, as a generation's `on_tokens` callback sees it: the tokens
+/// and, when [`GenerateOptions::logprobs`] asked for them, their log-probabilities (one per
+/// token, the entries [`Generation::logprobs`] ends with; empty otherwise), so that a stream
+/// can carry each token's log-probability with it.
+#[derive(Clone, Copy, Debug)]
+pub struct Emitted<'a> {
+    pub tokens: &'a [u32],
+    pub logprobs: &'a [TokenLogprob],
+}
+
 /// Where drafts come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DraftSource {
@@ -257,7 +267,7 @@ pub fn generate(
     target: &mut dyn Target,
     prompt: &[u32],
     opts: &GenerateOptions,
-    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    on_tokens: &mut dyn FnMut(Emitted<'_>) -> bool,
     cancel: &AtomicBool,
 ) -> Result<Generation> {
     generate_after(
@@ -287,7 +297,7 @@ pub fn generate_after(
     state: &mut CacheState,
     prompt: &[u32],
     opts: &GenerateOptions,
-    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    on_tokens: &mut dyn FnMut(Emitted<'_>) -> bool,
     cancel: &AtomicBool,
 ) -> Result<Generation> {
     let epoch = Instant::now();
@@ -301,7 +311,7 @@ pub(crate) fn generate_timed(
     state: &mut CacheState,
     prompt: &[u32],
     opts: &GenerateOptions,
-    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    on_tokens: &mut dyn FnMut(Emitted<'_>) -> bool,
     cancel: &AtomicBool,
     clock: Clock<'_>,
 ) -> Result<Generation> {
@@ -333,7 +343,7 @@ pub(crate) fn run(
     prompt: &[u32],
     opts: &GenerateOptions,
     hooks: Hooks<'_, '_>,
-    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    on_tokens: &mut dyn FnMut(Emitted<'_>) -> bool,
     cancel: &AtomicBool,
 ) -> Result<Generation> {
     let Hooks {

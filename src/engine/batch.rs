@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use super::{explain_non_finite, Completion, Engine, GenerationStats, Session};
 use crate::decode::spec::Decoding;
-use crate::decode::{FinishReason, GenerateOptions, StepOutput};
+use crate::decode::{Emitted, FinishReason, GenerateOptions, StepOutput};
 use crate::model::{Forward, KvCaches, Model, SeqRows, Sequence};
 use crate::{Error, Result};
 
@@ -51,7 +51,7 @@ pub struct BatchIo<'a> {
     pub admit: &'a mut dyn FnMut(usize) -> Vec<(u64, BatchRequest)>,
     /// Request `id`'s emitted tokens; returning false ends it with
     /// `FinishReason::Cancelled`.
-    pub on_tokens: &'a mut dyn FnMut(u64, &[u32]) -> bool,
+    pub on_tokens: &'a mut dyn FnMut(u64, Emitted<'_>) -> bool,
     /// Request `id` ended: its completion, or its error.
     pub on_done: &'a mut dyn FnMut(u64, Result<Completion>),
 }
@@ -64,7 +64,7 @@ impl Engine {
     pub fn generate_batch(
         &self,
         requests: Vec<BatchRequest>,
-        on_tokens: &mut dyn FnMut(usize, &[u32]) -> bool,
+        on_tokens: &mut dyn FnMut(usize, Emitted<'_>) -> bool,
         cancel: &AtomicBool,
     ) -> Result<Vec<Result<Completion>>> {
         for (i, r) in requests.iter().enumerate() {
@@ -222,7 +222,7 @@ impl Engine {
         &self,
         model: &Model,
         lanes: &mut Vec<Lane<'_>>,
-        on_tokens: &mut dyn FnMut(u64, &[u32]) -> bool,
+        on_tokens: &mut dyn FnMut(u64, Emitted<'_>) -> bool,
         on_done: &mut dyn FnMut(u64, Result<Completion>),
     ) {
         let outputs = {
@@ -258,7 +258,7 @@ impl Engine {
         &self,
         model: &Model,
         lanes: &mut Vec<Lane<'_>>,
-        on_tokens: &mut dyn FnMut(u64, &[u32]) -> bool,
+        on_tokens: &mut dyn FnMut(u64, Emitted<'_>) -> bool,
         on_done: &mut dyn FnMut(u64, Result<Completion>),
         cancel: &AtomicBool,
     ) {

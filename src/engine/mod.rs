@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::container::Container;
-use crate::decode::{self, FinishReason, GenerateOptions};
+use crate::decode::{self, Emitted, FinishReason, GenerateOptions};
 use crate::experts::{self, ExpertStore, PrefetchMode};
 use crate::model::{context, KvCaches, Model, Sequence};
 use crate::{Error, Result};
@@ -300,7 +300,7 @@ impl Engine {
         session: Option<&Session>,
         prompt: &[u32],
         opts: &GenerateOptions,
-        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+        on_tokens: &mut dyn FnMut(Emitted<'_>) -> bool,
         cancel: &AtomicBool,
     ) -> Result<Completion> {
         let session = session.unwrap_or(&self.own);

@@ -30,7 +30,7 @@ from colibri.errors import ColibriError
 from colibri.model import Model
 from colibri.serve import tokens
 from colibri.serve.metrics import ServerStats
-from colibri.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown
+from colibri.serve.scheduler import Delta, Job, QueueFull, Scheduler, ShuttingDown
 
 #: The largest request body accepted (a long prompt is a few MB at most).
 MAX_BODY_BYTES = 32 * 2**20
@@ -342,12 +342,12 @@ class Server:
         """The SSE ``data:`` lines of a streamed answer, every choice's chunks as they come;
         the jobs are cancelled if the client disconnects (sse-starlette cancels this
         generator)."""
-        lines: asyncio.Queue[tuple[int, str | BaseException | None]] = asyncio.Queue()
+        lines: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int, job: Job) -> None:
             try:
-                async for text in job.chunks():
-                    await lines.put((i, text))
+                async for delta in job.chunks():
+                    await lines.put((i, delta))
             except BaseException as e:  # reported in the stream
                 await lines.put((i, e))
                 return
@@ -355,6 +355,7 @@ class Server:
 
         pumps = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
         splitters = [req.choice_stream() for _ in jobs]
+        model = self.model
         try:
             for i in range(len(jobs)):
                 for opening in protocol.opening_chunks(req, i):
@@ -364,7 +365,7 @@ class Server:
                 i, item = await lines.get()
                 if item is None:
                     running -= 1
-                    for part in protocol.text_chunks(req, splitters[i], None, i):
+                    for part in protocol.text_chunks(req, splitters[i], None, i, (), model):
                         yield _json_line(part)
                 elif isinstance(item, ColibriError):
                     err = ApiError(500, f"{type(item).__name__}: {item}", code="engine_error")
@@ -373,7 +374,8 @@ class Server:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    for part in protocol.text_chunks(req, splitters[i], item, i):
+                    text, rows = item
+                    for part in protocol.text_chunks(req, splitters[i], text, i, rows, model):
                         yield _json_line(part)
             outcomes = [job.outcome for job in jobs]
             if any(o is None or o.result.finish_reason == "cancelled" for o in outcomes):
@@ -383,7 +385,7 @@ class Server:
                 )
                 return
             results = [o.result for o in outcomes if o is not None]
-            for closing in protocol.closing_chunks(req, results, self.model):
+            for closing in protocol.closing_chunks(req, results, model, splitters):
                 yield _json_line(closing)
             yield "[DONE]"
         finally:

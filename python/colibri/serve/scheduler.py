@@ -19,6 +19,7 @@ from typing import Any
 
 from colibri.model import BatchEntry, Model, Session
 from colibri.results import GenerationResult
+from colibri.stream import ScoredRow, TextSink
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -101,6 +102,11 @@ class ShuttingDown(Exception):
 
 _END = object()
 
+#: A running request's current speed is measured over about this many seconds...
+RATE_WINDOW = 3.0
+#: ...from marks of its token count taken at most this often.
+RATE_STEP = 0.25
+
 
 @dataclass
 class Outcome:
@@ -112,6 +118,10 @@ class Outcome:
     expert_stats: dict[str, Any]
     seconds: float
     queued_seconds: float
+
+
+#: A piece of a job's text and the log-probability rows of the tokens it completes.
+Delta = tuple[str, list[ScoredRow]]
 
 
 class Job:
@@ -143,17 +153,23 @@ class Job:
         self.bursts = 0
         self._first_token = 0.0
         self._wait_at_start = 0.0
+        #: ``(time, tokens generated)`` at most every :data:`RATE_STEP` seconds, the last
+        #: :data:`RATE_WINDOW` seconds' worth: the current speed is measured over them.
+        self._marks: deque[tuple[float, int]] = deque()
 
     def progress(self, now: float, expert_wait: float) -> dict[str, Any]:
         """Where a running job stands, for ``/stats``: its prompt and generated tokens, its
-        speed since its first token, tokens per forward, the expert wait since it began
-        (the batch's: the store's counters are shared by the requests decoding together)
-        and an estimate of the seconds left to ``max_tokens``."""
+        current speed (over the last :data:`RATE_WINDOW` seconds, or since its first token
+        when that is more recent), tokens per forward, the expert wait since it began (the
+        batch's: the store's counters are shared by the requests decoding together) and an
+        estimate of the seconds left to ``max_tokens`` at the current speed."""
         decoding = self._first_token > 0.0
         elapsed = now - self._began
         rate = None
-        if decoding and self.generated > 1 and now > self._first_token:
-            rate = (self.generated - 1) / (now - self._first_token)
+        marks = list(self._marks)  # one C call: atomic against the worker's appends
+        since, base = (self._first_token, 1) if not marks else marks[0]
+        if decoding and self.generated > base and now > since:
+            rate = (self.generated - base) / (now - since)
         limit = int(self.kwargs.get("max_new_tokens") or 0)
         left = max(0, limit - self.generated)
         return {
@@ -169,11 +185,18 @@ class Job:
             "eta_seconds": left / rate if rate else None,
         }
 
-    def _count(self, ids: list[int]) -> None:
+    def _count(self, ids: list[int], now: float | None = None) -> None:
+        """The worker's callback: a burst of ``ids`` was generated (at ``now``)."""
+        now = time.monotonic() if now is None else now
         if not self._first_token:
-            self._first_token = time.monotonic()
+            self._first_token = now
         self.generated += len(ids)
         self.bursts += 1
+        marks = self._marks
+        if not marks or now - marks[-1][0] >= RATE_STEP:
+            marks.append((now, self.generated))
+            while now - marks[0][0] > RATE_WINDOW:
+                marks.popleft()
 
     def cancel(self) -> None:
         """Stop the generation (within one forward), or drop it from the queue."""
@@ -182,8 +205,9 @@ class Job:
         if self._scheduler is not None:
             self._scheduler._drop_queued(self)
 
-    async def chunks(self) -> AsyncIterator[str]:
-        """The generated text, chunk by chunk; raises what the generation raised."""
+    async def chunks(self) -> AsyncIterator[Delta]:
+        """The generated text, chunk by chunk, each with the log-probability rows of the
+        tokens it completes (none unless asked for); raises what the generation raised."""
         while True:
             item = await self._queue.get()
             if item is _END:
@@ -356,9 +380,9 @@ class Scheduler:
         jobs = sorted(self._by_id.items())
         return [job.progress(now, wait) for _, job in jobs if job.started]
 
-    def _text_sink(self, job: Job) -> Callable[[str], bool]:
-        def on_text(delta: str) -> bool:
-            self._post(job._queue.put_nowait, delta)
+    def _text_sink(self, job: Job) -> TextSink:
+        def on_text(delta: str, rows: list[ScoredRow]) -> bool:
+            self._post(job._queue.put_nowait, (delta, rows))
             return not job.cancelled
 
         return on_text

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::AtomicBool;
 
-use super::{CacheState, Decoding, DraftDepth, FinishReason, Generation, Planned};
+use super::{CacheState, Decoding, DraftDepth, Emitted, FinishReason, Generation, Planned};
 use crate::decode::ngram;
 use crate::decode::pricing::{Backlog, Engagement, Step};
 
@@ -23,7 +23,7 @@ impl<'d, 'c> Decoding<'d, 'c> {
     pub(crate) fn run(
         &mut self,
         target: &mut dyn Target,
-        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+        on_tokens: &mut dyn FnMut(Emitted<'_>) -> bool,
         cancel: &AtomicBool,
     ) -> Result<FinishReason> {
         if let Some(f) = self.prefill(target, on_tokens, cancel)? {
@@ -198,7 +198,7 @@ impl<'d, 'c> Decoding<'d, 'c> {
         &mut self,
         target: &mut dyn Target,
         out: &StepOutput,
-        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+        on_tokens: &mut dyn FnMut(Emitted<'_>) -> bool,
     ) -> Result<Option<FinishReason>> {
         let Some(Planned {
             kv,
@@ -307,9 +307,10 @@ impl<'d, 'c> Decoding<'d, 'c> {
     pub(super) fn emit(
         &mut self,
         burst: &[u32],
-        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+        on_tokens: &mut dyn FnMut(Emitted<'_>) -> bool,
     ) -> Option<FinishReason> {
         let before = self.ctx.len();
+        let scored_before = self.logprobs.len();
         let mut finish = None;
         let mut scored = std::mem::take(&mut self.burst_logprobs).into_iter();
         for &t in burst {
@@ -326,7 +327,11 @@ impl<'d, 'c> Decoding<'d, 'c> {
             }
         }
         self.guard.on_emitted(self.ctx.len() - before);
-        if !on_tokens(&self.ctx[before..]) && finish.is_none() {
+        let emitted = Emitted {
+            tokens: &self.ctx[before..],
+            logprobs: &self.logprobs[scored_before..],
+        };
+        if !on_tokens(emitted) && finish.is_none() {
             finish = Some(FinishReason::Cancelled);
         }
         finish

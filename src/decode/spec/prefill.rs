@@ -3,7 +3,7 @@
 
 use std::sync::atomic::AtomicBool;
 
-use super::{Decoding, FinishReason, PrefillRows, PROGRESS_CHUNK};
+use super::{Decoding, Emitted, FinishReason, PrefillRows, PROGRESS_CHUNK};
 use crate::decode::prompt::score_prompt_rows;
 use crate::decode::{check_cancel, last_logits, StepOutput, Target};
 use crate::{Error, Result};
@@ -45,7 +45,7 @@ impl<'d, 'c> Decoding<'d, 'c> {
     pub(crate) fn prefill(
         &mut self,
         target: &mut dyn Target,
-        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+        on_tokens: &mut dyn FnMut(Emitted<'_>) -> bool,
         cancel: &AtomicBool,
     ) -> Result<Option<FinishReason>> {
         loop {
@@ -103,7 +103,7 @@ impl<'d, 'c> Decoding<'d, 'c> {
     pub(crate) fn prefilled(
         &mut self,
         out: &StepOutput,
-        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+        on_tokens: &mut dyn FnMut(Emitted<'_>) -> bool,
     ) -> Result<Option<FinishReason>> {
         let (start, end, n) = (self.prefill_at, self.prefill_end(), self.prompt_len);
         let (vocab, hidden) = (self.vocab, self.hidden);

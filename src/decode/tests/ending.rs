@@ -80,8 +80,8 @@ fn cancel_flag_stops_between_forwards_and_leaves_kv_consistent() {
             &mut t,
             &prompt,
             &o,
-            &mut |toks: &[u32]| {
-                seen.extend_from_slice(toks);
+            &mut |e: Emitted<'_>| {
+                seen.extend_from_slice(e.tokens);
                 if seen.len() >= 10 {
                     cancel.store(true, Ordering::Relaxed);
                 }

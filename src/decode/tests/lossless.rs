@@ -127,6 +127,55 @@ fn logprobs_come_from_the_sampled_distribution_and_do_not_change_the_tokens() {
 }
 
 #[test]
+fn each_burst_carries_the_logprobs_of_its_own_tokens() {
+    // What a stream sends with each chunk: bursts of several tokens (MTP drafts accepted),
+    // each with one row per token, which together are the generation's logprobs.
+    let mut t = mock();
+    let prompt = [3, 11, 6];
+    let o = GenerateOptions {
+        logprobs: Some(2),
+        ..opts(DraftSource::Mtp, DraftDepth::Fixed(3), 40)
+    };
+    let mut bursts: Vec<(Vec<u32>, Vec<TokenLogprob>)> = Vec::new();
+    let g = generate(
+        &mut t,
+        &prompt,
+        &o,
+        &mut |e: Emitted<'_>| {
+            bursts.push((e.tokens.to_vec(), e.logprobs.to_vec()));
+            true
+        },
+        &AtomicBool::new(false),
+    )
+    .unwrap();
+    assert!(
+        bursts.iter().any(|(t, _)| t.len() > 1),
+        "some burst has drafts"
+    );
+    for (tokens, scored) in &bursts {
+        let ids: Vec<u32> = scored.iter().map(|lp| lp.token).collect();
+        assert_eq!(&ids, tokens);
+    }
+    let streamed: Vec<TokenLogprob> = bursts.into_iter().flat_map(|(_, s)| s).collect();
+    assert_eq!(streamed, g.logprobs);
+    // Without logprobs a burst carries none.
+    let plain = opts(DraftSource::Mtp, DraftDepth::Fixed(3), 10);
+    let mut any = false;
+    generate(
+        &mut t,
+        &prompt,
+        &plain,
+        &mut |e: Emitted<'_>| {
+            any |= !e.logprobs.is_empty();
+            true
+        },
+        &AtomicBool::new(false),
+    )
+    .unwrap();
+    assert!(!any);
+}
+
+#[test]
 fn mtp_drafting_at_depth_4_emits_more_than_two_tokens_per_forward() {
     let mut t = mock();
     let prompt = [1, 2, 3];

@@ -57,7 +57,7 @@ fn a_batch_gives_each_session_what_it_gets_alone() {
                 .generate_batch(
                     requests,
                     &mut |i, t| {
-                        streamed[i].extend_from_slice(t);
+                        streamed[i].extend_from_slice(t.tokens);
                         true
                     },
                     &AtomicBool::new(false),

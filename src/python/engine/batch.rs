@@ -9,9 +9,9 @@ use std::sync::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::convert::completion_dict;
+use super::convert::{completion_dict, emitted_args};
 use super::{PyEngine, PySession};
-use crate::decode::GenerateOptions;
+use crate::decode::{Emitted, GenerateOptions};
 use crate::engine::{BatchIo, BatchRequest, Completion};
 use crate::error::Error;
 use crate::python::{run, to_py_err};
@@ -48,7 +48,7 @@ impl PyEngine {
         let cancel = AtomicBool::new(false);
         let mut pending: Option<PyErr> = None;
         let results = run(py, || {
-            let mut on = |i: usize, toks: &[u32]| -> bool {
+            let mut on = |i: usize, emitted: Emitted<'_>| -> bool {
                 Python::attach(|py| {
                     if let Err(e) = py.check_signals() {
                         pending = Some(e);
@@ -56,7 +56,8 @@ impl PyEngine {
                         return false;
                     }
                     let Some(cb) = &on_tokens else { return true };
-                    match cb.call1(py, (i, toks.to_vec())) {
+                    let args = emitted_args(py, emitted);
+                    match args.and_then(|(toks, rows)| cb.call1(py, (i, toks, rows))) {
                         Ok(v) => v.extract::<bool>(py).unwrap_or(true),
                         Err(e) => {
                             pending = Some(e);
@@ -118,8 +119,12 @@ impl PyEngine {
             let mut admit_requests = |live: usize| -> Vec<(u64, BatchRequest)> {
                 Python::attach(|py| self.admitted(py, &admit, live, &scoring, &on_done, &fail))
             };
-            let mut tokens = |id: u64, toks: &[u32]| -> bool {
-                Python::attach(|py| match on_tokens.call1(py, (id, toks.to_vec())) {
+            let mut tokens = |id: u64, emitted: Emitted<'_>| -> bool {
+                let call = |py: Python<'_>| {
+                    let (toks, rows) = emitted_args(py, emitted)?;
+                    on_tokens.call1(py, (id, toks, rows))
+                };
+                Python::attach(|py| match call(py) {
                     Ok(v) => v.extract::<bool>(py).unwrap_or(true),
                     Err(e) => {
                         fail(e);

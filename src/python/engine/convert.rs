@@ -61,6 +61,21 @@ pub(super) fn completion_dict<'py>(
     Ok(d)
 }
 
+/// The arguments `on_tokens` callbacks get for a burst: its token ids and their
+/// log-probability rows (as the result's `"logprobs"`), or `None` when the request asked
+/// for none.
+pub(super) fn emitted_args<'py>(
+    py: Python<'py>,
+    emitted: crate::decode::Emitted<'_>,
+) -> PyResult<(Vec<u32>, Bound<'py, PyAny>)> {
+    let rows = if emitted.logprobs.is_empty() {
+        py.None().into_bound(py)
+    } else {
+        logprob_rows(py, emitted.logprobs)?.into_any()
+    };
+    Ok((emitted.tokens.to_vec(), rows))
+}
+
 /// `[{"token", "logprob", "top"}]`, built directly: a −inf log-probability has no JSON form.
 fn logprob_rows<'py>(
     py: Python<'py>,

@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::convert::completion_dict;
+use super::convert::{completion_dict, emitted_args};
 use super::PyEngine;
 use crate::decode::request::GenerateRequest;
-use crate::decode::PrefillProgress;
+use crate::decode::{Emitted, PrefillProgress};
 use crate::engine::Session;
 use crate::python::run;
 
@@ -37,14 +37,14 @@ impl PyEngine {
         ));
         let mut pending: Option<PyErr> = None;
         let completion = run(py, || {
-            let mut on = |toks: &[u32]| -> bool {
+            let mut on = |emitted: Emitted<'_>| -> bool {
                 Python::attach(|py| {
                     if let Err(e) = py.check_signals() {
                         pending = Some(e);
                         return false;
                     }
                     let Some(cb) = &on_tokens else { return true };
-                    match cb.call1(py, (toks.to_vec(),)) {
+                    match emitted_args(py, emitted).and_then(|args| cb.call1(py, args)) {
                         Ok(v) => v.extract::<bool>(py).unwrap_or(true),
                         Err(e) => {
                             pending = Some(e);

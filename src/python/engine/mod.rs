@@ -4,7 +4,8 @@
 //!
 //! Engine calls run with the GIL released (they may wait for another thread's generation).
 //! The `on_tokens` callback is called with the GIL held after every forward that emitted
-//! tokens; it also checks for Ctrl-C, so KeyboardInterrupt stops generation within one
+//! tokens, with their ids and their log-probability rows (`None` unless the request asked
+//! for `logprobs`); it also checks for Ctrl-C, so KeyboardInterrupt stops generation within one
 //! forward and leaves the engine usable.
 //!
 //! PyO3 takes one `#[pymethods]` block per class, so the methods are declared here (their
@@ -178,7 +179,8 @@ impl PyEngine {
 
     /// Generate after `ids` with `request` (a dict of `GenerateRequest`'s fields, or the
     /// same as keywords; those left out keep their defaults); returns {"tokens",
-    /// "finish_reason", "stats"}.
+    /// "finish_reason", "stats"}. `on_tokens(tokens, logprobs)` gets every burst of
+    /// emitted tokens and their log-probability rows (None without `logprobs`; False stops).
     #[pyo3(signature = (ids, request=None, *, on_tokens=None, session=None, prefill_progress=None, **fields))]
     #[allow(clippy::too_many_arguments)]
     fn generate<'py>(
@@ -199,7 +201,8 @@ impl PyEngine {
     /// Generate for several sessions at once, their decode forwards shared (batched decode:
     /// an expert any of them routes to is read once for all). `requests[i]` is a dict of
     /// `generate`'s keywords (every one given) plus "ids"; `sessions[i]` its session.
-    /// `on_tokens(i, tokens)` gets request i's emitted tokens (False stops it). Returns one
+    /// `on_tokens(i, tokens, logprobs)` gets request i's emitted tokens and their
+    /// log-probability rows (None without `logprobs`; False stops it). Returns one
     /// result dict per request, or the error of that request as an exception object.
     #[pyo3(signature = (requests, sessions, on_tokens=None))]
     fn generate_batch<'py>(
@@ -214,8 +217,8 @@ impl PyEngine {
 
     /// A continuous batch (a server's): `admit(live)` is called before every forward with
     /// the number of requests running and returns a list of `(id, request, session)` to
-    /// start (`request` as in `generate_batch`); `on_tokens(id, tokens)` gets each request's
-    /// emitted tokens (False stops it); `on_done(id, result)` its result dict, or its error
+    /// start (`request` as in `generate_batch`); `on_tokens(id, tokens, logprobs)` gets
+    /// each request's emitted tokens and their log-probability rows (False stops it); `on_done(id, result)` its result dict, or its error
     /// as an exception object. Returns once nothing runs and `admit` gives nothing; an
     /// exception raised by a callback cancels every running request and is raised here.
     fn run_batch(

@@ -462,6 +462,8 @@ def _refuse_completion_features(body: Mapping[str, Any]) -> None:
     """The 400s for completions features colibri has not got: several candidates, text
     inserted before a suffix."""
     best_of = body.get("best_of")
+    if best_of is not None and not is_int(best_of):  # true == 1 in Python
+        raise invalid("best_of", f"{best_of!r}; expected an integer")
     if best_of is not None and best_of != 1:
         raise unsupported("best_of", "one candidate per request")
     suffix = body.get("suffix")

@@ -28,6 +28,7 @@ from colibri.model import Model
 from colibri.serve import tokens
 from colibri.serve.guard import Guard, error_response
 from colibri.serve.metrics import ServerStats
+from colibri.serve.openapi import openapi_schema
 from colibri.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown
 
 #: The largest request body accepted (a long prompt is a few MB at most).
@@ -99,6 +100,7 @@ class Server:
         self.stats.scheduler = self.scheduler
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._openapi: dict[str, Any] | None = None
 
     def stop_soon(self) -> None:
         """From any thread or a signal handler: stop taking requests and cancel the running
@@ -145,6 +147,11 @@ class Server:
             "max_context": self.model.max_context,
             "has_mtp": self.model.has_mtp,
         }
+
+    async def openapi(self, request: Request) -> Response:
+        if self._openapi is None:
+            self._openapi = openapi_schema(self.model, self.name)
+        return JSONResponse(self._openapi)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -381,6 +388,7 @@ def create_app(
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
         Route("/stats", server.stats_json, methods=["GET"]),
+        Route("/openapi.json", server.openapi, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{name:path}", server.model_card, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),

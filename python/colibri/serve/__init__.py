@@ -29,6 +29,7 @@ except ImportError as e:  # pragma: no cover - exercised by the CLI test in a ba
         name=e.name,
     ) from e
 
+import contextlib  # noqa: E402
 import errno  # noqa: E402
 import socket  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
@@ -39,6 +40,7 @@ from colibri.model import Model  # noqa: E402
 from colibri.serve.app import create_app  # noqa: E402
 from colibri.serve.connections import (  # noqa: E402
     BACKLOG,
+    LISTEN_QUEUE,
     MAX_HEADER_BYTES,
     Limits,
     protocol_for,
@@ -190,6 +192,11 @@ def serve(
     class _Server(uvicorn.Server):
         async def startup(self, sockets: list[Any] | None = None) -> None:
             await super().startup(sockets)
+            # The kernel's queue of connections not yet accepted, longer than the burst the
+            # event loop accepts at a time (BACKLOG, which asyncio passed to listen() too):
+            # in a flood of connects, a client's SYN waits there instead of being dropped.
+            with contextlib.suppress(OSError):
+                sock.listen(LISTEN_QUEUE)
             if self.started and on_listen is not None:  # accepting connections now
                 on_listen(f"http://{shown}:{bound_port}")
 

@@ -30,10 +30,14 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-#: The kernel's queue of connections not yet accepted, which is also how many sockets one
-#: turn of the event loop accepts at most: kept small, so a burst cannot take the
-#: descriptors the process needs before the cap closes the surplus.
+#: How many sockets one turn of the event loop accepts at most (asyncio's backlog): kept
+#: small, so a burst cannot take the descriptors the process needs before the cap closes
+#: the surplus.
 BACKLOG = 64
+
+#: The kernel's queue of connections not yet accepted (listen()'s backlog), set after the
+#: event loop's own: connections wait there, costing the process no descriptor.
+LISTEN_QUEUE = 4096
 
 #: Descriptors left to the process beyond the connections and the bursts of accepts that
 #: come before the cap closes their surplus (files the model opens, pipes, the log).
@@ -60,8 +64,9 @@ class Limits:
 
 def default_max_connections() -> int:
     """What the soft fd limit leaves for connections: the limit less the descriptors open now,
-    three bursts of :data:`BACKLOG` accepts (the event loop accepts a burst each turn, and
-    a closed socket's descriptor is released a turn or two later) and :data:`FD_RESERVE`;
+    four bursts of :data:`BACKLOG` accepts (the event loop accepts a burst each turn, and
+    a closed socket's descriptor is released a turn or two later; 3 bursts were measured
+    in flight at once) and :data:`FD_RESERVE`;
     at least 8, at most 4,096."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
@@ -70,7 +75,7 @@ def default_max_connections() -> int:
         used = 64
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
-    return max(8, min(4096, soft - used - 3 * BACKLOG - FD_RESERVE))
+    return max(8, min(4096, soft - used - 4 * BACKLOG - FD_RESERVE))
 
 
 class _Waiting:
@@ -140,8 +145,11 @@ class Protocol(H11Protocol):
             self._disarm()
 
     def drop(self) -> None:
-        """Close the connection now (it has no request being answered)."""
+        """Close the connection now (it has no request being answered). It stops counting
+        at once: the transport releases it a turn later, and until then it must not make
+        the cap close another, nor uvicorn's concurrency limit refuse a request."""
         self.waiting.order.pop(self, None)
+        self.connections.discard(self)
         self._disarm()
         if not self.transport.is_closing():
             if self.cycle is not None and not self.cycle.response_complete:

@@ -5,6 +5,7 @@ OpenAI-shaped ``create_completion``/``create_chat_completion``."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,22 @@ def test_apply_chat_template_has_transformers_defaults_and_templates_can_be_repl
 
 
 # ----------------------------------------------------------------------------- OpenAI-shaped bodies
+
+
+def test_create_completion_bounds_the_prompt_before_tokenising_it() -> None:
+    """A string prompt longer than the context can hold is refused from its length, and a
+    token list from its count before any id is checked (the last id here is out of the
+    vocabulary: the count is what is named)."""
+    m = colibri.Model(threads=1)
+    t0 = time.monotonic()
+    with pytest.raises(colibri.InvalidArgumentError, match="max_context"):
+        m.create_completion("x" * (m._max_prompt_chars + 1), max_tokens=1)
+    too_many = [1] * (m.max_context * 200) + [10**9]
+    with pytest.raises(colibri.InvalidArgumentError, match="tokens, more than this model's"):
+        m.create_completion(too_many, max_tokens=1)
+    with pytest.raises(colibri.InvalidArgumentError, match="outside the vocabulary"):
+        m.create_completion([1, 10**9], max_tokens=1)
+    assert time.monotonic() - t0 < 10
 
 
 def test_create_completion_and_chat_completion_return_openai_bodies() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,62 @@ def test_idle_sessions_over_the_budget_go_to_disk_and_come_back(
     del a, b
     gc.collect()
     assert list((cache / "sessions").glob("*.ctx")) == []
+
+
+_SPILL_WITHOUT_A_CACHE = """
+import gc, os, stat, sys, colibri
+m = colibri.Model(sys.argv[1], threads=1, idle_session_budget=0)
+kw = {"max_new_tokens": 4, "temperature": 0, "stop_token_ids": []}
+a, b = m.session(), m.session()
+a.generate([5, 6, 7], **kw)
+b.generate([8, 9], **kw)
+assert a.evicted
+tmp = os.environ["TMPDIR"]
+dirs = [d for d in os.listdir(tmp) if d.startswith("colibri-sessions-")]
+assert len(dirs) == 1, dirs
+d = os.path.join(tmp, dirs[0])
+files = os.listdir(d)
+assert len(files) == 1 and files[0].endswith(".ctx"), files
+mode = lambda p: oct(stat.S_IMODE(os.lstat(p).st_mode))
+print(mode(d), mode(os.path.join(d, files[0])))
+del a, b, m
+gc.collect()
+print(os.path.exists(d))
+"""
+
+
+def test_without_a_cache_directory_sessions_spill_to_a_private_directory(
+    test_model_dir: Path, tmp_path: Path
+) -> None:
+    """No COLIBRI_CACHE_DIR, XDG_CACHE_HOME or HOME: the spill goes to a directory made for
+    the model (0700, files 0600) in the temporary directory, removed with the model; never
+    to a shared fixed name such as /tmp/sessions."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COLIBRI_CACHE_DIR", "XDG_CACHE_HOME", "HOME")}  # fmt: skip
+    env["TMPDIR"] = str(tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-c", _SPILL_WITHOUT_A_CACHE, str(test_model_dir)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0o700", "0o600", "False"], r.stdout
+    assert not (tmp_path / "sessions").exists()
+
+
+def test_a_spill_directory_others_can_write_or_redirect_is_refused(
+    test_model_dir: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "real").mkdir()
+    shared = tmp_path / "shared"
+    (shared / "sessions").mkdir(parents=True)
+    (shared / "sessions").chmod(0o777)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "sessions").symlink_to(tmp_path / "real")
+    for cache, needle in [(shared, "mode 0777"), (linked, "symbolic link")]:
+        with pytest.raises(colibri.InvalidArgumentError, match=needle) as info:
+            colibri.Model(test_model_dir, threads=1, cache_dir=cache)
+        assert "spill_dir" in str(info.value)
 
 
 # ----------------------------------------------------------------------------- saved contexts

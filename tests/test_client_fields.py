@@ -113,6 +113,8 @@ def test_fields_at_their_off_value_are_silent(tiny: colibri.Model, name: str, va
     [
         ("completion", {"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
         ("chat", {"best_of": 2}, "best_of"),
+        ("chat", {"best_of": True}, "best_of"),  # not 1, though True == 1 in Python
+        ("completion", {"best_of": True}, "best_of"),
         ("chat", {"echo": True}, "echo"),
         ("completion", {"use_beam_search": True}, "use_beam_search"),
         ("completion", {"n_predict": 0}, "n_predict"),

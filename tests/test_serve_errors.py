@@ -95,3 +95,12 @@ def test_hostile_bodies_are_400s_and_bounded(server: Live, local: colibri.Model)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert time.monotonic() - t0 < 10
+    ids = [1] * (local.max_context * 100) + [10**9]  # counted before any id is checked
+    for prompt in (ids, [[1], ids]):
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded", r.text

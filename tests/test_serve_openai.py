@@ -462,6 +462,8 @@ def test_tokenize_and_detokenize_as_llama_server(server: Live, local: colibri.Mo
     assert ids == local.encode(PROMPT, add_special_tokens=False)
     assert r.json()["count"] == len(ids) and r.json()["max_model_len"] == local.max_context
     special = post("/tokenize", {"prompt": PROMPT, "add_special_tokens": True}).json()["tokens"]
+    nulls = {"content": None, "prompt": PROMPT, "add_special": None, "add_special_tokens": True}
+    assert post("/tokenize", nulls).json()["tokens"] == special  # null is absent
     assert special == local.encode(PROMPT)
     pieces = post("/tokenize", {"content": PROMPT, "with_pieces": True}).json()["tokens"]
     assert [p["id"] for p in pieces] == ids
@@ -473,6 +475,17 @@ def test_tokenize_and_detokenize_as_llama_server(server: Live, local: colibri.Mo
         ("/tokenize", {}, "content"),
         ("/tokenize", {"content": "x", "prompt": "x"}, "content"),
         ("/tokenize", {"content": "x", "frobnicate": 1}, "frobnicate"),
+        ("/tokenize", {"content": None}, "content"),
+        (
+            "/tokenize",
+            {"content": "x", "add_special": False, "add_special_tokens": "y"},
+            "add_special_tokens",
+        ),  # each alias is checked
+        (
+            "/tokenize",
+            {"content": "x", "add_special": False, "add_special_tokens": True},
+            "add_special",
+        ),
         ("/tokenize", {"content": "x" * (local._max_prompt_chars + 1)}, "content"),
         ("/detokenize", {"tokens": [1, -1]}, "tokens[1]"),
         ("/detokenize", {"tokens": "abc"}, "tokens"),

@@ -319,8 +319,11 @@ class _Fields:
             grammar = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in v)
             self.mapped("guided_choice", "guided_grammar", grammar)
         if self.kind == "chat":
-            if (v := take("best_of")) is not None and v != 1:
-                raise unsupported("best_of", "one candidate per request")
+            if (v := take("best_of")) is not None:
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise invalid("best_of", f"{v!r}; expected an integer")
+                if v != 1:
+                    raise unsupported("best_of", "one candidate per request")
             if (v := take("echo")) is not None and self.boolean("echo", v):
                 raise unsupported("echo", "a chat answer does not repeat the conversation")
         if (v := take("use_beam_search")) is not None and self.boolean("use_beam_search", v):

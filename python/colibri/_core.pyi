@@ -183,7 +183,9 @@ class Engine:
         longest context in tokens (None: the model's exact limit, bounded by the RAM left
         for the KV cache); ``idle_session_bytes``: RAM idle sessions' KV may hold before the
         least recently used are written to ``spill_dir`` (None: one full context; the
-        directory defaults to ``sessions/`` in the cache directory); ``prefill``: the
+        directory defaults to ``sessions/`` in the cache directory, else a private one made
+        in the temporary directory; it must be this user's, not a symbolic link, and
+        writable by no one else); ``prefill``: the
         arithmetic of prompt forwards of 16 rows or more, ``"exact"`` or ``"int8"``
         (activations rounded to int8 per 64-element block; "auto": int8 where the CPU has
         AVX-512 VNNI or AVX2); ``load_progress(done,

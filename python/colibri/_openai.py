@@ -513,6 +513,8 @@ def ignored_warning(req: Request) -> str | None:
 def _refuse_completion_features(body: Mapping[str, Any]) -> None:
     """The 400 for the completions feature colibri has not got: several candidates."""
     best_of = body.get("best_of")
+    if best_of is not None and not is_int(best_of):  # true == 1 in Python
+        raise invalid("best_of", f"{best_of!r}; expected an integer")
     if best_of is not None and best_of != 1:
         raise unsupported("best_of", "one candidate per request")
 

@@ -168,6 +168,14 @@ def _completion_prompt(prompt: object, model: Model, where: str = "prompt") -> l
             return model.encode(prompt)
         except InvalidArgumentError as e:
             raise invalid(where, str(e)) from e
+    if isinstance(prompt, list) and len(prompt) > model.max_context:  # before each id
+        raise ApiError(
+            400,
+            f"invalid value for '{where}': {len(prompt)} tokens, more than this model's "
+            f"max_context of {model.max_context}; shorten it",
+            param=where,
+            code="context_length_exceeded",
+        )
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         vocab = int(model.config["vocab_size"])
         for t in prompt:

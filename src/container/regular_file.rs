@@ -33,6 +33,20 @@ pub fn is_not_regular(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::InvalidInput && e.to_string() == "not a regular file"
 }
 
+/// A random 64-bit value for the name of a file about to be created new (a temporary file,
+/// a private directory), so that no other user can plant something at the name first:
+/// SipHash of the time under random keys (std draws them from the OS; each call moves on).
+pub fn random_name_part() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
 #[cfg(all(test, unix))]
 mod tests {
     use super::*;

@@ -13,13 +13,14 @@ pub mod options;
 pub mod routing_trace;
 pub mod saved;
 pub mod session;
+mod spill;
 pub mod stats;
 mod target;
 
 #[cfg(test)]
 mod tests;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -91,7 +92,7 @@ pub struct Engine {
     next_session: AtomicU64,
     /// Ticks of use, for least-recently-used eviction.
     tick: AtomicU64,
-    spill_dir: PathBuf,
+    spill_dir: spill::SpillDir,
     /// Empty caches shaped for the model: a new session's.
     empty_caches: KvCaches,
 }
@@ -115,6 +116,13 @@ fn routing_trace_writer(model: &Model, path: &Path) -> Result<RoutingTraceWriter
 impl Engine {
     /// Open the container at `path` with `opts`: the store, its threads and the model.
     pub fn open(path: &Path, opts: &EngineOptions) -> Result<Self> {
+        // Checked first: an unsafe spill directory fails the open before the weights load.
+        let spill_dir = spill::SpillDir::resolve(
+            opts.spill_dir.as_deref(),
+            opts.cache_dir
+                .clone()
+                .or_else(experts::usage::default_cache_dir),
+        )?;
         let container = Arc::new(Container::open(path)?);
         let config_path = container.dir().join("config.json");
         let config_json =
@@ -172,20 +180,12 @@ impl Engine {
             prefill: model.prefill_arithmetic().name(),
             lookahead: model_opts.prefetch_top_k > 0,
         };
-        let spill_dir = opts.spill_dir.clone().unwrap_or_else(|| {
-            opts.cache_dir
-                .clone()
-                .or_else(experts::usage::default_cache_dir)
-                .unwrap_or_else(std::env::temp_dir)
-                .join("sessions")
-        });
-        sweep_spill_dir(&spill_dir);
         let id = NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed);
         let own = Arc::new(Session::new(
             id,
             0,
             model.new_caches(),
-            spill_file(&spill_dir, id, 0),
+            spill::spill_file(&spill_dir.path, id, 0),
         ));
         let empty_caches = model.new_caches();
         Ok(Engine {
@@ -261,7 +261,7 @@ impl Engine {
             self.id,
             n,
             caches,
-            spill_file(&self.spill_dir, self.id, n),
+            spill::spill_file(&self.spill_dir.path, self.id, n),
         ));
         if let Ok(mut all) = self.sessions.lock() {
             all.retain(|w| w.strong_count() > 0);
@@ -457,9 +457,7 @@ impl Engine {
     }
 
     fn evict(&self, s: &Session, st: &mut session::SessionState) -> Result<()> {
-        if let Some(dir) = s.spill_path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        }
+        self.spill_dir.ensure()?;
         saved::save(&s.spill_path, &self.context_checks(), &st.caches, &st.cache)?;
         st.caches.release();
         st.cache = decode::CacheState::from_parts(
@@ -468,63 +466,6 @@ impl Engine {
         );
         st.evicted = true;
         Ok(())
-    }
-}
-
-/// `<pid>-<nonce>-<engine>-<session>.ctx`: the process (for the sweep of dead ones' files)
-/// and a random per-process nonce, so processes sharing a cache volume with the same pid
-/// (PID 1 in two containers) never restore each other's files.
-fn spill_file(dir: &Path, engine: u64, session: u64) -> PathBuf {
-    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let nonce = NONCE.get_or_init(|| {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u128(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos()),
-        );
-        h.finish()
-    });
-    dir.join(format!(
-        "{}-{nonce:016x}-{engine}-{session}.ctx",
-        std::process::id()
-    ))
-}
-
-/// Remove the spill files (and their temporaries) of processes that are gone: ours by
-/// name and owner, regular files only. Where `/proc` does not tell which processes live,
-/// nothing is removed.
-fn sweep_spill_dir(dir: &Path) {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(me) = std::fs::metadata("/proc/self") else {
-        return;
-    };
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let pid_text = if let Some(tmp) = name.strip_prefix('.') {
-            // `.<spill name>.tmp.<pid>.<n>`: a save killed midway
-            tmp.split(".ctx.tmp.")
-                .nth(1)
-                .and_then(|r| r.split('.').next())
-        } else if name.ends_with(".ctx") {
-            name.split('-').next()
-        } else {
-            None
-        };
-        let Some(pid) = pid_text.and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(meta) = entry.path().symlink_metadata() else {
-            continue;
-        };
-        let dead = !Path::new("/proc").join(pid.to_string()).exists();
-        if dead && meta.is_file() && meta.uid() == me.uid() {
-            let _ = std::fs::remove_file(entry.path());
-        }
     }
 }
 

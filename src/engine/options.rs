@@ -89,7 +89,9 @@ pub struct EngineOptions {
     /// (`max_context` × the KV bytes of a token).
     pub idle_session_bytes: Option<u64>,
     /// Where evicted sessions are written; `None` = `sessions/` in `cache_dir` (or the
-    /// default cache directory; the system temporary directory when there is none).
+    /// default cache directory; when there is none, a private directory made for the
+    /// engine in the system temporary directory). It must be this user's and writable by
+    /// no one else (`engine::spill`).
     pub spill_dir: Option<PathBuf>,
     /// Write every forward's routing to this file as a routing trace (JSON lines,
     /// docs/expert-store.md), which the replay reads (`tools/replay_routing.rs --trace`);

@@ -117,9 +117,11 @@ pub fn save(path: &Path, model: &Expect<'_>, caches: &KvCaches, state: &CacheSta
     let write = || -> std::io::Result<()> {
         // A name of our own, created new: never a file another save writes, nor whatever a
         // symlink planted at a guessable name points to.
+        use std::os::unix::fs::OpenOptionsExt;
         let file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
+            .mode(0o600) // a conversation's KV: this user's alone
             .open(&tmp)?;
         let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
         w.write_all(MAGIC)?;
@@ -186,12 +188,19 @@ fn temporary_prefix(path: &Path) -> String {
     format!(".{name}.tmp.")
 }
 
-/// `.NAME.tmp.<pid>.<n>`: the process and a per-process count, so saves by two models of
-/// one process, or two threads, never share a temporary file.
+/// `.NAME.tmp.<pid>.<n>.<random>`: the process (for the sweep of dead ones'), a
+/// per-process count, so saves by two models of one process, or two threads, never share a
+/// temporary file, and a random part, so no other user can plant something at the name
+/// beforehand (the file is created new, 0600: a save fails rather than follow a link).
 fn temporary_path(path: &Path) -> PathBuf {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let name = format!("{}{}.{n}", temporary_prefix(path), std::process::id());
+    let name = format!(
+        "{}{}.{n}.{:016x}",
+        temporary_prefix(path),
+        std::process::id(),
+        crate::container::regular_file::random_name_part()
+    );
     path.with_file_name(name)
 }
 

@@ -292,14 +292,18 @@ pub fn save(
     };
     let text = serde_json::to_string(&j).map_err(|e| e.to_string())?;
     let dir = path.parent().unwrap_or(Path::new("."));
+    // A name no other user can plant a link at beforehand, created new.
     let tmp = dir.join(format!(
-        ".{USAGE_FILE}.tmp-{}-{:?}",
+        ".{USAGE_FILE}.tmp-{}-{:016x}",
         std::process::id(),
-        std::thread::current().id()
+        crate::container::regular_file::random_name_part()
     ));
     let write = || -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
-        let mut f = std::fs::File::create(&tmp)?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
         f.write_all(text.as_bytes())?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)

@@ -6,6 +6,7 @@ test_tools.py and test_reasoning.py start servers of their own."""
 from __future__ import annotations
 
 import queue
+import resource
 import signal
 import subprocess
 import sys
@@ -39,11 +40,22 @@ class Live:
         return r.json()
 
 
-def start_server(*args: str) -> Live:
-    """``colibri serve`` on a free port; returns once it listens."""
+def start_server(*args: str, fd_limit: int | None = None) -> Live:
+    """``colibri serve`` on a free port (with RLIMIT_NOFILE ``fd_limit`` if given); returns
+    once it listens."""
     cmd = [sys.executable, "-m", "colibri.cli", "serve", "--port", "0", "--threads", "2", *args]
+
+    def limit() -> None:
+        if fd_limit is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        preexec_fn=limit if fd_limit is not None else None,
     )
     lines: queue.Queue[str] = queue.Queue()
     log: list[str] = []

@@ -29,6 +29,7 @@ except ImportError as e:  # pragma: no cover - exercised by the CLI test in a ba
         name=e.name,
     ) from e
 
+import contextlib  # noqa: E402
 import errno  # noqa: E402
 import socket  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
@@ -37,8 +38,24 @@ from typing import Any  # noqa: E402
 from colibri.errors import InvalidArgumentError, ServerAddressError  # noqa: E402
 from colibri.model import Model  # noqa: E402
 from colibri.serve.app import create_app  # noqa: E402
+from colibri.serve.connections import (  # noqa: E402
+    BACKLOG,
+    LISTEN_QUEUE,
+    MAX_HEADER_BYTES,
+    Limits,
+    protocol_for,
+)
+from colibri.serve.guard import default_allowed_hosts  # noqa: E402
 
-__all__ = ["INSTALL_HINT", "check_port", "create_app", "listen_socket", "serve"]
+__all__ = [
+    "INSTALL_HINT",
+    "Limits",
+    "check_limits",
+    "check_port",
+    "create_app",
+    "listen_socket",
+    "serve",
+]
 
 #: What to do about the usual reasons a socket cannot be bound.
 _BIND_HINTS = {
@@ -87,6 +104,33 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: The fields of :class:`Limits` and the ``colibri serve`` flags that set them.
+_LIMIT_FLAGS = {
+    "request_header": "--timeout-request-header",
+    "request_body": "--timeout-request-body",
+    "keep_alive": "--timeout-keep-alive",
+    "max_connections": "--max-connections",
+}
+
+
+def check_limits(limits: Limits) -> None:
+    """An :class:`~colibri.InvalidArgumentError` naming the first field of ``limits`` out
+    of range (timeouts > 0 and finite, ``max_connections`` ≥ 1)."""
+    for name, flag in _LIMIT_FLAGS.items():
+        value = getattr(limits, name)
+        if name == "max_connections":
+            bad = value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            )
+            want = "at least 1 (None: what the fd limit leaves)"
+        else:
+            bad = isinstance(value, bool) or not isinstance(value, (int, float))
+            bad = bad or not 0 < value < 1e9
+            want = "seconds, more than 0"
+        if bad:
+            raise InvalidArgumentError(f"invalid value for '{name}' ({flag}): {value!r}; {want}")
+
+
 def serve(
     model: Model,
     *,
@@ -98,12 +142,22 @@ def serve(
     max_queue: int = 32,
     max_batch: int | None = None,
     allow_origins: Sequence[str] = (),
+    allowed_hosts: Sequence[str] | None = None,
+    limits: Limits | None = None,
     log_level: str = "warning",
     on_listen: Callable[[str], None] | None = None,
 ) -> None:
     """Serve ``model`` with uvicorn until SIGINT/SIGTERM (see :func:`create_app` for the
     options). ``port=0`` takes a free port; ``on_listen(url)`` is called with the base URL
-    once the server accepts connections (the CLI prints it)."""
+    once the server accepts connections (the CLI prints it).
+
+    ``allowed_hosts`` None answers loopback ``Host`` names only when ``host`` is a loopback
+    address, and any ``Host`` otherwise. ``limits`` (:class:`Limits`) bounds how long a
+    client may take to send a request and how many connections stay open (default:
+    ``Limits()``, the cap from the fd limit)."""
+    check_limits(limits := limits or Limits())
+    if allowed_hosts is None:
+        allowed_hosts = default_allowed_hosts(host)
     app = create_app(
         model,
         api_key=api_key,
@@ -112,7 +166,9 @@ def serve(
         max_queue=max_queue,
         max_batch=max_batch,
         allow_origins=allow_origins,
+        allowed_hosts=allowed_hosts,
     )
+    protocol, max_connections = protocol_for(limits)
     config = uvicorn.Config(
         app,
         host=host,
@@ -120,6 +176,13 @@ def serve(
         log_level=log_level,
         access_log=log_level in ("debug", "info"),
         timeout_graceful_shutdown=5,
+        http=protocol,
+        timeout_keep_alive=limits.keep_alive,
+        # Beyond the cap, requests on connections that cannot be closed get a 503; the
+        # protocol keeps the rest at the cap by closing idle ones.
+        limit_concurrency=max_connections + 1,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        backlog=BACKLOG,
     )
     state = app.state.server
     sock = listen_socket(host, port)
@@ -129,6 +192,11 @@ def serve(
     class _Server(uvicorn.Server):
         async def startup(self, sockets: list[Any] | None = None) -> None:
             await super().startup(sockets)
+            # The kernel's queue of connections not yet accepted, longer than the burst the
+            # event loop accepts at a time (BACKLOG, which asyncio passed to listen() too):
+            # in a flood of connects, a client's SYN waits there instead of being dropped.
+            with contextlib.suppress(OSError):
+                sock.listen(LISTEN_QUEUE)
             if self.started and on_listen is not None:  # accepting connections now
                 on_listen(f"http://{shown}:{bound_port}")
 

@@ -4,10 +4,7 @@ and the dashboard at ``/``, on Starlette, with SSE streaming through sse-starlet
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -19,132 +16,45 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive
 
 from colibri import _openai as protocol
 from colibri._openai import ApiError
 from colibri.errors import ColibriError
 from colibri.model import Model
 from colibri.serve import tokens
+from colibri.serve.guard import Guard, error_response
 from colibri.serve.metrics import ServerStats
+from colibri.serve.openapi import openapi_schema
 from colibri.serve.scheduler import Delta, Job, QueueFull, Scheduler, ShuttingDown
 
 #: The largest request body accepted (a long prompt is a few MB at most).
 MAX_BODY_BYTES = 32 * 2**20
-
-#: Paths answered without the API key.
-PUBLIC_PATHS = frozenset({"/health"})
-
-#: Paths a browser opens (the dashboard and its data): a missing key asks for HTTP Basic
-#: credentials (any user name, the key as password), so a person can log in.
-BROWSER_PATHS = frozenset({"/", "/stats"})
-
-#: Endpoint labels of the request counter (anything else is "other").
-ENDPOINTS = frozenset(
-    {
-        "/",
-        "/health",
-        "/metrics",
-        "/stats",
-        "/v1/models",
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/tokenize",
-        "/detokenize",
-    }
-)
-
-#: The API's own paths: what the dashboard's request count counts (not its own polling of
-#: ``/stats``, nor ``/health`` or ``/metrics`` scrapes).
-API_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
-
-
-def _is_api(path: str) -> bool:
-    return path in API_PATHS or path.startswith("/v1/models")
-
-
-def _error(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-class _Guard:
-    """ASGI middleware: the API key check (``Authorization: Bearer KEY``, or HTTP Basic
-    with the key as password) on every path but :data:`PUBLIC_PATHS`, and the request
-    counter of the metrics."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, stats: ServerStats) -> None:
-        self.app = app
-        self.key = None if api_key is None else api_key.encode()
-        self.stats = stats
-
-    def _authorized(self, scope: Scope) -> bool:
-        if self.key is None:
-            return True
-        header = b""
-        for k, v in scope.get("headers", []):
-            if k == b"authorization":
-                header = v
-        scheme, _, value = header.partition(b" ")
-        value = value.strip()
-        if scheme.lower() == b"bearer":
-            return hmac.compare_digest(value, self.key)
-        if scheme.lower() == b"basic":
-            try:
-                _, _, password = base64.b64decode(value, validate=True).partition(b":")
-            except (binascii.Error, ValueError):
-                return False
-            return hmac.compare_digest(password, self.key)
-        return False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "other"
-        status = 500
-
-        async def counting_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
-        try:
-            guarded = path not in PUBLIC_PATHS and scope.get("method") != "OPTIONS"
-            if guarded and not self._authorized(scope):
-                challenge = (
-                    'Basic realm="colibri", charset="UTF-8"'
-                    if path in BROWSER_PATHS
-                    else 'Bearer realm="colibri"'
-                )
-                err = ApiError(
-                    401,
-                    "a valid API key is required: send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": challenge},
-                )
-                await _error(err)(scope, receive, counting_send)
-                return
-            await self.app(scope, receive, counting_send)
-        finally:
-            self.stats.request(endpoint, status, api=_is_api(path))
 
 
 async def _read_json(request: Request) -> Any:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="too_large")
-    body = b""
-    async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    parts: list[bytes] = []
+    size = 0
     try:
-        return json.loads(body)
+        async for part in request.stream():
+            parts.append(part)
+            size += len(part)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:  # gone, or closed by the body's deadline: nobody reads this
+        raise ApiError(
+            400,
+            "the connection closed before the request body was complete",
+            code="incomplete_body",
+        ) from None
+    try:
+        return json.loads(b"".join(parts))
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
     except RecursionError:  # nested deeper than the parser goes
@@ -190,6 +100,7 @@ class Server:
         self.stats.scheduler = self.scheduler
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._openapi: dict[str, Any] | None = None
 
     def stop_soon(self) -> None:
         """From any thread or a signal handler: stop taking requests and cancel the running
@@ -236,6 +147,11 @@ class Server:
             "max_context": self.model.max_context,
             "has_mtp": self.model.has_mtp,
         }
+
+    async def openapi(self, request: Request) -> Response:
+        if self._openapi is None:
+            self._openapi = openapi_schema(self.model, self.name)
+        return JSONResponse(self._openapi)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -398,7 +314,7 @@ class Server:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return _error(exc)
+    return error_response(exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -407,11 +323,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         exc.status_code, str(exc.detail)
     )
     err = ApiError(exc.status_code, f"{message}: {request.method} {request.url.path}")
-    return _error(err)
+    return error_response(err)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+    return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 
 def default_served_name(model: Model) -> str:
@@ -434,6 +350,7 @@ def create_app(
     max_queue: int = 32,
     max_batch: int | None = None,
     allow_origins: Sequence[str] = (),
+    allowed_hosts: Sequence[str] = (),
 ) -> Starlette:
     """The server's ASGI application for ``model``.
 
@@ -449,7 +366,13 @@ def create_app(
         max_batch: requests decoded together, their forwards shared (each on its own
             session, so at most ``sessions``); default ``sessions``.
         allow_origins: origins allowed to call the API from a browser (CORS); none by
-            default.
+            default. A request from any other web page (an ``Origin`` header that is
+            neither one of these nor the server's own) is a 403 ``origin_not_allowed``.
+        allowed_hosts: the ``Host`` names answered beyond loopback ones (``localhost``,
+            ``*.localhost``, 127.0.0.0/8, ::1): names, ``*.domain`` suffixes, addresses, or
+            ``"*"`` for any. Another ``Host`` is a 403 ``host_not_allowed`` (a guard
+            against DNS rebinding). :func:`colibri.serve.serve` passes ``["*"]`` when it
+            listens on a non-loopback address and is given none.
     """
     name = served_name or default_served_name(model)
     server = Server(
@@ -467,6 +390,7 @@ def create_app(
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
         Route("/stats", server.stats_json, methods=["GET"]),
+        Route("/openapi.json", server.openapi, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{name:path}", server.model_card, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
@@ -474,7 +398,15 @@ def create_app(
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
     ]
-    middleware = [Middleware(_Guard, api_key=api_key, stats=server.stats)]
+    middleware = [
+        Middleware(
+            Guard,
+            api_key=api_key,
+            stats=server.stats,
+            allowed_hosts=allowed_hosts,
+            allow_origins=allow_origins,
+        )
+    ]
     if allow_origins:
         middleware.insert(
             0,

@@ -64,20 +64,26 @@ def _model_name(b: dict[str, Any]) -> None:
 
 
 def _one_of(b: dict[str, Any], name: str, alias: str) -> object:
-    if name in b and alias in b:
+    """The value of the field ``name`` or its ``alias`` (null is absent), not both."""
+    given = [key for key in (name, alias) if b.get(key) is not None]
+    if len(given) == 2:
         raise invalid(name, f"give '{name}' or '{alias}' (the same field), not both")
-    if name not in b and alias not in b:
+    if not given:
         raise invalid(name, "missing: the text to tokenise")
-    return b[name] if name in b else b[alias]
+    return b[given[0]]
 
 
 def _flag(b: dict[str, Any], name: str, alias: str | None = None) -> bool:
+    """A true/false field (or its alias: each one given is checked; two must agree)."""
+    values = []
     for key in (name, alias):
         if key is not None and b.get(key) is not None:
             if not isinstance(b[key], bool):
                 raise invalid(key, f"{b[key]!r}; expected true or false")
-            return bool(b[key])
-    return False
+            values.append(b[key])
+    if len(set(values)) > 1:
+        raise invalid(name, f"'{name}' and '{alias}' are the same field: give one")
+    return bool(values and values[0])
 
 
 def _piece(model: Model, token: int) -> str | list[int]:

@@ -1,7 +1,10 @@
 //! Idle sessions spilled to disk: files named apart, dead processes' files swept, sessions
 //! back intact; a session of another engine refused.
 
+use std::os::unix::fs::MetadataExt;
+
 use super::*;
+use crate::engine::spill as spilldir;
 
 #[test]
 fn spill_files_are_named_apart_and_dead_processes_files_are_swept() {
@@ -125,4 +128,140 @@ fn a_session_of_another_engine_is_refused() {
         )
         .unwrap_err();
     assert!(err.to_string().contains("another model"), "{err}");
+}
+
+fn mode_of(p: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+fn open_err(spill: &Path) -> String {
+    let opts = EngineOptions {
+        usage_file: false,
+        threads: 1,
+        spill_dir: Some(spill.to_path_buf()),
+        ..EngineOptions::default()
+    };
+    match Engine::open(&model_dir("python/colibri/models/tiny"), &opts) {
+        Ok(_) => panic!("{} was accepted as the spill directory", spill.display()),
+        Err(e) => {
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+            e.to_string()
+        }
+    }
+}
+
+#[test]
+fn a_spill_directory_others_could_redirect_or_write_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target");
+    std::fs::create_dir(&target).unwrap();
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    assert!(open_err(&link).contains("is a symbolic link"));
+    let file = tmp.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    assert!(open_err(&file).contains("is not a directory"));
+    let shared = tmp.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let msg = open_err(&shared);
+    assert!(
+        msg.contains("mode 0777") && msg.contains("spill_dir"),
+        "{msg}"
+    );
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    assert!(open_err(&shared).contains("can be written by other users"));
+    // Another user's directory, even a private one: refused for its owner.
+    let theirs = tmp.path().join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    let me = std::fs::metadata("/proc/self").unwrap().uid();
+    let err = spilldir::check_private_as(&theirs, Some(me + 1)).unwrap_err();
+    assert!(err.to_string().contains("belongs to another user"), "{err}");
+    if me == 0 {
+        // As root, a real one: a 0777 directory that uid 4242 made first, as on a shared /tmp.
+        std::os::unix::fs::chown(&theirs, Some(4242), Some(4242)).unwrap();
+        std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert!(open_err(&theirs).contains("belongs to another user (uid 4242)"));
+    }
+    // Ours, 0700 or 0755: taken.
+    spilldir::check_private(&target).unwrap();
+}
+
+#[test]
+fn without_a_cache_directory_sessions_spill_to_a_private_directory_of_their_own() {
+    let parent = tempfile::tempdir().unwrap();
+    let pid_max: u64 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(4_194_304);
+    let crashed = parent
+        .path()
+        .join(format!("colibri-sessions-{}-00000000deadbeef", pid_max + 1));
+    std::fs::create_dir(&crashed).unwrap();
+    std::fs::write(crashed.join("1-0-0-1.ctx"), b"x").unwrap();
+    let a = spilldir::SpillDir::private_in(parent.path()).unwrap();
+    let b = spilldir::SpillDir::private_in(parent.path()).unwrap();
+    assert!(
+        !crashed.exists(),
+        "a dead process's private directory is swept"
+    );
+    assert_ne!(a.path, b.path, "each engine has its own");
+    let name = a.path.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        name.starts_with(&format!("colibri-sessions-{}-", std::process::id())),
+        "{name}"
+    );
+    assert_eq!(mode_of(&a.path), 0o700);
+    a.ensure().unwrap();
+    let path = a.path.clone();
+    drop(a);
+    assert!(!path.exists(), "removed with its engine");
+    assert!(b.path.is_dir());
+    // With no spill_dir and no cache directory, the engine takes one in the temp directory.
+    let none = spilldir::SpillDir::resolve(None, None).unwrap();
+    assert!(
+        none.path.starts_with(std::env::temp_dir()),
+        "{:?}",
+        none.path
+    );
+    assert_eq!(mode_of(&none.path), 0o700);
+}
+
+#[test]
+fn a_spill_directory_is_made_private_and_a_link_planted_after_the_open_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spill = tmp.path().join("cache").join("sessions");
+    let e = open("python/colibri/models/tiny", &spill, Some(0));
+    let a = e.new_session().unwrap();
+    run(&e, Some(&a), &PROMPT, false);
+    let b = e.new_session().unwrap();
+    run(&e, Some(&b), &PROMPT, false);
+    assert!(a.is_evicted().unwrap());
+    assert_eq!(mode_of(&spill), 0o700, "made 0700");
+    assert_eq!(
+        mode_of(&a.spill_path),
+        0o600,
+        "a spill file is this user's alone"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(&spill)
+        .unwrap()
+        .flatten()
+        .filter(|f| f.file_name().to_string_lossy().contains(".tmp."))
+        .collect();
+    assert!(leftovers.is_empty(), "no temporary file is left");
+    // Someone replaces the directory with a link to theirs: the next spill is refused
+    // (the session stays in RAM) and nothing is written through the link.
+    run(&e, Some(&a), &PROMPT, false); // A back in RAM, B spilled
+    assert!(b.is_evicted().unwrap());
+    let elsewhere = tmp.path().join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    std::fs::rename(&spill, tmp.path().join("old")).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, &spill).unwrap();
+    run(&e, Some(&b), &PROMPT, false); // would spill A
+    assert!(!a.is_evicted().unwrap(), "kept in RAM");
+    assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+    let again = run(&e, Some(&a), &PROMPT, false);
+    assert!(!again.tokens.is_empty());
 }

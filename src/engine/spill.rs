@@ -1,0 +1,220 @@
+//! Where idle sessions are spilled: a directory of this user's that no one else can write.
+//!
+//! A spill file is a conversation's KV cache, read back as the session's state, so the
+//! directory must be private. [`SpillDir::resolve`] takes `spill_dir`, else `sessions/` in
+//! the cache directory, else (no `COLIBRI_CACHE_DIR`, `XDG_CACHE_HOME` or `HOME`) a private
+//! directory made for this engine in the system temporary directory
+//! (`colibri-sessions-<pid>-<random>`, 0700, created exclusively, removed when the engine
+//! drops), never a shared fixed name such as `/tmp/sessions`. A directory that exists must be
+//! a real directory (not a symbolic link), owned by this user and writable by no one else,
+//! else the engine does not open ([`Error::InvalidArgument`] naming `spill_dir`). One that
+//! does not exist yet is created 0700 when the first session is spilled, and checked again.
+
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+use crate::container::regular_file::random_name_part as random_u64;
+use crate::{Error, Result};
+
+/// The prefix of the private directories made when there is no cache directory.
+const PRIVATE_PREFIX: &str = "colibri-sessions-";
+
+/// The uid that owns what this process creates (`/proc/self`'s owner); `None` where
+/// `/proc` is absent.
+fn own_uid() -> Option<u32> {
+    std::fs::metadata("/proc/self").ok().map(|m| m.uid())
+}
+
+/// The engine's spill directory.
+#[derive(Debug)]
+pub(super) struct SpillDir {
+    pub(super) path: PathBuf,
+    /// Made for this engine (no cache directory): removed with it.
+    private: bool,
+}
+
+impl SpillDir {
+    /// `explicit` (`spill_dir`), else `sessions/` in `cache` (the cache directory), else a
+    /// new private directory in the system temporary directory; an existing one is checked
+    /// ([`check_private`]) and swept of dead processes' files.
+    pub(super) fn resolve(explicit: Option<&Path>, cache: Option<PathBuf>) -> Result<Self> {
+        let dir = match (explicit, cache) {
+            (Some(dir), _) => dir.to_path_buf(),
+            (None, Some(cache)) => cache.join("sessions"),
+            (None, None) => return Self::private_in(&std::env::temp_dir()),
+        };
+        check_private(&dir)?;
+        sweep_spill_dir(&dir);
+        Ok(SpillDir {
+            path: dir,
+            private: false,
+        })
+    }
+
+    /// A new directory `<PRIVATE_PREFIX><pid>-<random>` in `parent`, 0700, made by a
+    /// `mkdir` that fails if the name exists (so never a directory or link planted there);
+    /// the ones of processes that are gone are removed first.
+    pub(super) fn private_in(parent: &Path) -> Result<Self> {
+        sweep_private_dirs(parent);
+        let mut last = None;
+        for _ in 0..16 {
+            let name = format!(
+                "{PRIVATE_PREFIX}{}-{:016x}",
+                std::process::id(),
+                random_u64()
+            );
+            let path = parent.join(name);
+            match std::fs::DirBuilder::new().mode(0o700).create(&path) {
+                Ok(()) => {
+                    return Ok(SpillDir {
+                        path,
+                        private: true,
+                    })
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some(e),
+                Err(e) => return Err(Error::io(&path, e)),
+            }
+        }
+        Err(Error::io(
+            parent,
+            last.unwrap_or_else(|| std::io::Error::other("no free name")),
+        ))
+    }
+
+    /// Make the directory (0700, with any missing parents) if it is not there yet, and check
+    /// it: called before each spill, so a directory replaced since the open is refused too.
+    pub(super) fn ensure(&self) -> Result<()> {
+        if std::fs::symlink_metadata(&self.path).is_err() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&self.path)
+                .map_err(|e| Error::io(&self.path, e))?;
+        }
+        check_private(&self.path)
+    }
+}
+
+impl Drop for SpillDir {
+    fn drop(&mut self) {
+        if self.private {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// `Ok` when `dir` does not exist, or is a directory (not a symbolic link) owned by this
+/// user that neither its group nor others can write; else the [`Error::InvalidArgument`]
+/// for `spill_dir` that says which and what to do.
+pub(super) fn check_private(dir: &Path) -> Result<()> {
+    check_private_as(dir, own_uid())
+}
+
+/// [`check_private`] for the user `uid` (`None`: the owner is not checked).
+pub(super) fn check_private_as(dir: &Path, uid: Option<u32>) -> Result<()> {
+    let meta = match std::fs::symlink_metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io(dir, e)),
+    };
+    let why = if meta.file_type().is_symlink() {
+        "is a symbolic link".to_owned()
+    } else if !meta.is_dir() {
+        "is not a directory".to_owned()
+    } else if uid.is_some_and(|u| u != meta.uid()) {
+        format!("belongs to another user (uid {})", meta.uid())
+    } else if meta.mode() & 0o022 != 0 {
+        format!(
+            "can be written by other users (mode {:04o}); `chmod go-w` it",
+            meta.mode() & 0o7777
+        )
+    } else {
+        return Ok(());
+    };
+    Err(Error::invalid(
+        "spill_dir",
+        format!(
+            "the directory for idle sessions {} {why}: their KV caches (the conversations) \
+             are written there and read back, so it must be a directory of this user's that \
+             no one else can write; give spill_dir (or COLIBRI_CACHE_DIR) another",
+            dir.display()
+        ),
+    ))
+}
+
+/// `<pid>-<nonce>-<engine>-<session>.ctx`: the process (for the sweep of dead ones' files)
+/// and a random per-process nonce, so processes sharing a cache volume with the same pid
+/// (PID 1 in two containers) never restore each other's files.
+pub(super) fn spill_file(dir: &Path, engine: u64, session: u64) -> PathBuf {
+    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let nonce = NONCE.get_or_init(random_u64);
+    dir.join(format!(
+        "{}-{nonce:016x}-{engine}-{session}.ctx",
+        std::process::id()
+    ))
+}
+
+fn process_is_gone(pid: u32) -> bool {
+    !Path::new("/proc").join(pid.to_string()).exists()
+}
+
+/// Remove the spill files (and their temporaries) of processes that are gone: ours by
+/// name and owner, regular files only. Where `/proc` does not tell which processes live,
+/// nothing is removed.
+fn sweep_spill_dir(dir: &Path) {
+    let Some(me) = own_uid() else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let pid_text = if let Some(tmp) = name.strip_prefix('.') {
+            // `.<spill name>.tmp.<pid>.<n>.<random>`: a save killed midway
+            tmp.split(".ctx.tmp.")
+                .nth(1)
+                .and_then(|r| r.split('.').next())
+        } else if name.ends_with(".ctx") {
+            name.split('-').next()
+        } else {
+            None
+        };
+        let Some(pid) = pid_text.and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(meta) = entry.path().symlink_metadata() else {
+            continue;
+        };
+        if process_is_gone(pid) && meta.is_file() && meta.uid() == me {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// Remove the private spill directories in `parent` of processes that are gone (a crash
+/// leaves them): real directories of ours, by name.
+fn sweep_private_dirs(parent: &Path) {
+    let Some(me) = own_uid() else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(PRIVATE_PREFIX)
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(meta) = entry.path().symlink_metadata() else {
+            continue;
+        };
+        if process_is_gone(pid) && meta.is_dir() && meta.uid() == me {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}

@@ -29,6 +29,8 @@ from helpers.community import (
     write_raw_safetensors,
 )
 
+RECORD = ".colibri-convert.json"  # the progress record in DST
+
 
 def expected_format(name: str, n_layers: int) -> str:
     """defaults of docs/container.md, restated from the tensor name."""
@@ -111,7 +113,8 @@ def test_convert_copies_only_what_a_container_needs(tmp_path: Path) -> None:
     for name in [*wanted, "tokenizer_config.json", "generation_config.json"]:
         assert (dst / name).read_bytes() == (src / name).read_bytes(), name
     got = {p.name for p in dst.iterdir() if not p.name.endswith(".safetensors")}
-    assert got == {*wanted, "tokenizer_config.json", "generation_config.json", "config.json"}
+    sidecars = {*wanted, "tokenizer_config.json", "generation_config.json", "config.json"}
+    assert got == {*sidecars, RECORD}
 
 
 def test_fp8_checkpoint_matches_numpy_decode(tmp_path: Path) -> None:
@@ -244,10 +247,16 @@ def _bigger_checkpoint(tmp_path: Path) -> Path:
     return tmp_path / "src"
 
 
+def _container_files(d: Path) -> dict[str, bytes]:
+    """Every file of a converted container but the progress record (whose entries carry the
+    time they were written)."""
+    return {p.name: p.read_bytes() for p in d.iterdir() if p.is_file() and p.name != RECORD}
+
+
 def test_a_killed_conversion_resumes_to_byte_identical_shards(tmp_path: Path) -> None:
     src = _bigger_checkpoint(tmp_path)
     convert(src, tmp_path / "clean", progress=False, max_shard_size=400_000)
-    clean = {p.name: p.read_bytes() for p in (tmp_path / "clean").iterdir() if p.is_file()}
+    clean = _container_files(tmp_path / "clean")
     dst = tmp_path / "dst"
     proc = _convert_in_subprocess(src, dst, capture=False)
     deadline = time.monotonic() + 60
@@ -260,7 +269,9 @@ def test_a_killed_conversion_resumes_to_byte_identical_shards(tmp_path: Path) ->
     assert 2 <= written < len([n for n in clean if n.endswith(".safetensors")])
     again = convert(src, dst, progress=False, max_shard_size=400_000)
     assert again.shards_skipped >= 1
-    assert {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()} == clean
+    assert _container_files(dst) == clean
+    record = json.loads((dst / RECORD).read_text())["shards"]
+    assert sorted(record) == sorted(n for n in clean if n.endswith(".safetensors"))
 
 
 def test_a_full_filesystem_is_a_clean_io_error(tmp_path: Path) -> None:

@@ -108,10 +108,15 @@ class ConvertJob:
     def shards(self) -> list[tuple[str, int]]:
         """(file name, total bytes) of every planned output shard."""
     def is_done(self, i: int) -> bool:
-        """Whether shard ``i`` already exists complete in ``dst`` (it will be skipped)."""
+        """Whether shard ``i`` already exists complete in ``dst``, made from the sources as
+        they are now (it will be skipped)."""
+    def status(self, i: int) -> tuple[bool, str | None]:
+        """(done, why): whether shard ``i`` will be skipped, and, for a finished shard made
+        from source contents that have changed since, why it will be converted again."""
     def write_shard(self, i: int, progress: Callable[[int], object] | None = None) -> None:
         """Write shard ``i``; ``progress(n_bytes)`` is called after each tensor. Ctrl-C or an
-        exception from ``progress`` stops the write."""
+        exception from ``progress`` stops the write. A source file that changed while the
+        shard was written is a ``ContainerError`` naming it (the shard is not kept)."""
     def finish(self) -> None:
         """Copy tokenizer/sidecar files, write config.json, and check the output opens."""
     def format_counts(self) -> dict[str, int]:

@@ -8,7 +8,10 @@ embeddings and ``lm_head`` int8 per row, the whole MTP layer int8 per row, norms
 bias float32.
 
 All quantising runs in Rust, shard by shard with bounded memory; finished output shards are
-skipped when the conversion is run again, so an interrupted conversion resumes.
+skipped when the conversion is run again, so an interrupted conversion resumes. A progress
+record in ``dst`` fingerprints the source bytes each shard was made from: a shard whose
+source has changed since is converted again (with a warning), and a source that changes
+while it is being converted is a :class:`colibri.ContainerError` naming it.
 
 Example:
     >>> from colibri.convert import convert
@@ -20,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,10 +86,17 @@ def convert(
     Returns:
         A :class:`ConvertReport`.
 
+    Warns:
+        UserWarning: for each finished shard in ``dst`` whose source bytes have changed
+            since it was written; it is converted again.
+
     Raises:
         colibri.ConfigError: ``config.json`` is missing a field or has a bad value.
         colibri.UnsupportedModelError: the model family is not DeepSeek-V3 or GLM-MoE-DSA.
-        colibri.ContainerError: a source shard is corrupt or disagrees with the config.
+        colibri.ContainerError: a source shard is corrupt or disagrees with the config, or
+            changed (rewritten, replaced or truncated) while it was being converted; the
+            message names the file (and, for a truncation, the offset). Run again once the
+            source is complete: shards made from its old contents are redone.
         colibri.NonFiniteWeightError: a source weight holds NaN or Inf.
         colibri.InvalidArgumentError: a bad option, or ``dst`` inside ``src``.
     """
@@ -103,7 +114,13 @@ def convert(
         chunk_bytes=chunk_bytes,
     )
     shards = job.shards()
-    todo = [i for i in range(len(shards)) if not job.is_done(i)]
+    todo = []
+    for i in range(len(shards)):
+        done, why = job.status(i)
+        if why is not None:
+            warnings.warn(why, UserWarning, stacklevel=2)
+        if not done:
+            todo.append(i)
     total = sum(shards[i][1] for i in todo)
     bar = None
     if progress:

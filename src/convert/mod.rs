@@ -8,14 +8,20 @@
 //! dequantise to f32, quantise the rows in parallel (rayon), append. Memory stays bounded by
 //! one row block (`chunk_bytes`) whatever the shard or tensor size.
 //!
-//! Each shard is written to `.NAME.partial` and renamed when complete; a shard whose final
-//! file already exists with exactly the planned header and length is skipped, so an
-//! interrupted conversion resumes where it stopped. Nothing is ever written into SRC.
+//! Each shard is written to `.NAME.partial` and renamed when complete, then entered in the
+//! progress record (`record`: the stat stamp and a CRC-32 of the bytes read of each source
+//! file it was made from). A shard whose final file exists with exactly the planned header
+//! and length, and whose sources still match its record, is skipped, so an interrupted
+//! conversion resumes where it stopped; a source that changed makes its shards be redone,
+//! and one that changes while it is read is an error naming it. Nothing is ever written
+//! into SRC.
 
 pub mod fp8;
 
 mod options;
 mod plan;
+mod record;
+mod resume;
 mod source;
 mod tensor_plan;
 mod write;
@@ -27,6 +33,7 @@ use crate::error::Result;
 
 pub use options::ConvertOptions;
 pub use plan::{plan, Plan, PlannedShard, PlannedTensor};
+pub use resume::ShardStatus;
 
 /// Suffix DeepSeek-V3 / GLM-5 FP8 checkpoints give the block scales of `NAME.weight`:
 /// `NAME.weight_scale_inv`.
@@ -37,6 +44,9 @@ pub const SCALE_INV_SUFFIX: &str = "_scale_inv";
 pub struct ConvertReport {
     pub shards_written: usize,
     pub shards_skipped: usize,
+    /// Of `shards_written`, those that existed finished but were made from source contents
+    /// that have changed since: why, per shard ([`ShardStatus::Stale`]).
+    pub redone: Vec<String>,
     pub bytes_written: u64,
     /// Output tensors per format name ("int4_g64", "int8", "f32", "copy", ...).
     pub formats: BTreeMap<String, usize>,
@@ -50,9 +60,13 @@ pub fn convert(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Conve
         ..ConvertReport::default()
     };
     for i in 0..plan.shards.len() {
-        if plan.is_done(i) {
-            report.shards_skipped += 1;
-            continue;
+        match plan.status(i)? {
+            ShardStatus::Done => {
+                report.shards_skipped += 1;
+                continue;
+            }
+            ShardStatus::Stale(why) => report.redone.push(why),
+            ShardStatus::Missing => {}
         }
         let mut n = 0;
         plan.write_shard(i, &mut |b| {
@@ -91,5 +105,7 @@ pub fn is_container_sidecar(name: &str) -> bool {
             || name.starts_with("LICENCE"))
 }
 
+#[cfg(test)]
+mod resume_tests;
 #[cfg(test)]
 mod tests;

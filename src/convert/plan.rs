@@ -3,9 +3,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Component, Path, PathBuf};
+use std::sync::Mutex;
 
 use serde_json::Value;
 
+use super::record::Record;
 use super::source::Source;
 use super::tensor_plan::{is_block_scales, plan_tensor};
 use super::ConvertOptions;
@@ -107,6 +109,8 @@ pub struct Plan {
     pub(super) config_json: Value,
     pub config: ModelConfig,
     pub shards: Vec<PlannedShard>,
+    /// DST's progress record (what each finished shard was made from).
+    pub(super) record: Mutex<Record>,
 }
 
 /// `p` made absolute and lexically normalised (`.` and `..` removed), with its existing
@@ -165,6 +169,7 @@ pub fn plan(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Plan> {
         config_json,
         config,
         shards,
+        record: Mutex::new(Record::load(dst)),
     })
 }
 

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
+use super::record::{Digests, Stamp};
 use crate::container::safetensors::{self, Dtype, MAX_HEADER_BYTES};
 use crate::container::{regular_file, shard_paths};
 use crate::error::{Error, Result};
@@ -15,9 +16,10 @@ use crate::error::{Error, Result};
 /// One tensor of a source shard.
 #[derive(Debug, Clone)]
 pub(super) struct SrcTensor {
+    pub(super) name: String,
     pub(super) dtype: Dtype,
     pub(super) shape: Vec<usize>,
-    shard: usize,
+    pub(super) shard: usize,
     pub(super) start: u64,
     pub(super) end: u64,
 }
@@ -26,6 +28,8 @@ pub(super) struct SrcTensor {
 pub(super) struct Source {
     pub(super) dir: PathBuf,
     files: Vec<(PathBuf, Arc<File>)>,
+    /// Each file's stamp when it was opened: the plan and every read are of that version.
+    stamps: Vec<Stamp>,
     pub(super) tensors: HashMap<String, SrcTensor>,
     /// Names in shard, offset order.
     pub(super) order: Vec<String>,
@@ -102,12 +106,14 @@ impl Source {
         let mut src = Source {
             dir: dir.to_path_buf(),
             files: Vec::new(),
+            stamps: Vec::new(),
             tensors: HashMap::new(),
             order: Vec::new(),
             block,
         };
         for path in paths {
             let file = regular_file::open_read(&path).map_err(|e| Error::io(&path, e))?;
+            let stamp = Stamp::of(&file.metadata().map_err(|e| Error::io(&path, e))?);
             let header = read_header(&path, &file)?;
             let shard = src.files.len();
             for t in header.tensors {
@@ -120,8 +126,9 @@ impl Source {
                 }
                 src.order.push(t.name.clone());
                 src.tensors.insert(
-                    t.name,
+                    t.name.clone(),
                     SrcTensor {
+                        name: t.name.clone(),
                         dtype: t.dtype,
                         shape: t.shape,
                         shard,
@@ -131,17 +138,98 @@ impl Source {
                 );
             }
             src.files.push((path, Arc::new(file)));
+            src.stamps.push(stamp);
         }
         Ok(src)
     }
 
-    pub(super) fn read(&self, t: &SrcTensor, offset: u64, buf: &mut [u8]) -> Result<()> {
+    /// Read `buf.len()` bytes of `t` from `offset` (within the tensor), adding them to the
+    /// digest of `t`'s file. A file that has become shorter than the read is a
+    /// `ContainerError` naming the file, the tensor, the offset and the sizes.
+    pub(super) fn read(
+        &self,
+        t: &SrcTensor,
+        offset: u64,
+        buf: &mut [u8],
+        digests: &mut Digests,
+    ) -> Result<()> {
         let (path, file) = &self.files[t.shard];
-        read_exact_at(file, path, buf, t.start + offset)
+        let at = t.start + offset;
+        match read_exact_at(file, path, buf, at) {
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::UnexpectedEof => {
+                let now = file.metadata().map_or_else(
+                    |e| format!("cannot be read ({e})"),
+                    |m| format!("has {}", m.len()),
+                );
+                Err(Error::container(
+                    path,
+                    Some(&t.name),
+                    format!(
+                        "the file was truncated while it was being converted: reading {} bytes \
+                         at offset {at} (the tensor is bytes {}..{}) needs at least {} bytes, \
+                         the file now {now} (it had {} when the conversion opened it)",
+                        buf.len(),
+                        t.start,
+                        t.end,
+                        at + buf.len() as u64,
+                        self.stamps[t.shard].size
+                    ),
+                ))
+            }
+            Err(e) => Err(e),
+            Ok(()) => {
+                digests.entry(t.shard).or_default().update(buf);
+                Ok(())
+            }
+        }
     }
 
     pub(super) fn path(&self, t: &SrcTensor) -> &Path {
         &self.files[t.shard].0
+    }
+
+    /// File `i`'s name (its key in the progress record) and its stamp at open.
+    pub(super) fn file(&self, i: usize) -> (String, Stamp) {
+        let name = self.files[i]
+            .0
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        (name, self.stamps[i])
+    }
+
+    /// Whether file `i` is still what was opened: its path stat against the stamp at open
+    /// (a copy renamed over it, an in-place write, a truncation all change it). The error
+    /// names the file, what changed, and `what_then` (what the change stopped).
+    pub(super) fn check_unchanged(&self, i: usize, what_then: &str) -> Result<()> {
+        let path = &self.files[i].0;
+        let then = self.stamps[i];
+        let now = match std::fs::metadata(path) {
+            Ok(m) => Stamp::of(&m),
+            Err(e) => {
+                return Err(Error::container(
+                    path,
+                    None,
+                    format!(
+                        "the source file went away while it was being converted ({e}); \
+                         {what_then}"
+                    ),
+                ))
+            }
+        };
+        if now == then {
+            return Ok(());
+        }
+        Err(Error::container(
+            path,
+            None,
+            format!(
+                "the source file changed while it was being converted ({}); {what_then}. \
+                 Run the conversion again once the source is complete: it converts the file \
+                 as it is then, redoing every shard made from its old contents",
+                now.describe_change(&then)
+            ),
+        ))
     }
 }
 

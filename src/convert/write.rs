@@ -9,7 +9,8 @@ use std::path::Path;
 use rayon::prelude::*;
 
 use super::plan::{OutKind, Plan, PlannedTensor};
-use super::source::{read_exact_at, SrcTensor};
+use super::record::Digests;
+use super::source::SrcTensor;
 use super::{fp8, is_container_sidecar};
 use crate::container::decode_floats;
 use crate::error::{Error, Result};
@@ -23,24 +24,11 @@ impl Plan {
         &self.src.dir
     }
 
-    /// Whether shard `i` already exists complete (same header, same length) in DST.
-    pub fn is_done(&self, i: usize) -> bool {
-        let Some(s) = self.shards.get(i) else {
-            return false;
-        };
-        let path = self.dst.join(&s.file_name);
-        let Ok(file) = File::open(&path) else {
-            return false;
-        };
-        if file.metadata().map(|m| m.len()).ok() != Some(s.total_bytes) {
-            return false;
-        }
-        let mut head = vec![0u8; s.header.len()];
-        read_exact_at(&file, &path, &mut head, 0).is_ok() && head == s.header
-    }
-
-    /// Write shard `i` (to a temporary name, renamed when complete). `progress` receives
-    /// the bytes written after each tensor; an error from it (e.g. Ctrl-C) stops the write.
+    /// Write shard `i` (to a temporary name, renamed when complete, then entered in the
+    /// progress record). `progress` receives the bytes written after each tensor; an error
+    /// from it (e.g. Ctrl-C) stops the write. A source file that changed while the shard
+    /// was written (stat differs from when it was opened) is a `ContainerError` naming it,
+    /// and the shard is not renamed into place.
     pub fn write_shard(&self, i: usize, progress: &mut dyn FnMut(u64) -> Result<()>) -> Result<()> {
         let s = self
             .shards
@@ -55,8 +43,9 @@ impl Plan {
             |out: &mut BufWriter<File>, b: &[u8]| out.write_all(b).map_err(|e| Error::io(&tmp, e));
         w(&mut out, &s.header)?;
         progress(s.header.len() as u64)?;
+        let mut digests = Digests::new();
         for t in &s.tensors {
-            let n = self.write_tensor(t, &mut |b| w(&mut out, b))?;
+            let n = self.write_tensor(t, &mut digests, &mut |b| w(&mut out, b))?;
             progress(n)?;
         }
         let file = out
@@ -72,19 +61,26 @@ impl Plan {
             )));
         }
         drop(file);
-        std::fs::rename(&tmp, &final_path).map_err(|e| Error::io(&final_path, e))
+        let not_written = format!("{} was not written", final_path.display());
+        if let Err(e) = self.check_sources(s, &not_written) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        std::fs::rename(&tmp, &final_path).map_err(|e| Error::io(&final_path, e))?;
+        self.record_shard(s, &digests)
     }
 
     /// Stream one planned tensor through `sink`; returns the bytes written.
     fn write_tensor(
         &self,
         t: &PlannedTensor,
+        digests: &mut Digests,
         sink: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<u64> {
         let st = &self.src.tensors[&t.name];
         let path = self.src.path(st);
         if let OutKind::Copy { .. } = t.kind {
-            return self.copy_tensor(st, sink);
+            return self.copy_tensor(st, digests, sink);
         }
         let (format, rows, cols) = match &t.kind {
             OutKind::Quant { format, rows, cols } => (*format, *rows, *cols),
@@ -95,7 +91,7 @@ impl Plan {
             OutKind::Copy { .. } => unreachable!("handled above"),
         };
         let scale_inv = match &t.scale_inv {
-            Some(s) => Some(self.block_scales(s)?),
+            Some(s) => Some(self.block_scales(s, digests)?),
             None => None,
         };
         let table = fp8::e4m3_table();
@@ -111,7 +107,7 @@ impl Plan {
         while r0 < rows {
             let nr = chunk_rows.min(rows - r0);
             let raw = &mut raw[..nr * row_bytes];
-            self.src.read(st, (r0 * row_bytes) as u64, raw)?;
+            self.src.read(st, (r0 * row_bytes) as u64, raw, digests)?;
             let vals = &mut vals[..nr * cols];
             match (&scale_inv, st.dtype) {
                 (Some(s), _) => {
@@ -166,6 +162,7 @@ impl Plan {
     fn copy_tensor(
         &self,
         st: &SrcTensor,
+        digests: &mut Digests,
         sink: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<u64> {
         let total = st.end - st.start;
@@ -173,7 +170,7 @@ impl Plan {
         let mut off = 0u64;
         while off < total {
             let n = ((total - off) as usize).min(buf.len());
-            self.src.read(st, off, &mut buf[..n])?;
+            self.src.read(st, off, &mut buf[..n], digests)?;
             sink(&buf[..n])?;
             off += n as u64;
         }
@@ -181,10 +178,10 @@ impl Plan {
     }
 
     /// The FP8 block scales `name`, read whole (they are 1/16384 of the weight).
-    fn block_scales(&self, name: &str) -> Result<Vec<f32>> {
+    fn block_scales(&self, name: &str, digests: &mut Digests) -> Result<Vec<f32>> {
         let sst = &self.src.tensors[name];
         let mut raw = vec![0u8; (sst.end - sst.start) as usize];
-        self.src.read(sst, 0, &mut raw)?;
+        self.src.read(sst, 0, &mut raw, digests)?;
         Ok(decode_floats(&raw, sst.dtype).unwrap_or_default())
     }
 

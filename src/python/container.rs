@@ -12,7 +12,7 @@ use pyo3::types::{PyBytes, PyDict};
 
 use crate::config::ModelConfig;
 use crate::container::{expected_shape, Container};
-use crate::convert::{fp8, plan, ConvertOptions, Plan};
+use crate::convert::{fp8, plan, ConvertOptions, Plan, ShardStatus};
 use crate::error::Error;
 use crate::python::run;
 
@@ -189,10 +189,24 @@ impl PyConvertJob {
             .collect()
     }
 
-    /// Whether shard `i` already exists complete in DST (it will be skipped).
+    /// Whether shard `i` already exists complete in DST, made from the sources as they are
+    /// now (it will be skipped).
     fn is_done(&self, py: Python<'_>, i: usize) -> PyResult<bool> {
         let plan = &self.plan;
-        run(py, move || Ok(plan.is_done(i)))
+        run(py, move || plan.is_done(i))
+    }
+
+    /// (done, why): whether shard `i` will be skipped, and, for a finished shard made from
+    /// source contents that have changed since, why it will be converted again.
+    fn status(&self, py: Python<'_>, i: usize) -> PyResult<(bool, Option<String>)> {
+        let plan = &self.plan;
+        run(py, move || {
+            Ok(match plan.status(i)? {
+                ShardStatus::Done => (true, None),
+                ShardStatus::Missing => (false, None),
+                ShardStatus::Stale(why) => (false, Some(why)),
+            })
+        })
     }
 
     /// Write shard `i`; `progress(n_bytes)` is called after each tensor (with the GIL).

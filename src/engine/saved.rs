@@ -4,8 +4,8 @@
 //! format; it is little-endian and versioned, and every field is checked on load.
 //!
 //! ```text
-//! magic "colibri-context\0" (16 B) | version u32 | header CRC-32 u32 (0: not recorded,
-//! files of before it was) | header length u64
+//! magic "colibri-context\0" (16 B) | version u32 | header CRC-32 u32 (never 0; files of
+//! before it was recorded held 0 and are refused) | header length u64
 //! header (JSON, `Header`) | payload: each cache's latents, roped keys, indexer keys
 //! (main layers in order, then the MTP layer), f32; then the MTP-pending hidden states
 //! ```
@@ -317,7 +317,16 @@ fn read_header(r: &mut impl Read, path: &Path, size: u64) -> Result<(Header, u64
     let mut json = vec![0u8; header_len as usize];
     r.read_exact(&mut json).map_err(|e| Error::io(path, e))?;
     let recorded = word(20);
-    if recorded != 0 && recorded != header_crc(&json) {
+    // 0 was "not recorded" in files saved before 2026-12-06 (d4064af); accepting it would let
+    // four zero bytes pass any header edit, so such a file must be saved again.
+    if recorded == 0 {
+        return Err(bad(
+            "its header has no checksum (saved by a colibri before 2026-12-06, or damaged): \
+             save the context again with this version"
+                .into(),
+        ));
+    }
+    if recorded != header_crc(&json) {
         return Err(bad(
             "header checksum mismatch: the file is corrupt (its token list or sizes changed)"
                 .into(),

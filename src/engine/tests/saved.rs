@@ -89,7 +89,7 @@ fn damaged_or_foreign_contexts_are_refused_with_a_typed_error() {
     header[33] = b'!';
     cases.push(("header garbage", header.clone(), "header checksum"));
     header[20..24].copy_from_slice(&[0; 4]); // a file from before the header's checksum
-    cases.push(("header garbage, unchecked", header, "unreadable header"));
+    cases.push(("header garbage, no checksum", header, "no checksum"));
     // A token id of the header changed: the header's checksum catches it.
     let text = String::from_utf8_lossy(&good[32..payload_at]).into_owned();
     let at = text.find("\"tokens\":[").unwrap() + 10;
@@ -174,7 +174,9 @@ fn a_context_saved_with_the_mtp_head_on_or_off_is_refused_by_the_other_kind() {
     assert!(header.contains(",\"mtp_head\":true"), "{header}");
     let old = header.replace(",\"mtp_head\":true", "");
     let mut bytes = on_bytes[..20].to_vec();
-    bytes.extend([0u8; 4]); // nor the header's checksum (recorded since)
+    // (Such files had no header checksum either and are refused now; this one is given one,
+    // so that only the head's absence is tested.)
+    bytes.extend(crc32fast::hash(old.as_bytes()).max(1).to_le_bytes());
     bytes.extend((old.len() as u64).to_le_bytes());
     bytes.extend(old.as_bytes());
     bytes.extend(&on_bytes[32 + header_len..]);
@@ -183,6 +185,12 @@ fn a_context_saved_with_the_mtp_head_on_or_off_is_refused_by_the_other_kind() {
     assert!(with.load_session(&old_file).is_ok());
     let err = without.load_session(&old_file).err().expect("refused");
     assert!(err.to_string().contains("MTP head on"), "{err}");
+    // A header checksum of 0 (files of before it was recorded) is refused: it would let any
+    // header edit through.
+    bytes[20..24].copy_from_slice(&[0; 4]);
+    std::fs::write(&old_file, &bytes).unwrap();
+    let err = with.load_session(&old_file).err().expect("refused");
+    assert!(err.to_string().contains("no checksum"), "{err}");
 }
 
 /// `bytes` (a saved context) with payload float `index` set to `value`, its checksums made

@@ -184,14 +184,7 @@ fn bench_raw_sequential(g: &mut BenchmarkGroup<'_, WallTime>, s: &Setup) {
                 for i in 0..files.len() {
                     let p = &files[(start_file + i) % files.len()];
                     let mut f = std::fs::File::open(p).expect("open");
-                    while left > 0 {
-                        let want = buf.len().min(left);
-                        let n = f.read(&mut buf[..want]).expect("read");
-                        if n == 0 {
-                            break;
-                        }
-                        left -= n;
-                    }
+                    left = read_up_to(&mut f, &mut buf, left);
                     if left == 0 {
                         break;
                     }
@@ -204,13 +197,8 @@ fn bench_raw_sequential(g: &mut BenchmarkGroup<'_, WallTime>, s: &Setup) {
     });
 }
 
-/// Bytes per second of reading up to `s.bytes` of shard `i` (modulo the shards) from the start.
-fn read_file_rate(s: &Setup, i: usize) -> f64 {
-    let mut buf = vec![0u8; 8 << 20];
-    let p = &s.files[i % s.files.len()];
-    let mut f = std::fs::File::open(p).expect("open");
-    let mut left = s.bytes as usize;
-    let t = Instant::now();
+/// Read up to `left` bytes of `f` through `buf` (until its end); returns how many were left.
+fn read_up_to(f: &mut std::fs::File, buf: &mut [u8], mut left: usize) -> usize {
     while left > 0 {
         let want = buf.len().min(left);
         let n = f.read(&mut buf[..want]).expect("read");
@@ -219,6 +207,16 @@ fn read_file_rate(s: &Setup, i: usize) -> f64 {
         }
         left -= n;
     }
+    left
+}
+
+/// Bytes per second of reading up to `s.bytes` of shard `i` (modulo the shards) from the start.
+fn read_file_rate(s: &Setup, i: usize) -> f64 {
+    let mut buf = vec![0u8; 8 << 20];
+    let p = &s.files[i % s.files.len()];
+    let mut f = std::fs::File::open(p).expect("open");
+    let t = Instant::now();
+    let left = read_up_to(&mut f, &mut buf, s.bytes as usize);
     (s.bytes as usize - left) as f64 / t.elapsed().as_secs_f64()
 }
 

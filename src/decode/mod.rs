@@ -156,7 +156,7 @@ pub trait Drafter {
     }
 
     /// Drafting is over for this generation (priced out): drop what is held for it and do no
-    /// more upkeep.
+    /// more upkeep. Called again on every later cycle, so it must be idempotent.
     fn release(&mut self) {}
 
     /// What the drafter holds for the next generation on the same caches (the MTP drafter:

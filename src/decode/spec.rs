@@ -388,8 +388,6 @@ pub(crate) struct Decoding<'d, 'c> {
     mtp_priced_out: bool,
     /// The price check of the default drafter (`None`: not priced).
     pricing: Option<DraftPricing>,
-    /// The drafter was told to drop what it holds.
-    drafter_released: bool,
     /// Whether the previous cycle drafted: only then is a draft's time typical (after a
     /// cycle without drafts the MTP drafter also absorbs the rows it skipped).
     drafted_last_cycle: bool,
@@ -513,7 +511,6 @@ impl<'d, 'c> Decoding<'d, 'c> {
             depth: DepthController::new(MAX_DEPTH),
             mtp_priced_out: false,
             pricing: None,
-            drafter_released: false,
             drafted_last_cycle: false,
             started: clock(),
             clock,

@@ -137,13 +137,10 @@ impl<'d, 'c> Decoding<'d, 'c> {
         }
     }
 
-    /// Drafting was priced out: the drafter drops what it holds (once).
+    /// Drafting was priced out: the drafter drops what it holds (releasing is idempotent).
     fn release_drafter(&mut self) {
-        if !self.drafter_released {
-            self.drafter_released = true;
-            if let Some(d) = self.drafter.as_mut() {
-                d.release();
-            }
+        if let Some(d) = self.drafter.as_mut() {
+            d.release();
         }
     }
 

@@ -3,7 +3,8 @@
 //! through copies of its matrix (≥ 512 MiB in all) so the weights come from DRAM. Calls are
 //! made from a thread of the pool, as the forward pass makes them.
 //!
-//! - `kernels/<format>/<name OxI>/S<s>`: the dispatched path, S = 1, 4, 8.
+//! - `kernels/<format>/<name OxI>/S<s>`: the dispatched path, S = 1, 4, 8; `/S<s>/int8` the
+//!   same rows in the int8 arithmetic (formats that have it, CPUs with a SIMD int8 kernel).
 //! - `kernels/<format>/<name OxI>/read`: a prefetching 2-thread read of the same matrices'
 //!   bytes, the paired limit for the S rows next to it.
 //! - `kernel_paths/int4_g64/expert_gate_OxI/S1/<path>`: every available path, A/B.
@@ -218,6 +219,27 @@ fn matmul_shapes(c: &mut Criterion) {
                         black_box(&y);
                     })
                 });
+                // The same rows in the int8 decode arithmetic (activations quantised in the
+                // call, as a forward does), where the CPU has a SIMD int8 kernel.
+                if kernels::int8act::simd_available() && kernels::int8act::supports(format) {
+                    let mut it = 0usize;
+                    g.bench_function(format!("{format}/{name}_{rows}x{cols}/S{s}/int8"), |b| {
+                        iter_on_pool(b, &pool, || {
+                            it += 1;
+                            let w = &views[it % views.len()];
+                            kernels::matmul_in(
+                                Arithmetic::Int8,
+                                w,
+                                black_box(&x),
+                                s,
+                                &mut y,
+                                Some(&pool),
+                            )
+                            .expect("int8 matmul");
+                            black_box(&y);
+                        })
+                    });
+                }
             }
         }
     }
@@ -276,6 +298,20 @@ fn in_cache(c: &mut Criterion) {
             g.bench_function(format!("{format}/{rows}x{cols}/S{s}/1thread/{path}"), |b| {
                 b.iter(|| {
                     kernels::matmul_with(path, &w, black_box(&x), s, &mut y, None).expect("matmul");
+                    black_box(&y);
+                })
+            });
+        }
+    }
+    // The int8 arithmetic on the same matrix and rows (decode kernel up to its row limit).
+    if kernels::int8act::simd_available() {
+        for s in [1, 2, 4, 8, 9, 16] {
+            let x = activations(s, cols);
+            let mut y = vec![0.0f32; s * rows];
+            g.bench_function(format!("{format}/{rows}x{cols}/S{s}/1thread/int8"), |b| {
+                b.iter(|| {
+                    kernels::matmul_in(Arithmetic::Int8, &w, black_box(&x), s, &mut y, None)
+                        .expect("int8 matmul");
                     black_box(&y);
                 })
             });

@@ -15,7 +15,7 @@ use super::{
     Arithmetic, KernelPath, XBuf, XLayout, S_BLOCK,
 };
 use crate::error::{Error, Result};
-use crate::quant::format::QMatrix;
+use crate::quant::format::{QMatrix, QuantFormat};
 
 /// One expert's part of a batch: its matrices (gate and up [F, H], down [H, F]) and its `s`
 /// activation rows `x` ([s, H], row-major).
@@ -147,6 +147,12 @@ pub fn experts_ffn_in(
         return experts_ffn(calls, outs, pool);
     }
     check_lengths(calls, outs)?;
+    #[cfg(target_arch = "x86_64")]
+    if calls.iter().all(|c| int8(c) && decode_sized(c))
+        && super::uses_decode_kernel(int8_kernel()?, 1)
+    {
+        return experts_int8_decode(calls, outs, pool);
+    }
     for (c, out) in calls.iter().zip(outs.iter_mut()) {
         if int8(c) {
             expert_ffn_int8(c, out, pool)?;
@@ -171,6 +177,68 @@ pub fn expert_ffn_in(
 ) -> Result<()> {
     let call = ExpertCall::new(gate, up, down, x, s);
     experts_ffn_in(arith, &[call], &mut [out], pool)
+}
+
+/// Whether a call's rows are few enough for the decode kernel, and its gate and up take the
+/// same activation layout.
+#[cfg(target_arch = "x86_64")]
+fn decode_sized(c: &ExpertCall<'_>) -> bool {
+    c.s <= int8act::DECODE_MAX_ROWS
+        && (c.gate.format() == QuantFormat::Int8PerRow)
+            == (c.up.format() == QuantFormat::Int8PerRow)
+}
+
+/// A batch of decode-sized experts in int8 activations on the VNNI decode kernel, in two
+/// parallel passes as the exact batch runs (every gate and up, then every down): the same
+/// values as [`expert_ffn_int8`] per expert, bit for bit.
+#[cfg(target_arch = "x86_64")]
+fn experts_int8_decode(
+    calls: &[ExpertCall<'_>],
+    outs: &mut [&mut [f32]],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    use int8act::{DecodeActs, DecodeJob};
+    for (c, out) in calls.iter().zip(outs.iter()) {
+        check_expert(c, out.len())?;
+    }
+    let xs = calls
+        .iter()
+        .map(|c| DecodeActs::new(c.x, c.s, c.gate.cols(), c.gate.format()))
+        .collect::<Result<Vec<_>>>()?;
+    let mut gs: Vec<Vec<f32>> = calls
+        .iter()
+        .map(|c| vec![0.0; c.s * c.gate.rows()])
+        .collect();
+    let mut us: Vec<Vec<f32>> = gs.clone();
+    {
+        let mut jobs: Vec<DecodeJob<'_>> = Vec::with_capacity(2 * calls.len());
+        for (((c, x), g), u) in calls.iter().zip(&xs).zip(&mut gs).zip(&mut us) {
+            jobs.push(DecodeJob { w: c.gate, x, y: g });
+            jobs.push(DecodeJob { w: c.up, x, y: u });
+        }
+        int8act::matmuls_decode(&mut jobs, pool)?;
+    }
+    for (g, u) in gs.iter_mut().zip(&us) {
+        for (g, u) in g.iter_mut().zip(u) {
+            *g = silu(*g) * u;
+        }
+    }
+    let hs = calls
+        .iter()
+        .zip(&gs)
+        .map(|(c, g)| DecodeActs::new(g, c.s, c.down.cols(), c.down.format()))
+        .collect::<Result<Vec<_>>>()?;
+    let mut jobs: Vec<DecodeJob<'_>> = calls
+        .iter()
+        .zip(&hs)
+        .zip(outs.iter_mut())
+        .map(|((c, x), out)| DecodeJob {
+            w: c.down,
+            x,
+            y: out,
+        })
+        .collect();
+    int8act::matmuls_decode(&mut jobs, pool)
 }
 
 /// One expert in int8 activations (the formats were checked to have that form).

@@ -114,8 +114,8 @@ pub fn int8_kernel() -> Result<int8act::Int8Kernel> {
 }
 
 /// [`matmul`] in `arith`: int8 activations when asked and `w`'s format has that form, else
-/// exact. An int8 result depends on S (each call quantises its own rows) but never on the
-/// pool or its threads.
+/// exact. Either way row t of the result depends on row t of `x` alone: not on S, the other
+/// rows, the pool or its threads (each row is quantised by itself and summed in a fixed order).
 pub fn matmul_in(
     arith: Arithmetic,
     w: &QMatrix<'_>,
@@ -128,8 +128,19 @@ pub fn matmul_in(
         return matmul(w, x, s, y, pool);
     }
     check_shapes(w, x.len(), s, y.len())?;
+    let kernel = int8_kernel()?;
+    #[cfg(target_arch = "x86_64")]
+    if uses_decode_kernel(kernel, s) {
+        return int8act::matmul_decode(w, x, s, y, pool);
+    }
     let q = int8act::QuantizedActs::new(x, s, w.cols(), pool);
-    int8act::matmul_quantized(w, &q, y, int8_kernel()?, pool)
+    int8act::matmul_quantized(w, &q, y, kernel, pool)
+}
+
+/// Whether an int8 call of `s` rows on `kernel` runs the decode kernel (same values either way).
+#[cfg(target_arch = "x86_64")]
+fn uses_decode_kernel(kernel: int8act::Int8Kernel, s: usize) -> bool {
+    kernel == int8act::Int8Kernel::Vnni && s <= int8act::DECODE_MAX_ROWS
 }
 
 /// Columns a matrix may have (the SIMD paths index scale groups with a 64-bit multiply-shift,

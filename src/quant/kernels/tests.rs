@@ -572,3 +572,79 @@ fn dequantize_row_refuses_a_bad_row_or_length() {
         assert!(e.to_string().contains("into 99 floats"), "{e}");
     }
 }
+
+/// A batch of decode-sized experts in int8 (the one-pass decode batch where the VNNI kernel
+/// runs) equals the int8 arithmetic's scalar reference per expert, bit for bit: S = 1…9, int4
+/// and int8 weights, an expert with no rows, with and without a pool.
+#[test]
+fn int8_decode_batch_equals_the_reference_per_expert() {
+    use int8act::{reference_matmul, QuantizedActs};
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let g64 = QuantFormat::Int4Grouped { group_size: 64 };
+    let h = 192;
+    let specs = [
+        (g64, 40, 1),
+        (g64, 70, 4),
+        (QuantFormat::Int8PerRow, 33, 9),
+        (g64, 64, 0),
+    ];
+    let mats: Vec<[Packed; 3]> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, &(fmt, f, _))| {
+            let seed = 300 + 10 * i as u64;
+            [
+                weights(fmt, f, h, seed),
+                weights(fmt, f, h, seed + 1),
+                weights(fmt, h, f, seed + 2),
+            ]
+        })
+        .collect();
+    let xs: Vec<Vec<f32>> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, &(.., s))| lcg(70 + i as u64, s * h, 2.0))
+        .collect();
+    let calls: Vec<ExpertCall<'_>> = mats
+        .iter()
+        .zip(&xs)
+        .zip(&specs)
+        .map(|(([g, u, d], x), &(.., s))| ExpertCall {
+            gate: g.view(),
+            up: u.view(),
+            down: d.view(),
+            x,
+            s,
+        })
+        .collect();
+    let reference = |c: &ExpertCall<'_>| -> Vec<f32> {
+        let (f, s) = (c.gate.rows(), c.s);
+        let q = QuantizedActs::new(c.x, s, h, None);
+        let (mut g, mut u) = (vec![0.0f32; s * f], vec![0.0f32; s * f]);
+        reference_matmul(&c.gate, &q, &mut g).unwrap();
+        reference_matmul(&c.up, &q, &mut u).unwrap();
+        for (g, u) in g.iter_mut().zip(&u) {
+            *g = silu(*g) * u;
+        }
+        let mut out = vec![0.0f32; s * h];
+        reference_matmul(&c.down, &QuantizedActs::new(&g, s, f, None), &mut out).unwrap();
+        out
+    };
+    let want: Vec<Vec<f32>> = calls.iter().map(reference).collect();
+    for p in [None, Some(&pool)] {
+        let mut got: Vec<Vec<f32>> = calls.iter().map(|c| vec![f32::NAN; c.s * h]).collect();
+        let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|v| &mut v[..]).collect();
+        experts_ffn_in(Arithmetic::Int8, &calls, &mut outs, p).unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                bits(g),
+                bits(w),
+                "int8 decode batch, expert {i}, pool {}",
+                p.is_some()
+            );
+        }
+    }
+}

@@ -4,7 +4,7 @@ use rayon::prelude::*;
 
 use super::reference::reference_rows;
 #[cfg(target_arch = "x86_64")]
-use super::{avx2, vnni};
+use super::{avx2, decode, vnni};
 use super::{chunks_for, supports, Int8Kernel, OutColumns, QuantizedActs, LANES};
 use crate::error::{Error, Result};
 use crate::quant::format::QMatrix;
@@ -68,7 +68,6 @@ pub fn matmul_quantized(
         s,
         o,
     };
-    let row_bytes = w.format().row_bytes(w.cols());
     // Weight rows `o0..o0 + n` into their columns of `y`.
     let work = |o0: usize, n: usize| {
         let pass = rows_per_pass(w.cols());
@@ -90,11 +89,22 @@ pub fn matmul_quantized(
             }
         }
     };
+    split_rows(o, w.format().row_bytes(w.cols()), pool, work);
+    Ok(())
+}
+
+/// `work(o0, n)` over the `o` weight rows of a call, split over `pool`'s threads (~8 parts per
+/// thread for balance, each at least ~16 KiB of weights), or all on this thread without one.
+fn split_rows(
+    o: usize,
+    row_bytes: usize,
+    pool: Option<&rayon::ThreadPool>,
+    work: impl Fn(usize, usize) + Sync,
+) {
     match pool {
         None => work(0, o),
         Some(pool) => {
             let threads = pool.current_num_threads().max(1);
-            // ~8 chunks per thread for balance, but at least ~16 KiB of weights per chunk.
             let per = o
                 .div_ceil(threads * 8)
                 .max((16 << 10) / row_bytes.max(1))
@@ -105,6 +115,141 @@ pub fn matmul_quantized(
                     .for_each(|i| work(i * per, per.min(o - i * per)))
             });
         }
+    }
+}
+
+/// `y ≈ x · Wᵀ` by the int8 arithmetic for a decode-sized call (`s` rows of `x`, [s, cols]
+/// row-major) on the VNNI decode kernel (`decode.rs`): the same values as
+/// [`matmul_quantized`] gives for the same rows, bit for bit. An error if this CPU has no
+/// AVX-512 VNNI or the format has no int8 form.
+#[cfg(target_arch = "x86_64")]
+pub fn matmul_decode(
+    w: &QMatrix<'_>,
+    x: &[f32],
+    s: usize,
+    y: &mut [f32],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    if !Int8Kernel::Vnni.available() {
+        return Err(Error::invalid(
+            "int8 matmul",
+            "this CPU cannot run the avx512-vnni int8 kernel".to_string(),
+        ));
+    }
+    if !supports(w.format()) {
+        return Err(Error::invalid(
+            "int8 matmul",
+            format!("{} weights have no int8-activation form", w.format()),
+        ));
+    }
+    if x.len() != s * w.cols() || y.len() != s * w.rows() {
+        return Err(Error::invalid(
+            "int8 matmul",
+            format!(
+                "W is [{}, {}] so X must hold {s}×{} values and Y {s}×{}; got {} and {}",
+                w.rows(),
+                w.cols(),
+                w.cols(),
+                w.rows(),
+                x.len(),
+                y.len()
+            ),
+        ));
+    }
+    let acts = decode::DecodeActs::new(x, s, w.cols(), w.format())?;
+    matmul_decode_quantized(w, &acts, y, pool);
+    Ok(())
+}
+
+/// [`matmul_decode`] for activations already laid out for `w` (shapes checked by the caller).
+#[cfg(target_arch = "x86_64")]
+pub(super) fn matmul_decode_quantized(
+    w: &QMatrix<'_>,
+    x: &decode::DecodeActs,
+    y: &mut [f32],
+    pool: Option<&rayon::ThreadPool>,
+) {
+    let (o, s) = (w.rows(), x.rows);
+    if o == 0 || s == 0 {
+        return;
+    }
+    let out = OutColumns {
+        ptr: y.as_mut_ptr(),
+        s,
+        o,
+    };
+    // SAFETY: the caller checked the VNNI kernel runs here and the shapes agree; rows
+    // `o0..o0 + n` are in `w`, and no other task writes their columns.
+    let work = |o0: usize, n: usize| unsafe { decode::rows(w, o0, n, x, out) };
+    split_rows(o, w.format().row_bytes(w.cols()), pool, work);
+}
+
+/// One matrix of a [`matmuls_decode`] pass: `y ≈ x · Wᵀ` ([x.rows, W.rows] row-major).
+#[cfg(target_arch = "x86_64")]
+pub struct DecodeJob<'a> {
+    pub w: QMatrix<'a>,
+    pub x: &'a decode::DecodeActs,
+    pub y: &'a mut [f32],
+}
+
+/// Every job's product in one parallel pass (one fork-join for all of a MoE layer's experts,
+/// as the exact kernels batch them), each by the VNNI decode kernel: the same values as one
+/// [`matmul_decode`] per job. Errors if a job's shapes or layout do not fit.
+#[cfg(target_arch = "x86_64")]
+pub fn matmuls_decode(jobs: &mut [DecodeJob<'_>], pool: Option<&rayon::ThreadPool>) -> Result<()> {
+    for j in jobs.iter() {
+        if !supports(j.w.format())
+            || j.x.cols != j.w.cols()
+            || !j.x.fits(j.w.format())
+            || j.y.len() != j.x.rows * j.w.rows()
+        {
+            return Err(Error::invalid(
+                "int8 matmul",
+                format!(
+                    "W [{}, {}] ({}) does not fit activations of {} rows × {} columns and an \
+                     output of {} values",
+                    j.w.rows(),
+                    j.w.cols(),
+                    j.w.format(),
+                    j.x.rows,
+                    j.x.cols,
+                    j.y.len()
+                ),
+            ));
+        }
+    }
+    let outs: Vec<OutColumns> = jobs
+        .iter_mut()
+        .map(|j| OutColumns {
+            ptr: j.y.as_mut_ptr(),
+            s: j.x.rows,
+            o: j.w.rows(),
+        })
+        .collect();
+    let threads = pool.map_or(1, |p| p.current_num_threads().max(1));
+    let total: usize = jobs.iter().map(|j| j.w.rows()).sum();
+    // (job, first row, rows): ~8 tasks per thread over all jobs, each at least ~16 KiB.
+    let mut tasks = Vec::new();
+    for (k, j) in jobs.iter().enumerate() {
+        let (o, row_bytes) = (j.w.rows(), j.w.format().row_bytes(j.w.cols()));
+        if o == 0 || j.x.rows == 0 {
+            continue;
+        }
+        let per = total
+            .div_ceil(threads * 8)
+            .max((16 << 10) / row_bytes.max(1))
+            .clamp(1, o);
+        tasks.extend((0..o.div_ceil(per)).map(|i| (k, i * per, per.min(o - i * per))));
+    }
+    let jobs = &*jobs;
+    // SAFETY: the VNNI kernel runs here (every `DecodeActs` was built after checking it), the
+    // shapes were checked above, and the tasks write disjoint columns of their job's output.
+    let run = |&(k, o0, n): &(usize, usize, usize)| unsafe {
+        decode::rows(&jobs[k].w, o0, n, jobs[k].x, outs[k])
+    };
+    match pool {
+        Some(pool) if tasks.len() > 1 => pool.install(|| tasks.par_iter().for_each(run)),
+        _ => tasks.iter().for_each(run),
     }
     Ok(())
 }

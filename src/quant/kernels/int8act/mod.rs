@@ -26,6 +26,10 @@
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod decode;
+#[cfg(target_arch = "x86_64")]
+pub use decode::DecodeActs;
+#[cfg(target_arch = "x86_64")]
 pub(super) mod vnni;
 
 mod matmul;
@@ -38,6 +42,8 @@ use rayon::prelude::*;
 use crate::quant::format::{QMatrix, QuantFormat};
 
 pub use matmul::matmul_quantized;
+#[cfg(target_arch = "x86_64")]
+pub use matmul::{matmul_decode, matmuls_decode, DecodeJob};
 pub use reference::reference_matmul;
 #[cfg(target_arch = "x86_64")]
 use tiles::{tile_rows, TileRows, Tiles};
@@ -45,6 +51,11 @@ use tiles::{tile_rows, TileRows, Tiles};
 /// Prefill forwards of fewer rows than this run the exact kernels whatever the option says:
 /// decode steps and verify forwards (at most 1 + the deepest draft, 9 rows) stay below it.
 pub const PREFILL_MIN_ROWS: usize = 16;
+
+/// Int8 calls of at most this many activation rows run the decode kernel (`decode.rs`) where
+/// the VNNI kernel is the active one; longer calls run the prefill tiles. Either gives the
+/// same values, so this only decides speed (`cargo bench --bench main -- 'kernels/.*int8'`).
+pub const DECODE_MAX_ROWS: usize = 9;
 
 /// Elements per activation block (one scale each), and per lane of a `vpdpbusd` chunk.
 pub const BLOCK: usize = 64;

@@ -10,6 +10,9 @@ use crate::quant::pack::reference_dequantize_row;
 pub fn reference_matmul(w: &QMatrix<'_>, x: &QuantizedActs, y: &mut [f32]) -> Result<()> {
     check(w, x, y.len())?;
     let s = x.rows;
+    if s == 0 {
+        return Ok(());
+    }
     let mut out_t = vec![0.0f32; w.rows() * s];
     reference_rows(w, 0, x, &mut out_t);
     transpose(&out_t, w.rows(), s, y);

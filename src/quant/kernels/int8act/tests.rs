@@ -397,3 +397,65 @@ fn vector_quantisers_equal_the_scalar_one() {
         }
     }
 }
+
+/// The VNNI decode kernel equals the reference bit for bit for every row count a decode step,
+/// verify or batch makes (S = 1…9 and beyond), every supported format and column counts around
+/// the block, pair and chunk edges; its activations quantise to the prefill layout's scales and
+/// sums. Skipped (with a note) on CPUs without AVX-512 VNNI, where no decode kernel runs.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn decode_kernel_equals_the_reference_bit_for_bit() {
+    if !Int8Kernel::Vnni.available() {
+        eprintln!("no AVX-512 VNNI here: the decode kernel does not run");
+        return;
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    for format in formats() {
+        for &i in &[
+            1usize,
+            63,
+            64,
+            65,
+            127,
+            128,
+            129,
+            1000,
+            1024,
+            1025,
+            2048 + 64,
+        ] {
+            for &(o, s) in &[
+                (1usize, 1usize),
+                (3, 2),
+                (5, 3),
+                (4, 4),
+                (9, 5),
+                (17, 8),
+                (6, 9),
+            ] {
+                let p = quantize(format, "w", &values(o * i, (o * i) as u64), o, i).unwrap();
+                let x = values(s * i, (s + 3 * i) as u64);
+                let q = QuantizedActs::new_on(&x, s, i, None, Int8Kernel::Reference);
+                let d = decode::DecodeActs::new(&x, s, i, format).unwrap();
+                assert_eq!((&q.scales, &q.sums), (&d.scales, &d.sums), "{format} I={i}");
+                let mut want = vec![0.0f32; s * o];
+                reference_matmul(&p.view(), &q, &mut want).unwrap();
+                for pool in [None, Some(&pool)] {
+                    let mut got = vec![0.0f32; s * o];
+                    matmul_decode(&p.view(), &x, s, &mut got, pool).unwrap();
+                    for (k, (a, b)) in want.iter().zip(&got).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{format} I={i} O={o} S={s} at {k} (pool {})",
+                            pool.is_some()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -18,7 +18,7 @@ use crate::quant::format::{QMatrix, QuantFormat};
 /// `n` bytes of `data` from `start` (fewer past its end, the rest zero) in the low bytes of a
 /// vector.
 #[inline(always)]
-unsafe fn load_bytes(data: &[u8], start: usize, n: usize) -> __m512i {
+pub(super) unsafe fn load_bytes(data: &[u8], start: usize, n: usize) -> __m512i {
     if start >= data.len() {
         // SAFETY: AVX-512 F is enabled by the caller.
         return unsafe { _mm512_setzero_si512() };
@@ -95,10 +95,58 @@ unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
     }
 }
 
+/// Elements `start..start + 64` of `src` (fewer past its end, the rest zero) quantised by the
+/// scalar `quantize_block`'s arithmetic (max |x|, `x · (127 / m)` rounded by the f32 adder,
+/// clamped), vector by vector, so the same bytes for finite `x`: the 64 i8 in element order,
+/// the block's scale and its `Σ xq`; `None` for a block of zeros (or past the end, or not
+/// finite), whose bytes, scale and sum are all 0.
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW.
+#[inline(always)]
+pub(super) unsafe fn quantize_block_vec(src: &[f32], start: usize) -> Option<(__m512i, f32, i32)> {
+    let n = src.len().saturating_sub(start).min(BLOCK);
+    let mut v = [_mm512_setzero_ps(); 4];
+    for (q, vq) in v.iter_mut().enumerate() {
+        let have = n.saturating_sub(16 * q).min(16);
+        if have > 0 {
+            let mask = ((1u32 << have) - 1) as __mmask16;
+            // SAFETY: the mask covers elements `start + 16q .. start + 16q + have`, all inside
+            // `src`; masked-out elements are not read; AVX-512 F is enabled by the caller.
+            *vq = unsafe { _mm512_maskz_loadu_ps(mask, src.as_ptr().add(start + 16 * q)) };
+        }
+    }
+    let amax = _mm512_max_ps(
+        _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])),
+        _mm512_max_ps(_mm512_abs_ps(v[2]), _mm512_abs_ps(v[3])),
+    );
+    let m = _mm512_reduce_max_ps(amax);
+    if n == 0 || m == 0.0 || !m.is_finite() {
+        return None;
+    }
+    let rounder = _mm512_set1_ps(super::ROUNDER);
+    let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+    let inv = _mm512_set1_ps(127.0 / m);
+    let mut sum = _mm512_setzero_si512();
+    let mut bytes = _mm512_setzero_si512();
+    for (q, vq) in v.iter().enumerate() {
+        let t = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(*vq, inv), rounder), rounder);
+        let i = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(t, lo), hi));
+        sum = _mm512_add_epi32(sum, i);
+        let packed = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(i));
+        bytes = match q {
+            0 => _mm512_inserti32x4::<0>(bytes, _mm512_castsi512_si128(packed)),
+            1 => _mm512_inserti32x4::<1>(bytes, _mm512_castsi512_si128(packed)),
+            2 => _mm512_inserti32x4::<2>(bytes, _mm512_castsi512_si128(packed)),
+            _ => _mm512_inserti32x4::<3>(bytes, _mm512_castsi512_si128(packed)),
+        };
+    }
+    Some((bytes, m / 127.0, _mm512_reduce_add_epi32(sum)))
+}
+
 /// One row of activations quantised into the lane layout (`lines`, `scales`, `sums`: this
-/// row's, chunks · 16 each): per 64-element block the scalar `quantize_block`'s arithmetic
-/// (max |x|, `x · (127 / m)` rounded by the f32 adder, clamped), vector by vector, so the same
-/// bytes for finite `x`; 16 blocks at a time into their lanes by [`transpose16`].
+/// row's, chunks · 16 each) by [`quantize_block_vec`], 16 blocks at a time into their lanes by
+/// [`transpose16`].
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW, VL and VNNI; `lines`, `scales` and `sums` have
@@ -110,52 +158,15 @@ pub(super) unsafe fn quantize_row(
     scales: &mut [f32],
     sums: &mut [i32],
 ) {
-    let rounder = _mm512_set1_ps(super::ROUNDER);
-    let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
     for (c, chunk) in lines.chunks_exact_mut(LANES).enumerate() {
         let mut r = [_mm512_setzero_si512(); 16];
         for (j, row) in r.iter_mut().enumerate() {
             let b = c * LANES + j;
-            let start = b * BLOCK;
-            let n = src.len().saturating_sub(start).min(BLOCK);
-            let mut v = [_mm512_setzero_ps(); 4];
-            for (q, vq) in v.iter_mut().enumerate() {
-                let have = n.saturating_sub(16 * q).min(16);
-                if have > 0 {
-                    let mask = ((1u32 << have) - 1) as __mmask16;
-                    // SAFETY: the mask covers elements `start + 16q .. start + 16q + have`,
-                    // all inside `src`; masked-out elements are not read.
-                    *vq = unsafe { _mm512_maskz_loadu_ps(mask, src.as_ptr().add(start + 16 * q)) };
-                }
-            }
-            let amax = _mm512_max_ps(
-                _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])),
-                _mm512_max_ps(_mm512_abs_ps(v[2]), _mm512_abs_ps(v[3])),
-            );
-            let m = _mm512_reduce_max_ps(amax);
-            if n == 0 || m == 0.0 || !m.is_finite() {
-                scales[b] = 0.0;
-                sums[b] = 0;
-                continue;
-            }
-            let inv = _mm512_set1_ps(127.0 / m);
-            let mut sum = _mm512_setzero_si512();
-            let mut bytes = _mm512_setzero_si512();
-            for (q, vq) in v.iter().enumerate() {
-                let t = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(*vq, inv), rounder), rounder);
-                let i = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(t, lo), hi));
-                sum = _mm512_add_epi32(sum, i);
-                let packed = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(i));
-                bytes = match q {
-                    0 => _mm512_inserti32x4::<0>(bytes, _mm512_castsi512_si128(packed)),
-                    1 => _mm512_inserti32x4::<1>(bytes, _mm512_castsi512_si128(packed)),
-                    2 => _mm512_inserti32x4::<2>(bytes, _mm512_castsi512_si128(packed)),
-                    _ => _mm512_inserti32x4::<3>(bytes, _mm512_castsi512_si128(packed)),
-                };
-            }
-            *row = bytes;
-            scales[b] = m / 127.0;
-            sums[b] = _mm512_reduce_add_epi32(sum);
+            // SAFETY: the features are enabled here.
+            (*row, scales[b], sums[b]) = match unsafe { quantize_block_vec(src, b * BLOCK) } {
+                Some(block) => block,
+                None => (_mm512_setzero_si512(), 0.0, 0),
+            };
         }
         // SAFETY: features enabled here; each store writes one aligned 64-byte line.
         unsafe {

@@ -1,0 +1,334 @@
+//! The int8 arithmetic for decode-sized calls (one to a few activation rows: decode steps,
+//! verifies, batch lanes) on AVX-512 VNNI. It computes what the parent module defines, bit for
+//! bit: each block's exact integer `Σ q·xq`, scaled and added into lane `b mod 16` in block
+//! order, then [`super::sum_lanes`]. Only the data layout differs from the prefill tiles
+//! (`vnni.rs`), because here a weight row serves one row of activations, not many:
+//!
+//! - the **weights stay as stored**. The prefill tiles transpose every weight row into the
+//!   activations' lane layout (64 shuffles per 16 blocks), which pays when 64 activation rows
+//!   share it and costs a decode step more than the bytes do. Here an int4 row's 64 bytes
+//!   (two blocks of packed nibbles) are split into low and high nibbles (two ops), an int8
+//!   row's block is loaded as it is;
+//! - the **activations are laid out to match** (built once per call, [`DecodeActs`]): for
+//!   int4 weights, per pair of blocks, one line of the even elements of both blocks and one of
+//!   the odd ones (the low nibble of byte m is element 2m); for int8 weights, the blocks in
+//!   element order;
+//! - each `vpdpbusd` then leaves 8 (int4) or 16 (int8) partial sums of a block in its lanes,
+//!   and a reduction tree (14 shuffles per 16 blocks and activation row) brings each block's
+//!   sum into lane `b mod 16`, where the prefill tiles' transpose put it.
+//!
+//! Integer sums are exact in any order, and the f32 steps are the reference's, so the result
+//! is the reference's and the prefill tiles' for every row: a row's value never depends on
+//! the call it is in (row invariance, docs/architecture.md "Decode arithmetic").
+
+use std::arch::x86_64::*;
+
+use super::vnni::{load_bytes, quantize_block_vec};
+use super::{block_scales, offset_shift, sum_lanes, Int8Kernel, Line, OutColumns, BLOCK, LANES};
+use crate::error::{Error, Result};
+use crate::quant::format::{QMatrix, QuantFormat};
+
+/// The activation rows of a decode-sized call, quantised by the parent module's arithmetic and
+/// laid out for the weights' format (see the module docs).
+pub struct DecodeActs {
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    /// Chunks of 16 blocks per row (the prefill layout's count, at least 1).
+    pub(super) chunks: usize,
+    /// Laid out for int8 weights (blocks in element order) rather than int4 (pairs split
+    /// into even and odd elements).
+    int8: bool,
+    /// [rows][chunks · 16] lines.
+    lines: Vec<Line>,
+    /// [rows][chunks · 16]: `sx_b` (0 past the last block).
+    pub(super) scales: Vec<f32>,
+    /// [rows][chunks · 16]: `Σ xq` of each block (0 past the last block).
+    pub(super) sums: Vec<i32>,
+}
+
+impl DecodeActs {
+    /// Quantise `x` ([rows, cols] row-major) for weights of `format` (one that has an int8
+    /// form). An error on CPUs without AVX-512 VNNI, or if `x` is not [rows, cols].
+    pub fn new(x: &[f32], rows: usize, cols: usize, format: QuantFormat) -> Result<Self> {
+        if !Int8Kernel::Vnni.available() {
+            return Err(Error::invalid(
+                "int8 decode activations",
+                "this CPU cannot run the avx512-vnni int8 kernel".to_string(),
+            ));
+        }
+        if rows.checked_mul(cols) != Some(x.len()) {
+            return Err(Error::invalid(
+                "int8 decode activations",
+                format!("{} values are not {rows} rows of {cols}", x.len()),
+            ));
+        }
+        let chunks = super::chunks_for(cols);
+        let blocks = chunks * LANES;
+        let mut acts = DecodeActs {
+            rows,
+            cols,
+            chunks,
+            int8: format == QuantFormat::Int8PerRow,
+            lines: vec![Line([0; 64]); rows * blocks],
+            scales: vec![0.0; rows * blocks],
+            sums: vec![0; rows * blocks],
+        };
+        for r in 0..rows {
+            let src = &x[r * cols..(r + 1) * cols];
+            let (lines, scales, sums) = (
+                &mut acts.lines[r * blocks..(r + 1) * blocks],
+                &mut acts.scales[r * blocks..(r + 1) * blocks],
+                &mut acts.sums[r * blocks..(r + 1) * blocks],
+            );
+            // SAFETY: the caller checked the CPU runs the VNNI kernel; each row's slices hold
+            // `blocks` elements.
+            unsafe { quantize_row(src, acts.int8, lines, scales, sums) };
+        }
+        Ok(acts)
+    }
+
+    /// Whether these activations are laid out for weights of `format`.
+    pub(super) fn fits(&self, format: QuantFormat) -> bool {
+        self.int8 == (format == QuantFormat::Int8PerRow)
+    }
+}
+
+/// One activation row into its lines, scales and sums (`blocks` = chunks · 16 each).
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW, VL and VNNI; the slices hold `16 · chunks_for(src.len())`
+/// elements.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn quantize_row(
+    src: &[f32],
+    int8: bool,
+    lines: &mut [Line],
+    scales: &mut [f32],
+    sums: &mut [i32],
+) {
+    let zero = _mm512_setzero_si512();
+    for p in 0..lines.len() / 2 {
+        let mut pair = [zero; 2];
+        for (h, v) in pair.iter_mut().enumerate() {
+            let b = 2 * p + h;
+            // SAFETY: the features are enabled here.
+            (*v, scales[b], sums[b]) = match unsafe { quantize_block_vec(src, b * BLOCK) } {
+                Some(block) => block,
+                None => (zero, 0.0, 0),
+            };
+        }
+        let (first, second) = if int8 {
+            (pair[0], pair[1])
+        } else {
+            // The low byte of each 16-bit lane is an even element, the high byte an odd one.
+            let (e0, e1) = (_mm512_cvtepi16_epi8(pair[0]), _mm512_cvtepi16_epi8(pair[1]));
+            let o0 = _mm512_cvtepi16_epi8(_mm512_srli_epi16::<8>(pair[0]));
+            let o1 = _mm512_cvtepi16_epi8(_mm512_srli_epi16::<8>(pair[1]));
+            (
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(e0), e1),
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(o0), o1),
+            )
+        };
+        // SAFETY: lines `2p` and `2p + 1` exist (`lines.len()` is a multiple of 16) and are
+        // 64-byte aligned.
+        unsafe {
+            _mm512_store_si512(lines[2 * p].0.as_mut_ptr().cast(), first);
+            _mm512_store_si512(lines[2 * p + 1].0.as_mut_ptr().cast(), second);
+        }
+    }
+}
+
+/// `y[t, o0 + i] ≈ W[o0 + i] · x_t` by the int8 arithmetic for `i < n` and every row t of `x`.
+///
+/// # Safety
+/// The CPU has the features enabled here; `x.cols == w.cols()`, `x` was laid out for `w`'s
+/// format (one [`supports`](super::supports) accepts), `o0 + n <= w.rows()`, `out` is
+/// [x.rows, w.rows()], and no other task writes its columns `o0..o0 + n`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, out: OutColumns) {
+    debug_assert_eq!(x.int8, w.format() == QuantFormat::Int8PerRow);
+    let shift = offset_shift(w.format());
+    // Zero past the last block, and only the first `blocks` change from row to row.
+    let mut ws = vec![0.0f32; x.chunks * LANES];
+    for o in o0..o0 + n {
+        fill_block_scales(w, o, &mut ws);
+        let data = w.row_data(o);
+        let mut t0 = 0;
+        while t0 < x.rows {
+            let na = (x.rows - t0).min(4);
+            let mut v = [0.0f32; 4];
+            // SAFETY: the features are enabled here; `t0 + na <= x.rows`; the caller's
+            // contract for `o` and `out`.
+            unsafe {
+                match na {
+                    4 => v = row_tile::<4>(data, &ws, x, t0, shift),
+                    3 => v[..3].copy_from_slice(&row_tile::<3>(data, &ws, x, t0, shift)),
+                    2 => v[..2].copy_from_slice(&row_tile::<2>(data, &ws, x, t0, shift)),
+                    _ => v[..1].copy_from_slice(&row_tile::<1>(data, &ws, x, t0, shift)),
+                }
+                for (a, value) in v[..na].iter().enumerate() {
+                    out.set(t0 + a, o, *value);
+                }
+            }
+            t0 += na;
+        }
+    }
+}
+
+/// [`block_scales`] of row `o` into `ws`, whose entries past the last block are already 0:
+/// the scales of 64-element groups copied as they are, a per-row scale repeated.
+#[inline(always)]
+fn fill_block_scales(w: &QMatrix<'_>, o: usize, ws: &mut [f32]) {
+    let blocks = w.cols().div_ceil(BLOCK);
+    let scales = w.row_scales(o);
+    match w.format() {
+        QuantFormat::Int4Grouped { group_size: BLOCK } => ws[..blocks].copy_from_slice(scales),
+        QuantFormat::Int4PerRow | QuantFormat::Int8PerRow => ws[..blocks].fill(scales[0]),
+        _ => block_scales(w, o, ws),
+    }
+}
+
+/// 64 bytes of a weight row from byte `start`: one plain load where the row holds them all
+/// (`full`), else the masked load of what it has.
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW; with `full`, `start + 64 <= data.len()`.
+#[inline(always)]
+unsafe fn weight_bytes(data: &[u8], start: usize, full: bool) -> __m512i {
+    // SAFETY: the caller's contract (in bounds when `full`; `load_bytes` masks otherwise).
+    unsafe {
+        if full {
+            _mm512_loadu_si512(data.as_ptr().add(start).cast())
+        } else {
+            load_bytes(data, start, BLOCK)
+        }
+    }
+}
+
+/// The lane of the reduction tree's result that holds block `c` of a chunk: the tree leaves
+/// block `4i + k` in lane `4k + i`.
+const TREE_LANE: [i32; 16] = [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15];
+
+/// One weight row (its bytes `data` and per-block scales `ws`) against activation rows
+/// `t0..t0 + NA`.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `ws` holds `x.chunks · 16` scales; `t0 + NA <= x.rows`.
+#[inline(always)]
+unsafe fn row_tile<const NA: usize>(
+    data: &[u8],
+    ws: &[f32],
+    x: &DecodeActs,
+    t0: usize,
+    shift: u32,
+) -> [f32; NA] {
+    // SAFETY: AVX-512 F, BW and VNNI are enabled by the caller. Line `k < blocks` and block
+    // offsets `base + 16 <= blocks` of rows `t0 + a < x.rows` are inside `x`'s vectors, `ws`
+    // holds `blocks` scales, lines are 64-byte aligned, and the weight loads are masked to
+    // `data` (`load_bytes`, `int8_block`).
+    let lanes = unsafe {
+        let blocks = x.chunks * LANES;
+        let block_bytes = if x.int8 { BLOCK } else { BLOCK / 2 };
+        let zero = _mm512_setzero_si512();
+        let nibble = _mm512_set1_epi8(0x0F);
+        let shift = _mm512_set1_epi32(shift as i32);
+        let tree_lane = _mm512_loadu_si512(TREE_LANE.as_ptr().cast());
+        let mut lanes = [_mm512_setzero_ps(); NA];
+        // Row a's line k (plain pointer arithmetic, not a closure: closures would not inherit the
+        // caller's target features).
+        let rows = x.lines.as_ptr().add(t0 * blocks);
+        for c in 0..x.chunks {
+            let base = c * LANES;
+            // Whether the row holds every byte of this chunk's 16 blocks.
+            let full = (base + LANES) * block_bytes <= data.len();
+            // t[a][m]: 128-bit lane q = four partial sums of block base + 4m + q.
+            let mut t = [[zero; 4]; NA];
+            for m in 0..4 {
+                // p[a][h]: lanes 0–7 = partial sums of block base + 4m + 2h, lanes 8–15 of the next.
+                let mut p = [[zero; 2]; NA];
+                for h in 0..2 {
+                    let b = base + 4 * m + 2 * h;
+                    if x.int8 {
+                        let flip = _mm512_set1_epi8(-128);
+                        let wa = _mm512_xor_si512(weight_bytes(data, b * BLOCK, full), flip);
+                        let wb = _mm512_xor_si512(weight_bytes(data, (b + 1) * BLOCK, full), flip);
+                        for (a, p) in p.iter_mut().enumerate() {
+                            let da = _mm512_dpbusd_epi32(
+                                zero,
+                                wa,
+                                _mm512_load_si512(rows.add(a * blocks + b).cast()),
+                            );
+                            let db = _mm512_dpbusd_epi32(
+                                zero,
+                                wb,
+                                _mm512_load_si512(rows.add(a * blocks + b + 1).cast()),
+                            );
+                            p[h] = _mm512_add_epi32(
+                                _mm512_shuffle_i32x4::<0x44>(da, db),
+                                _mm512_shuffle_i32x4::<0xEE>(da, db),
+                            );
+                        }
+                    } else {
+                        let v = weight_bytes(data, b * BLOCK / 2, full);
+                        let lo = _mm512_and_si512(v, nibble);
+                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
+                        for (a, p) in p.iter_mut().enumerate() {
+                            let even = _mm512_dpbusd_epi32(
+                                zero,
+                                lo,
+                                _mm512_load_si512(rows.add(a * blocks + b).cast()),
+                            );
+                            p[h] = _mm512_dpbusd_epi32(
+                                even,
+                                hi,
+                                _mm512_load_si512(rows.add(a * blocks + b + 1).cast()),
+                            );
+                        }
+                    }
+                }
+                for (t, p) in t.iter_mut().zip(&p) {
+                    t[m] = _mm512_add_epi32(
+                        _mm512_shuffle_i32x4::<0x88>(p[0], p[1]),
+                        _mm512_shuffle_i32x4::<0xDD>(p[0], p[1]),
+                    );
+                }
+            }
+            for (a, t) in t.iter().enumerate() {
+                // u_n: lanes 4q, 4q + 1 = block base + 8n + q, lanes 4q + 2, 4q + 3 = block
+                // base + 8n + 4 + q, two partial sums each.
+                let u0 = _mm512_add_epi32(
+                    _mm512_unpacklo_epi64(t[0], t[1]),
+                    _mm512_unpackhi_epi64(t[0], t[1]),
+                );
+                let u1 = _mm512_add_epi32(
+                    _mm512_unpacklo_epi64(t[2], t[3]),
+                    _mm512_unpackhi_epi64(t[2], t[3]),
+                );
+                let (f0, f1) = (_mm512_castsi512_ps(u0), _mm512_castsi512_ps(u1));
+                let tree = _mm512_add_epi32(
+                    _mm512_castps_si512(_mm512_shuffle_ps::<0b10_00_10_00>(f0, f1)),
+                    _mm512_castps_si512(_mm512_shuffle_ps::<0b11_01_11_01>(f0, f1)),
+                );
+                let off = (t0 + a) * blocks + base;
+                let sums = _mm512_loadu_si512(x.sums.as_ptr().add(off).cast());
+                let sx = _mm512_loadu_ps(x.scales.as_ptr().add(off));
+                let sw = _mm512_loadu_ps(ws.as_ptr().add(base));
+                // Σ u·xq − o·Σ xq = Σ q·xq, block b in lane b mod 16.
+                let d = _mm512_sub_epi32(
+                    _mm512_permutexvar_epi32(tree_lane, tree),
+                    _mm512_sllv_epi32(sums, shift),
+                );
+                lanes[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sw, sx), lanes[a]);
+            }
+        }
+        lanes
+    };
+    let mut out = [0.0f32; NA];
+    for (v, l) in out.iter_mut().zip(&lanes) {
+        let mut l16 = [0.0f32; LANES];
+        // SAFETY: AVX-512 F is enabled by the caller; 16 floats.
+        unsafe { _mm512_storeu_ps(l16.as_mut_ptr(), *l) };
+        *v = sum_lanes(&l16);
+    }
+    out
+}

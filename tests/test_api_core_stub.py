@@ -78,6 +78,7 @@ def test_option_vocabulary_and_stats_names_come_from_the_engine() -> None:
         ("prefetch", validation.PrefetchMode),
         ("draft", validation.DraftMode),
         ("prefill", validation.PrefillMode),
+        ("decode", validation.DecodeMode),
     ]:
         assert list(typing.get_args(alias)) == choices[name], name
     py_fields = set(colibri.GenerationStats.__dataclass_fields__) - {"extra"}
@@ -108,6 +109,7 @@ def test_a_model_with_no_options_opens_the_engine_with_its_defaults() -> None:
         "idle_session_bytes": None,
         "spill_dir": None,
         "prefill": "auto",
+            "decode": "auto",
         "load_progress": None,
         "trace_routing": None,
     }

@@ -47,8 +47,15 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--prefill",
         default="auto",
         choices=_core.choices()["prefill"],
-        help="arithmetic of prompts of 16+ tokens: exact, or int8 activations (faster, "
-        "approximate; decoding stays exact); auto = int8 where the CPU has AVX-512 VNNI or AVX2",
+        help="arithmetic of prompts: exact or int8; auto (default) = the --decode arithmetic, "
+        "so every row is computed the same way however the prompt is chunked or cached",
+    )
+    g.add_argument(
+        "--decode",
+        default="auto",
+        choices=_core.choices()["decode"],
+        help="arithmetic of every forward: int8 activations (faster, within a small tolerance "
+        "of exact) or exact f32; auto = int8 where the CPU has AVX-512 VNNI or AVX2",
     )
     g.add_argument(
         "--ram-budget",
@@ -208,6 +215,7 @@ def _load(args: argparse.Namespace) -> Any:
         ram_budget=args.ram_budget,
         io=args.io,
         prefill=args.prefill,
+        decode=args.decode,
         prefetch=args.prefetch,
         draft=getattr(args, "draft", "auto"),
         draft_depth=_depth(getattr(args, "draft_depth", "auto")),

@@ -175,6 +175,7 @@ class Engine:
         idle_session_bytes: int | None = None,
         spill_dir: str | PathLike[str] | None = None,
         prefill: str = "auto",
+        decode: str = "auto",
         load_progress: Callable[[int, int], object] | None = None,
         trace_routing: str | PathLike[str] | None = None,
     ) -> None:
@@ -190,10 +191,12 @@ class Engine:
         least recently used are written to ``spill_dir`` (None: one full context; the
         directory defaults to ``sessions/`` in the cache directory, else a private one made
         in the temporary directory; it must be this user's, not a symbolic link, and
-        writable by no one else); ``prefill``: the
-        arithmetic of prompt forwards of 16 rows or more, ``"exact"`` or ``"int8"``
-        (activations rounded to int8 per 64-element block; "auto": int8 where the CPU has
-        AVX-512 VNNI or AVX2); ``load_progress(done,
+        writable by no one else); ``decode``: the
+        arithmetic of decode steps, verifies and drafts, ``"exact"`` or ``"int8"``
+        (activations rounded to int8 per row and 64-element block; "auto": int8 where the
+        CPU has AVX-512 VNNI or AVX2); ``prefill``: the arithmetic of prompt forwards
+        ("auto": the decode arithmetic; another applies to prompt forwards of 16 rows or
+        more); ``load_progress(done,
         total)``: called after each resident tensor is read (bytes; the last call has both
         equal), where Ctrl-C is also checked; ``trace_routing``: a file that every forward's
         routing is written to, as a routing trace (JSON lines, docs/expert-store.md)."""
@@ -202,7 +205,9 @@ class Engine:
     def info(self) -> dict[str, Any]:
         """Facts fixed at load: ``has_mtp``, ``uses_dsa``, ``max_context``, ``vocab_size``,
         ``hidden_size``, ``eos_token_ids``, ``kv_bytes_per_token``, ``idle_session_bytes``,
-        ``fingerprint``, ``prefill`` (the arithmetic of long prefills: "exact" or "int8"),
+        ``fingerprint``, ``prefill`` and ``decode`` (the arithmetic of prompts and of decode
+        steps: "exact" or "int8"), ``row_invariant`` (whether they agree, so that every row
+        is computed from its own tokens alone),
         ``lookahead`` (whether decode predicts the next layer's experts: off for
         ``prefetch="off"``, and for "auto" when the budget holds every routed expert)."""
     @property

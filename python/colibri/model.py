@@ -46,12 +46,14 @@ from colibri.validation import (
     _DRAFT_MODES,
     _IO_MODES,
     _PREFETCH_MODES,
+    _DECODE_MODES,
     _PREFILL_MODES,
     MAX_THREADS,
     MIN_BYTES_PER_TOKEN,
     DraftMode,
     IoMode,
     PrefetchMode,
+    DecodeMode,
     PrefillMode,
     _check_choice,
     _check_depth,
@@ -108,14 +110,22 @@ class Model(ChatMixin):
         draft_depth: default draft depth, 1-8, or ``"auto"`` (chosen online from measured
             acceptance and verify cost).
         threads: compute threads, 0 for all cores.
-        prefill: the arithmetic of prompt forwards of 16 tokens or more: ``"exact"`` (the
-            exact f32 kernels, as every decode step uses), ``"int8"`` (activations rounded
-            to int8 per block of 64 and summed as integers: 1.5-3x faster prefill on CPUs with
-            AVX-512 VNNI or AVX2, logits within a small tolerance of the exact ones), or
+        decode: the arithmetic of every forward: ``"int8"`` (activations rounded to int8
+            per row and block of 64 and summed as integers, as llama.cpp's Q8 activations
+            do: decode streams the weights faster, verify rows cost little more than one,
+            and prefill runs 1.5-3x faster; logits within a small tolerance of the exact
+            ones), ``"exact"`` (f32 dequantisation and accumulation, for parity tests), or
             ``"auto"`` (int8 where the CPU has AVX-512 VNNI or AVX2, else exact;
-            ``info()["prefill"]`` says which). Decoding after the prompt is exact either
-            way, so drafting never changes the output; see docs/architecture.md, "Prefill
-            arithmetic".
+            ``info()["decode"]`` says which). Either way each row's logits depend on its
+            own tokens alone, so drafting never changes the output and the same seed gives
+            the same text whether the prompt was prefilled, reused from the cache, restored
+            or batched; see docs/architecture.md, "Decode arithmetic".
+        prefill: the arithmetic of prompt forwards: ``"auto"`` (the ``decode`` arithmetic,
+            the default), ``"exact"`` or ``"int8"``. One that differs from ``decode``
+            applies to prompt chunks of 16 tokens or more (and ``"int8"`` with
+            ``decode="exact"`` lets long prompts take a faster attention form); then a
+            row's values depend on how its prompt was chunked and the same seed can give
+            other text after a cached prefix (``info()["row_invariant"]`` is False).
         mtp: load the MTP head when the checkpoint has one.
         pin_mtp: keep every routed expert of the MTP layer in RAM (loaded at start, on top
             of ``ram_budget``), so a draft step reads nothing from disk. Worth it when the
@@ -168,6 +178,7 @@ class Model(ChatMixin):
         draft_depth: int | Literal["auto"] = "auto",
         threads: int = 0,
         prefill: PrefillMode = "auto",
+        decode: DecodeMode = "auto",
         mtp: bool = True,
         pin_mtp: bool = False,
         max_context: int | None = None,
@@ -194,6 +205,7 @@ class Model(ChatMixin):
         self._chat_template = _template_text(chat_template)
         _check_choice("prefetch", prefetch, _PREFETCH_MODES)
         _check_choice("prefill", prefill, _PREFILL_MODES)
+        _check_choice("decode", decode, _DECODE_MODES)
         self.default_draft: DraftMode = _check_choice("draft", draft, _DRAFT_MODES)  # type: ignore[assignment]
         self.default_draft_depth = _check_depth(draft_depth)
         check_engine_request({"draft_depth": self.default_draft_depth})
@@ -235,6 +247,7 @@ class Model(ChatMixin):
             cache_dir=None if cache_dir is None else os.fspath(cache_dir),
             idle_session_bytes=idle,
             prefill=prefill,
+            decode=decode,
             load_progress=load_progress,
             trace_routing=None if trace_routing is None else os.fspath(trace_routing),
         )
@@ -393,8 +406,10 @@ class Model(ChatMixin):
         plan (see :func:`model_info`; ``memory["ram_budget_bytes"]`` is the experts' whole
         allowance, ``memory["mtp_resident_bytes"]`` the part of it that ``pin_mtp`` added on
         top of ``ram_budget``), and what was decided at load: ``max_context``,
-        ``prefill`` (the arithmetic of long prefills, ``"exact"`` or ``"int8"``) and
-        ``lookahead`` (whether decode predicts the next layer's experts to prefetch them)."""
+        ``decode`` and ``prefill`` (the arithmetic of decode steps and of prompts, ``"exact"``
+        or ``"int8"``), ``row_invariant`` (True when they agree: every row's logits depend on
+        its own tokens alone) and ``lookahead`` (whether decode predicts the next layer's
+        experts to prefetch them)."""
         info = model_info(self.path, mtp_loaded=self.has_mtp)
         stats, decided = self._engine.expert_stats(), self._engine.info()
         info["memory"]["ram_budget_bytes"] = stats["budget_bytes"]
@@ -402,6 +417,8 @@ class Model(ChatMixin):
         info["memory"]["io_mode"] = stats["io_mode"]
         info["max_context"] = self.max_context
         info["prefill"] = decided["prefill"]
+        info["decode"] = decided["decode"]
+        info["row_invariant"] = decided["row_invariant"]
         info["lookahead"] = decided["lookahead"]
         return info
 

@@ -26,6 +26,7 @@ from colibri.sampling import SamplingParams
 IoMode = Literal["auto", "mmap", "pread", "direct"]
 PrefetchMode = Literal["auto", "off", "hint", "real"]
 PrefillMode = Literal["auto", "exact", "int8"]
+DecodeMode = Literal["auto", "exact", "int8"]
 
 # The vocabulary of the string options comes from the Rust engine (crate::engine::CHOICES);
 # the Literal types above repeat it for type checkers, and a test keeps them equal.
@@ -35,6 +36,7 @@ _DRAFT_MODES = _CHOICES["draft"]
 _IO_MODES = _CHOICES["io"]
 _PREFETCH_MODES = _CHOICES["prefetch"]
 _PREFILL_MODES = _CHOICES["prefill"]
+_DECODE_MODES = _CHOICES["decode"]
 
 
 def _check_choice(name: str, value: object, choices: Sequence[str]) -> str:

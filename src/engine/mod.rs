@@ -56,8 +56,14 @@ pub struct EngineInfo {
     pub fingerprint: String,
     /// The text of the model's `config.json`.
     pub config_json: String,
-    /// The arithmetic of long prefills, decided at open ("exact" or "int8").
+    /// The arithmetic of prompt forwards, decided at open ("exact" or "int8").
     pub prefill: &'static str,
+    /// The arithmetic of decode steps, verifies and drafts, decided at open.
+    pub decode: &'static str,
+    /// Whether every forward computes each row from its own tokens alone (prefill and
+    /// decode in one arithmetic): the same seed then gives the same text whatever the
+    /// caches hold.
+    pub row_invariant: bool,
     /// Whether decode runs the router lookahead (predicting the next layer's experts to
     /// prefetch them): off when `prefetch` is "off", or "auto" and every expert fits the
     /// budget.
@@ -178,6 +184,8 @@ impl Engine {
             fingerprint: store.fingerprint().to_owned(),
             config_json,
             prefill: model.prefill_arithmetic().name(),
+            decode: model.decode_arithmetic().name(),
+            row_invariant: model.row_invariant(),
             lookahead: model_opts.prefetch_top_k > 0,
         };
         let id = NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed);

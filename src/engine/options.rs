@@ -18,6 +18,7 @@ pub const CHOICES: &[(&str, &[&str])] = &[
     ("pin", &["auto", "history", "off"]),
     ("draft", &["auto", "mtp", "ngram", "off"]),
     ("prefill", &["auto", "exact", "int8"]),
+    ("decode", &["auto", "exact", "int8"]),
 ];
 
 /// The choices of option `name` (empty for an unknown name).
@@ -79,9 +80,14 @@ pub struct EngineOptions {
     pub pin: PinChoice,
     /// Layers whose routed experts stay resident beyond the budget (e.g. the MTP layer).
     pub resident_layers: Vec<usize>,
-    /// The arithmetic of long prefills (prompt forwards of at least
-    /// [`int8act::PREFILL_MIN_ROWS`] rows); `None` = [`EngineOptions::default_prefill`].
+    /// The arithmetic of prompt forwards; `None` = the decode arithmetic (every row then
+    /// computed from its own tokens alone: the same seed gives the same text whatever the
+    /// caches hold). A different one applies to prompt forwards of at least
+    /// [`int8act::PREFILL_MIN_ROWS`] rows.
     pub prefill: Option<Arithmetic>,
+    /// The arithmetic of decode steps, verifies and drafts; `None` =
+    /// [`EngineOptions::default_decode`].
+    pub decode: Option<Arithmetic>,
     /// Longest context in tokens; `None` = [`context::default_max_context`](crate::model::context::default_max_context).
     pub max_context: Option<usize>,
     /// RAM that idle sessions' KV caches may hold together; beyond it the least recently
@@ -128,6 +134,7 @@ impl Default for EngineOptions {
             pin: PinChoice::Auto,
             resident_layers: Vec::new(),
             prefill: None,
+            decode: None,
             max_context: None,
             idle_session_bytes: None,
             spill_dir: None,
@@ -166,11 +173,21 @@ impl EngineOptions {
         })
     }
 
-    /// What "auto" means for `prefill`: int8 activations where the active kernel path runs a
-    /// SIMD int8 kernel (AVX-512 VNNI: 1.5–2× the exact prefill; AVX2: about 3×; both in
-    /// docs/benchmarks.md), exact elsewhere (the int8 arithmetic's scalar reference would be
-    /// slower than the exact kernels).
-    pub fn default_prefill() -> Arithmetic {
+    /// Parse the string form of `decode` ("auto" → `None`).
+    pub fn parse_decode(value: &str) -> Result<Option<Arithmetic>> {
+        check_choice("decode", value)?;
+        Ok(match value {
+            "exact" => Some(Arithmetic::Exact),
+            "int8" => Some(Arithmetic::Int8),
+            _ => None,
+        })
+    }
+
+    /// What "auto" means for `decode` (and so for `prefill`): int8 activations where the
+    /// active kernel path runs a SIMD int8 kernel (AVX-512 VNNI, AVX2; faster than the exact
+    /// kernels at decode and 1.5–3× at prefill, docs/benchmarks.md), exact elsewhere (the int8
+    /// arithmetic's scalar reference would be slower than the exact kernels).
+    pub fn default_decode() -> Arithmetic {
         match kernels::int8_kernel() {
             Ok(int8act::Int8Kernel::Vnni | int8act::Int8Kernel::Avx2) => Arithmetic::Int8,
             _ => Arithmetic::Exact,
@@ -205,6 +222,11 @@ impl EngineOptions {
         }
     }
 
+    /// The decode arithmetic these options decide.
+    pub fn decode_arithmetic(&self) -> Arithmetic {
+        self.decode.unwrap_or_else(Self::default_decode)
+    }
+
     /// The model's options these decide for `container`, given the store's prefetch mode.
     pub fn model_options(&self, container: &Container, prefetch: PrefetchMode) -> ModelOptions {
         let prefetch_top_k = match (prefetch, self.prefetch_top_k) {
@@ -219,7 +241,8 @@ impl EngineOptions {
             threads: self.threads,
             load_mtp: self.load_mtp,
             prefetch_top_k,
-            prefill_arithmetic: self.prefill.unwrap_or_else(Self::default_prefill),
+            decode_arithmetic: self.decode_arithmetic(),
+            prefill_arithmetic: self.prefill.unwrap_or_else(|| self.decode_arithmetic()),
         }
     }
 }

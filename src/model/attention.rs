@@ -257,7 +257,8 @@ impl Attention {
         form: Form,
     ) -> Result<(Vec<f32>, Option<Selection>)> {
         // Read on the calling thread: the pool's workers do not carry the caller's arithmetic.
-        let fast_prefill = linear::arithmetic() == Arithmetic::Int8;
+        let fast_prefill =
+            linear::arithmetic() == Arithmetic::Int8 && linear::row_dependent_attention();
         debug_assert_eq!(kv.len(), start);
 
         let (mut q, selected) = self.query(xn, s, start, rope_start, kv, rope, pool)?;

@@ -21,7 +21,6 @@ use crate::model::moe::Routing;
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
 use crate::model::routing_sink::{ForwardKind, RoutedRows};
 use crate::quant::kernels::int8act::PREFILL_MIN_ROWS;
-use crate::quant::kernels::Arithmetic;
 
 /// One sequence's rows in a main-model forward: `tokens` at positions `caches.len()..`,
 /// attending to `caches`, which get their rows.
@@ -119,29 +118,41 @@ fn spans<'a>(rows: impl Iterator<Item = (usize, usize, bool)> + 'a) -> Vec<Span>
 }
 
 impl Model {
-    /// One exact forward over every sequence of `seqs` (decode steps, verifies). Returns
-    /// each sequence's [`Forward`], in order.
+    /// One forward over every sequence of `seqs` (decode steps, verifies) in the decode
+    /// arithmetic. Returns each sequence's [`Forward`], in order.
     pub fn forward(&self, seqs: &mut [SeqRows<'_>]) -> Result<Vec<Forward>> {
         let mut all: Vec<&mut SeqRows<'_>> = seqs.iter_mut().collect();
         self.on_pool(|| {
-            linear::with_arithmetic(Arithmetic::Exact, || {
+            linear::with_arithmetic(self.decode_arithmetic, || {
                 self.run(&mut all, ForwardKind::Decode)
             })
         })
     }
 
-    /// [`forward`](Self::forward) for the rows of prompts: the sequences of at least
-    /// [`PREFILL_MIN_ROWS`] rows in the model's prefill arithmetic
-    /// ([`ModelOptions::prefill_arithmetic`](super::ModelOptions::prefill_arithmetic)), in
-    /// one forward, the others exactly in a second. Decode steps and verify forwards go
-    /// through `forward`, always exact.
+    /// [`forward`](Self::forward) for the rows of prompts. A [row-invariant](Self::row_invariant)
+    /// model runs them all in one forward in its one arithmetic, as `forward` would. Otherwise
+    /// the sequences of at least [`PREFILL_MIN_ROWS`] rows run in the prefill arithmetic
+    /// ([`ModelOptions::prefill_arithmetic`](super::ModelOptions::prefill_arithmetic)), with the
+    /// attention's form chosen by their row count, in one forward, and the others in the
+    /// decode arithmetic in a second.
     pub fn prefill(&self, seqs: &mut [SeqRows<'_>]) -> Result<Vec<Forward>> {
+        if self.row_invariant() {
+            let mut all: Vec<&mut SeqRows<'_>> = seqs.iter_mut().collect();
+            return self.on_pool(|| {
+                linear::with_arithmetic(self.decode_arithmetic, || {
+                    self.run(&mut all, ForwardKind::Prompt)
+                })
+            });
+        }
         let long: Vec<bool> = seqs
             .iter()
             .map(|s| s.tokens.len() >= PREFILL_MIN_ROWS)
             .collect();
         let mut out: Vec<Option<Forward>> = vec![None; seqs.len()];
-        for (in_group, arith) in [(true, self.prefill_arithmetic), (false, Arithmetic::Exact)] {
+        for (in_group, arith) in [
+            (true, self.prefill_arithmetic),
+            (false, self.decode_arithmetic),
+        ] {
             let members: Vec<usize> = (0..seqs.len()).filter(|&i| long[i] == in_group).collect();
             if members.is_empty() {
                 continue;
@@ -154,7 +165,11 @@ impl Model {
                     .map(|(s, _)| s)
                     .collect();
                 self.on_pool(|| {
-                    linear::with_arithmetic(arith, || self.run(&mut group, ForwardKind::Prompt))
+                    linear::with_arithmetic(arith, || {
+                        linear::with_row_dependent_attention(|| {
+                            self.run(&mut group, ForwardKind::Prompt)
+                        })
+                    })
                 })
             };
             match done {
@@ -346,7 +361,8 @@ impl Model {
             .collect())
     }
 
-    /// The MTP head over every sequence of `seqs` in one exact forward; each appends MTP KV
+    /// The MTP head over every sequence of `seqs` in one forward in the decode arithmetic
+    /// (drafts only propose: their arithmetic never changes the output); each appends MTP KV
     /// rows at `caches.mtp_len()..`:
     /// ```text
     /// z = MTPLayer(eh_proj · [enorm(embed(t)) ; hnorm(carried)])
@@ -356,7 +372,7 @@ impl Model {
     /// `out` of every row, the state a chained draft carries (transformers' convention: the
     /// normed output, not raw z).
     pub fn mtp_forward(&self, seqs: &mut [MtpRows<'_>]) -> Result<Vec<MtpForward>> {
-        self.on_pool(|| linear::with_arithmetic(Arithmetic::Exact, || self.mtp_run(seqs)))
+        self.on_pool(|| linear::with_arithmetic(self.decode_arithmetic, || self.mtp_run(seqs)))
     }
 
     fn mtp_run(&self, seqs: &mut [MtpRows<'_>]) -> Result<Vec<MtpForward>> {

@@ -57,9 +57,14 @@ pub struct ModelOptions {
     pub load_mtp: bool,
     /// Router-lookahead width: experts predicted per row for the next layer (0 = off).
     pub prefetch_top_k: usize,
-    /// The arithmetic of [`Model::prefill`] forwards of at least
-    /// [`PREFILL_MIN_ROWS`](crate::quant::kernels::int8act::PREFILL_MIN_ROWS) rows; every
-    /// other forward is exact.
+    /// The arithmetic of decode steps, verifies and the MTP head, and of every prompt row
+    /// when it equals [`prefill_arithmetic`](Self::prefill_arithmetic) (then each row's values
+    /// depend on its own tokens alone, whatever the call it is in).
+    pub decode_arithmetic: Arithmetic,
+    /// The arithmetic of [`Model::prefill`]; when it differs from the decode arithmetic, it
+    /// applies to prompt forwards of at least
+    /// [`PREFILL_MIN_ROWS`](crate::quant::kernels::int8act::PREFILL_MIN_ROWS) rows and the
+    /// shorter ones run in the decode arithmetic.
     pub prefill_arithmetic: Arithmetic,
 }
 
@@ -69,6 +74,7 @@ impl Default for ModelOptions {
             threads: 0,
             load_mtp: true,
             prefetch_top_k: 0,
+            decode_arithmetic: Arithmetic::Exact,
             prefill_arithmetic: Arithmetic::Exact,
         }
     }
@@ -89,6 +95,7 @@ pub struct Model {
     /// Every forward runs on a thread of this pool (see [`Model::on_pool`]).
     pool: Arc<rayon::ThreadPool>,
     pub(super) prefetch_top_k: usize,
+    pub(super) decode_arithmetic: Arithmetic,
     pub(super) prefill_arithmetic: Arithmetic,
     /// GLM DSA: the checkpoint's lightning indexers are in use (see `max_exact_context`).
     dsa: bool,
@@ -166,6 +173,7 @@ impl Model {
             experts,
             pool,
             prefetch_top_k: opts.prefetch_top_k,
+            decode_arithmetic: opts.decode_arithmetic,
             prefill_arithmetic: opts.prefill_arithmetic,
             dsa,
             trace_selections: AtomicBool::new(false),
@@ -229,6 +237,19 @@ impl Model {
     /// The arithmetic of long prefills.
     pub fn prefill_arithmetic(&self) -> Arithmetic {
         self.prefill_arithmetic
+    }
+
+    /// The arithmetic of decode steps, verifies and the MTP head.
+    pub fn decode_arithmetic(&self) -> Arithmetic {
+        self.decode_arithmetic
+    }
+
+    /// Whether every forward computes each row from its own tokens alone (one arithmetic for
+    /// prompts and decode, attention in one form): then the same tokens give the same logits
+    /// bit for bit whether they were prefilled in any chunks, decoded, verified, batched or
+    /// restored.
+    pub fn row_invariant(&self) -> bool {
+        self.decode_arithmetic == self.prefill_arithmetic
     }
 
     /// KV bytes one more token adds: every main layer's row plus the MTP layer's, when loaded.

@@ -31,6 +31,32 @@ pub fn with_arithmetic<R>(arith: Arithmetic, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+thread_local! {
+    /// Whether the forward this thread is running may change the attention's form by its row
+    /// count ([`with_row_dependent_attention`]).
+    static ROW_DEPENDENT_ATTENTION: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Run `f` (a prefill forward) with attention allowed to take the decompressed form where it
+/// is faster for the rows at hand (`mla_decompressed::pays`). That form sums in another order,
+/// so a row's values then depend on its chunk: only the legacy `prefill="int8"` with
+/// `decode="exact"` allows it. Restored when `f` returns or unwinds.
+pub fn with_row_dependent_attention<R>(f: impl FnOnce() -> R) -> R {
+    struct Back(bool);
+    impl Drop for Back {
+        fn drop(&mut self) {
+            ROW_DEPENDENT_ATTENTION.with(|a| a.set(self.0));
+        }
+    }
+    let _back = Back(ROW_DEPENDENT_ATTENTION.with(|a| a.replace(true)));
+    f()
+}
+
+/// Whether [`with_row_dependent_attention`] is in force on this thread.
+pub fn row_dependent_attention() -> bool {
+    ROW_DEPENDENT_ATTENTION.with(|a| a.get())
+}
+
 /// The arithmetic [`apply`] uses on this thread now.
 pub fn arithmetic() -> Arithmetic {
     ARITHMETIC.with(|a| a.get())

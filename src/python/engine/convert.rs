@@ -106,6 +106,8 @@ pub(super) fn info_dict<'py>(py: Python<'py>, engine: &Engine) -> PyResult<Bound
     d.set_item("idle_session_bytes", i.idle_session_bytes)?;
     d.set_item("fingerprint", i.fingerprint.clone())?;
     d.set_item("prefill", i.prefill)?;
+    d.set_item("decode", i.decode)?;
+    d.set_item("row_invariant", i.row_invariant)?;
     d.set_item("lookahead", i.lookahead)?;
     Ok(d)
 }

@@ -50,7 +50,7 @@ pub struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, cache_dir=None, pin="auto", resident_layers=None, max_context=None, idle_session_bytes=None, spill_dir=None, prefill="auto", load_progress=None, trace_routing=None))]
+    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, cache_dir=None, pin="auto", resident_layers=None, max_context=None, idle_session_bytes=None, spill_dir=None, prefill="auto", decode="auto", load_progress=None, trace_routing=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -69,6 +69,7 @@ impl PyEngine {
         idle_session_bytes: Option<u64>,
         spill_dir: Option<PathBuf>,
         prefill: &str,
+        decode: &str,
         load_progress: Option<Py<PyAny>>,
         trace_routing: Option<PathBuf>,
     ) -> PyResult<Self> {
@@ -87,6 +88,7 @@ impl PyEngine {
             idle_session_bytes,
             spill_dir,
             prefill,
+            decode,
             trace_routing,
         };
         Self::open(py, path, &args, load_progress)
@@ -134,7 +136,8 @@ impl PyEngine {
     }
 
     /// Facts fixed at load: has_mtp, uses_dsa, max_context, vocab_size, hidden_size,
-    /// eos_token_ids, kv_bytes_per_token, idle_session_bytes, fingerprint, prefill, lookahead.
+    /// eos_token_ids, kv_bytes_per_token, idle_session_bytes, fingerprint, prefill, decode, row_invariant,
+    /// lookahead.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         convert::info_dict(py, &self.engine)
     }

@@ -29,6 +29,7 @@ pub(super) struct EngineArgs<'a> {
     pub(super) idle_session_bytes: Option<u64>,
     pub(super) spill_dir: Option<PathBuf>,
     pub(super) prefill: &'a str,
+    pub(super) decode: &'a str,
     pub(super) trace_routing: Option<PathBuf>,
 }
 
@@ -50,6 +51,7 @@ pub(super) fn engine_options(a: &EngineArgs<'_>) -> crate::Result<EngineOptions>
         spill_dir: a.spill_dir.clone(),
         trace_routing: a.trace_routing.clone(),
         prefill: EngineOptions::parse_prefill(a.prefill)?,
+        decode: EngineOptions::parse_decode(a.decode)?,
         load_progress: None,
     })
 }

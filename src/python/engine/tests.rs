@@ -21,6 +21,7 @@ fn an_engine_opened_with_no_options_gets_the_default_options() {
         idle_session_bytes: None,
         spill_dir: None,
         prefill: "auto",
+        decode: "auto",
         trace_routing: None,
     };
     let got = engine_options(&no_options).unwrap();

@@ -109,7 +109,7 @@ def test_a_model_with_no_options_opens_the_engine_with_its_defaults() -> None:
         "idle_session_bytes": None,
         "spill_dir": None,
         "prefill": "auto",
-            "decode": "auto",
+        "decode": "auto",
         "load_progress": None,
         "trace_routing": None,
     }

@@ -43,17 +43,17 @@ from colibri.results import (
 from colibri.session import Session, _context_path
 from colibri.stream import GenerationStream
 from colibri.validation import (
+    _DECODE_MODES,
     _DRAFT_MODES,
     _IO_MODES,
     _PREFETCH_MODES,
-    _DECODE_MODES,
     _PREFILL_MODES,
     MAX_THREADS,
     MIN_BYTES_PER_TOKEN,
+    DecodeMode,
     DraftMode,
     IoMode,
     PrefetchMode,
-    DecodeMode,
     PrefillMode,
     _check_choice,
     _check_depth,

@@ -1,5 +1,6 @@
-"""Same seed, same text under the defaults, whatever the caches hold: the default arithmetic
-(``decode="auto"``, which ``prefill`` follows) computes every row from its own tokens alone,
+"""Same seed, same text whatever the caches hold: with ``decode="int8"`` (which
+``prefill="auto"`` then follows; ``decode="auto"`` is still exact decode with an int8 prefill)
+every row is computed from its own tokens alone,
 so a prompt prefilled fresh, continued from a cached prefix, restored from a saved context or
 run as one lane of a batch samples the same tokens. The negative control (``decode="exact"``
 with the chunk-dependent ``prefill="int8"``) must differ for some seed, or the test could not
@@ -53,7 +54,8 @@ def _runs(model: colibri.Model, tmp_path: Path, prompt: list[int], seed: int) ->
 
 
 def test_the_same_seed_gives_the_same_text_whatever_the_cache_holds(tmp_path: Path) -> None:
-    model = colibri.Model(threads=2, draft="off")
+    arith = "int8" if colibri.Model(threads=1).info()["prefill"] == "int8" else "exact"
+    model = colibri.Model(threads=2, draft="off", decode=arith)
     info = model.info()
     assert info["row_invariant"] and info["prefill"] == info["decode"]
     prompt = model.encode(PROMPT)
@@ -62,14 +64,14 @@ def test_the_same_seed_gives_the_same_text_whatever_the_cache_holds(tmp_path: Pa
         runs = _runs(model, tmp_path, prompt, seed)
         for name, tokens in runs.items():
             assert tokens == runs["fresh"], f"seed {seed}: {name} differs from a fresh prefill"
-    # Drafting on (the defaults) samples the same text as well.
-    drafting = colibri.Model(threads=2)
+    # Drafting on (the default draft="auto", depth auto) samples the same text as well.
+    drafting = colibri.Model(threads=2, decode=arith)
     for seed in SEEDS:
         assert _sampled(drafting, prompt, seed) == _sampled(model, prompt, seed), seed
 
 
 def test_the_negative_control_differs_when_rows_depend_on_their_chunk(tmp_path: Path) -> None:
-    if colibri.Model(threads=1).info()["decode"] != "int8":
+    if colibri.Model(threads=1).info()["prefill"] != "int8":
         pytest.skip("no SIMD int8 kernel on this CPU: every arithmetic here is exact")
     control = colibri.Model(threads=2, draft="off", decode="exact", prefill="int8")
     assert not control.info()["row_invariant"]

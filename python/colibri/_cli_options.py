@@ -47,15 +47,15 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--prefill",
         default="auto",
         choices=_core.choices()["prefill"],
-        help="arithmetic of prompts: exact or int8; auto (default) = the --decode arithmetic, "
-        "so every row is computed the same way however the prompt is chunked or cached",
+        help="arithmetic of prompts: exact or int8; auto (default) = the --decode arithmetic "
+        "when given, else int8 where the CPU has AVX-512 VNNI or AVX2",
     )
     g.add_argument(
         "--decode",
         default="auto",
         choices=_core.choices()["decode"],
-        help="arithmetic of every forward: int8 activations (faster, within a small tolerance "
-        "of exact) or exact f32; auto = int8 where the CPU has AVX-512 VNNI or AVX2",
+        help="arithmetic of decode steps (and of prompts with --prefill auto): int8 "
+        "activations (within a small tolerance of exact) or exact f32; auto = exact for now",
     )
     g.add_argument(
         "--ram-budget",

@@ -114,14 +114,16 @@ class Model(ChatMixin):
             per row and block of 64 and summed as integers, as llama.cpp's Q8 activations
             do: decode streams the weights faster, verify rows cost little more than one,
             and prefill runs 1.5-3x faster; logits within a small tolerance of the exact
-            ones), ``"exact"`` (f32 dequantisation and accumulation, for parity tests), or
-            ``"auto"`` (int8 where the CPU has AVX-512 VNNI or AVX2, else exact;
-            ``info()["decode"]`` says which). Either way each row's logits depend on its
-            own tokens alone, so drafting never changes the output and the same seed gives
-            the same text whether the prompt was prefilled, reused from the cache, restored
-            or batched; see docs/architecture.md, "Decode arithmetic".
-        prefill: the arithmetic of prompt forwards: ``"auto"`` (the ``decode`` arithmetic,
-            the default), ``"exact"`` or ``"int8"``. One that differs from ``decode``
+            ones), ``"exact"`` (f32 dequantisation and accumulation), or ``"auto"`` (exact
+            for now: int8 decode is not yet faster end to end on small models;
+            ``info()["decode"]`` says which). Drafting never changes the output either way;
+            with ``decode`` set and ``prefill="auto"`` each row's logits depend on its own
+            tokens alone, so the same seed gives the same text whether the prompt was
+            prefilled, reused from the cache, restored or batched; see
+            docs/architecture.md, "Decode arithmetic".
+        prefill: the arithmetic of prompt forwards: ``"auto"`` (the ``decode`` arithmetic
+            when ``decode`` is set, else int8 where the CPU has AVX-512 VNNI or AVX2),
+            ``"exact"`` or ``"int8"``. One that differs from ``decode``
             applies to prompt chunks of 16 tokens or more (and ``"int8"`` with
             ``decode="exact"`` lets long prompts take a faster attention form); then a
             row's values depend on how its prompt was chunked and the same seed can give

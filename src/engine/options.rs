@@ -80,9 +80,10 @@ pub struct EngineOptions {
     pub pin: PinChoice,
     /// Layers whose routed experts stay resident beyond the budget (e.g. the MTP layer).
     pub resident_layers: Vec<usize>,
-    /// The arithmetic of prompt forwards; `None` = the decode arithmetic (every row then
-    /// computed from its own tokens alone: the same seed gives the same text whatever the
-    /// caches hold). A different one applies to prompt forwards of at least
+    /// The arithmetic of prompt forwards; `None` = the decode arithmetic when `decode` is set
+    /// (every row then computed from its own tokens alone: the same seed gives the same text
+    /// whatever the caches hold), else [`EngineOptions::default_prefill`]. One that differs
+    /// from the decode arithmetic applies to prompt forwards of at least
     /// [`int8act::PREFILL_MIN_ROWS`] rows.
     pub prefill: Option<Arithmetic>,
     /// The arithmetic of decode steps, verifies and drafts; `None` =
@@ -183,11 +184,20 @@ impl EngineOptions {
         })
     }
 
-    /// What "auto" means for `decode` (and so for `prefill`): int8 activations where the
-    /// active kernel path runs a SIMD int8 kernel (AVX-512 VNNI, AVX2; faster than the exact
-    /// kernels at decode and 1.5–3× at prefill, docs/benchmarks.md), exact elsewhere (the int8
-    /// arithmetic's scalar reference would be slower than the exact kernels).
+    /// What "auto" means for `decode`: exact for now. The int8 decode kernel is 1.9× the exact
+    /// one on a GLM-5.2-shaped matrix in L2 (AVX-512 VNNI, 2026-12-07), but on the shipped
+    /// models (hidden size 256) int8 decode measured 0.6–1.0× exact end to end, its per-call
+    /// overheads larger than the matrices; int8 becomes the default once it measures faster.
     pub fn default_decode() -> Arithmetic {
+        Arithmetic::Exact
+    }
+
+    /// What "auto" means for `prefill` when `decode` is "auto" too: int8 activations where the
+    /// active kernel path runs a SIMD int8 kernel (AVX-512 VNNI: 1.5–2× the exact prefill;
+    /// AVX2: about 3×; both in docs/benchmarks.md), exact elsewhere (the int8 arithmetic's
+    /// scalar reference would be slower than the exact kernels). With `decode` set, "auto"
+    /// follows it, so every row is computed the same way.
+    pub fn default_prefill() -> Arithmetic {
         match kernels::int8_kernel() {
             Ok(int8act::Int8Kernel::Vnni | int8act::Int8Kernel::Avx2) => Arithmetic::Int8,
             _ => Arithmetic::Exact,
@@ -242,7 +252,10 @@ impl EngineOptions {
             load_mtp: self.load_mtp,
             prefetch_top_k,
             decode_arithmetic: self.decode_arithmetic(),
-            prefill_arithmetic: self.prefill.unwrap_or_else(|| self.decode_arithmetic()),
+            prefill_arithmetic: self.prefill.unwrap_or_else(|| match self.decode {
+                Some(decode) => decode,
+                None => Self::default_prefill(),
+            }),
         }
     }
 }

@@ -147,6 +147,17 @@ class Model(ChatMixin):
             experts, in the routing-trace format that the replay reads
             (``tools/replay_routing.rs --trace``; docs/expert-store.md, "Trace format").
             For measuring the expert levers on your own workload; off by default.
+        experts_per_token: route each token, in every MoE layer and the MTP layer alike, to
+            the best ``experts_per_token`` of the experts the model would choose, their
+            weights normalised as the model normalises its own (over the chosen experts
+            when the config's ``norm_topk_prob``, then times ``routed_scaling_factor``).
+            ``None`` (the default) is the model's own ``num_experts_per_tok`` (k), and k is
+            the model unchanged. **Fewer experts change the model's output** (a lossy speed
+            dial for disk-bound runs: fewer expert bytes per token); see
+            docs/expert-store.md, "Fewer experts per token", for what it costs on the
+            trained models. Outside 1..k it is an :class:`InvalidArgumentError`;
+            ``info()["routing"]`` reports the value in effect. Speculation stays lossless
+            against the model with the same value.
 
     Example:
         >>> import colibri
@@ -177,6 +188,7 @@ class Model(ChatMixin):
         n_ctx: int | None = None,
         load_progress: Callable[[int, int], object] | None = None,
         trace_routing: str | os.PathLike[str] | None = None,
+        experts_per_token: int | None = None,
     ) -> None:
         if load_progress is not None and not callable(load_progress):
             raise InvalidArgumentError(
@@ -208,6 +220,11 @@ class Model(ChatMixin):
             raise InvalidArgumentError(
                 f"invalid value for 'max_context': {context} tokens is beyond any model's limit"
             )
+        routed = (
+            None
+            if experts_per_token is None
+            else _check_int("experts_per_token", experts_per_token, minimum=1)
+        )
         budget = _parse_bytes("ram_budget", ram_budget)
         idle = _parse_bytes("idle_session_budget", idle_session_budget)
         self.path: Path = resolve_model_dir(model, revision=revision)
@@ -237,6 +254,7 @@ class Model(ChatMixin):
             prefill=prefill,
             load_progress=load_progress,
             trace_routing=None if trace_routing is None else os.fspath(trace_routing),
+            experts_per_token=routed,
         )
         self.config: dict[str, Any] = json.loads(self._engine.config_json())
         facts = self._engine.info()
@@ -394,7 +412,10 @@ class Model(ChatMixin):
         allowance, ``memory["mtp_resident_bytes"]`` the part of it that ``pin_mtp`` added on
         top of ``ram_budget``), and what was decided at load: ``max_context``,
         ``prefill`` (the arithmetic of long prefills, ``"exact"`` or ``"int8"``) and
-        ``lookahead`` (whether decode predicts the next layer's experts to prefetch them)."""
+        ``lookahead`` (whether decode predicts the next layer's experts to prefetch them),
+        ``routing``: ``experts_per_token`` (routed experts per token in effect) and
+        ``num_experts_per_tok`` (the model's own k; the two differ only when
+        ``experts_per_token`` chose fewer, which changes the output)."""
         info = model_info(self.path, mtp_loaded=self.has_mtp)
         stats, decided = self._engine.expert_stats(), self._engine.info()
         info["memory"]["ram_budget_bytes"] = stats["budget_bytes"]
@@ -403,6 +424,10 @@ class Model(ChatMixin):
         info["max_context"] = self.max_context
         info["prefill"] = decided["prefill"]
         info["lookahead"] = decided["lookahead"]
+        info["routing"] = {
+            "experts_per_token": decided["experts_per_token"],
+            "num_experts_per_tok": decided["model_experts_per_token"],
+        }
         return info
 
     def __repr__(self) -> str:

@@ -107,6 +107,8 @@ pub(super) fn info_dict<'py>(py: Python<'py>, engine: &Engine) -> PyResult<Bound
     d.set_item("fingerprint", i.fingerprint.clone())?;
     d.set_item("prefill", i.prefill)?;
     d.set_item("lookahead", i.lookahead)?;
+    d.set_item("experts_per_token", i.experts_per_token)?;
+    d.set_item("model_experts_per_token", i.model_experts_per_token)?;
     Ok(d)
 }
 

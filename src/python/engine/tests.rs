@@ -22,6 +22,7 @@ fn an_engine_opened_with_no_options_gets_the_default_options() {
         spill_dir: None,
         prefill: "auto",
         trace_routing: None,
+        experts_per_token: None,
     };
     let got = engine_options(&no_options).unwrap();
     assert_eq!(

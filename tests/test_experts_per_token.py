@@ -2,18 +2,20 @@
 embedded trained model (k = 2 of 16, group-limited, ``norm_topk_prob``). The model's own k
 is the model unchanged; fewer change the logits but decoding stays deterministic and
 speculation stays lossless against the model with the same value; bad values are refused
-with :class:`InvalidArgumentError`, from the API and the command line."""
+with :class:`InvalidArgumentError`, from the API and the command line; a saved context is
+only loaded by a model with the value that computed it."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import colibri
 import numpy as np
 import pytest
 from colibri.cli import main
-from colibri.errors import InvalidArgumentError
+from colibri.errors import InvalidArgumentError, SavedContextError
 
 CODE_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:"]
 
@@ -100,3 +102,20 @@ def test_the_command_line_flag(capsys: pytest.CaptureFixture[str], one: colibri.
     assert main([*argv, "--experts-per-token", "3"]) == 1
     err = capsys.readouterr().err
     assert "experts_per_token" in err and "1..=2" in err
+
+
+def test_a_saved_context_needs_the_experts_per_token_that_computed_it(
+    tmp_path: Path, full: colibri.Model, one: colibri.Model
+) -> None:
+    """Caches computed with k' = 1 are another model's: a model of its own k refuses them,
+    and the other way round; a model with the same k' continues them exactly."""
+    for saver, other in ((one, full), (full, one)):
+        s = saver.session()
+        s.generate(CODE_PROMPTS[2], max_new_tokens=8, temperature=0)
+        path = tmp_path / f"ctx-{saver.info()['routing']['experts_per_token']}.bin"
+        s.save(path)
+        with pytest.raises(SavedContextError, match="experts_per_token"):
+            other.load_session(path)
+        again = saver.load_session(path)
+        kw: dict[str, Any] = {"max_new_tokens": 12, "temperature": 0}
+        assert again.generate("\n", **kw).token_ids == s.generate("\n", **kw).token_ids

@@ -296,6 +296,8 @@ impl Engine {
             vocab_size: self.info.vocab_size,
             max_context: self.info.max_context,
             mtp_head: self.info.has_mtp,
+            experts_per_token: (self.info.experts_per_token < self.info.model_experts_per_token)
+                .then_some(self.info.experts_per_token),
         }
     }
 

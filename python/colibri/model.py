@@ -87,6 +87,17 @@ def _mtp_layers(path: Path) -> list[int]:
     return list(range(first, first + count))
 
 
+def _check_experts_per_token(path: Path, value: int) -> None:
+    """``experts_per_token`` is in 1..k, k the routed experts per token of the model at
+    ``path`` (the engine checks the same; here a negative value gets the message too)."""
+    k = int(_core.model_config(path)["num_experts_per_tok"])
+    if not 1 <= value <= k:
+        raise InvalidArgumentError(
+            f"invalid value for 'experts_per_token': {value}; this model routes each token to "
+            f"{k} experts (num_experts_per_tok), so the allowed range is 1..={k}"
+        )
+
+
 class Model(ChatMixin):
     """A Mixture-of-Experts language model run by colibri.
 
@@ -220,14 +231,14 @@ class Model(ChatMixin):
             raise InvalidArgumentError(
                 f"invalid value for 'max_context': {context} tokens is beyond any model's limit"
             )
-        routed = (
-            None
-            if experts_per_token is None
-            else _check_int("experts_per_token", experts_per_token, minimum=1)
-        )
+        routed = None
+        if experts_per_token is not None:
+            routed = _check_int("experts_per_token", experts_per_token)
         budget = _parse_bytes("ram_budget", ram_budget)
         idle = _parse_bytes("idle_session_budget", idle_session_budget)
         self.path: Path = resolve_model_dir(model, revision=revision)
+        if routed is not None:
+            _check_experts_per_token(self.path, routed)
         tok_file = self.path / "tokenizer.json"
         if not tok_file.is_file():
             raise ModelNotFoundError(

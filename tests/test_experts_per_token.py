@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from colibri.cli import main
 from colibri.errors import InvalidArgumentError, SavedContextError
+from conftest import EMBEDDED_TINY
+from helpers.tools import load_tool
 
 CODE_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:"]
 
@@ -119,3 +121,24 @@ def test_a_saved_context_needs_the_experts_per_token_that_computed_it(
         again = saver.load_session(path)
         kw: dict[str, Any] = {"max_new_tokens": 12, "temperature": 0}
         assert again.generate("\n", **kw).token_ids == s.generate("\n", **kw).token_ids
+
+
+def test_the_dial_bench_measures_the_cost_against_full_top_k(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """tools/bench_dial.py quality on the embedded model, small: the full row is the
+    reference (no KL, full agreement), k' = 1 costs a positive KL and half the bytes."""
+    tool = load_tool("bench_dial")
+    assert tool.dial_values(2) == [1]
+    assert tool.dial_values(6) == [5, 4, 3]
+    assert tool.dial_values(8) == [7, 6, 4]
+    assert tool.dial_values(1) == []
+    capsys.readouterr()
+    args = ["quality", str(EMBEDDED_TINY), "--windows", "2", "--seq", "48", "--prompts", "2"]
+    assert tool.main([*args, "--gen", "8"]) == 0
+    rows = [r.split("|") for r in capsys.readouterr().out.splitlines() if r.startswith("| tiny")]
+    assert [r[2].strip() for r in rows] == ["2 of 2", "1 of 2"]
+    full, one = rows
+    assert float(full[3]) == 0.0 and float(one[3]) > 0.0
+    assert float(full[5]) == 1.0 and float(one[5]) < 1.0
+    assert float(one[7]) == pytest.approx(float(full[7]) / 2)

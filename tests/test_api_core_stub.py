@@ -112,10 +112,19 @@ def test_a_model_with_no_options_opens_the_engine_with_its_defaults() -> None:
         "decode": "auto",
         "load_progress": None,
         "trace_routing": None,
+        "experts_per_token": None,
     }
     model = inspect.signature(colibri.Model).parameters
     shared = set(model) & set(engine)
-    assert {"threads", "io", "prefetch", "mtp", "max_context", "prefill"} <= shared
+    assert {
+        "threads",
+        "io",
+        "prefetch",
+        "mtp",
+        "max_context",
+        "prefill",
+        "experts_per_token",
+    } <= shared
     for name in shared:
         assert model[name].default == engine[name], name
 

@@ -326,4 +326,7 @@ def test_stats_json(server: Live) -> None:
     assert any(r is not None for r in rates)
     assert all(r is None or 0.0 <= r <= 1.0 for r in rates)
     assert all(v["hit_rate"] is None for v in s["layers"].values() if v["hits"] + v["misses"] == 0)
+    # The server runs the model's own top-k (no --experts-per-token).
+    k = s["routing"]["num_experts_per_tok"]
+    assert s["routing"] == {"experts_per_token": k, "num_experts_per_tok": k} and k >= 1
     json.dumps(s)

@@ -194,3 +194,34 @@ def test_pin_mtp_without_an_mtp_layer_is_a_typed_error(
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
     with pytest.raises(colibri.ConfigError, match="num_hidden_layers"):
         _mtp_layers(tmp_path)
+
+
+def test_dial_bench_runs_every_cell_and_reads_fewer_bytes_with_fewer_experts(
+    standin: Path,
+) -> None:
+    """tools/bench_dial.py speed end to end on the small stand-in: a row per budget x k', and
+    k' = 1 reads fewer expert bytes per token than the model's k = 2."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "bench_dial.py"),
+            "speed",
+            str(standin),
+            "--budgets",
+            "0.25",
+            "--rounds",
+            "2",
+            "--tokens",
+            "8",
+            "--io",
+            "pread",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| 25%")]
+    assert [r[2].strip() for r in rows] == ["2 of 2", "1 of 2"], out.stdout
+    mb = [float(r[6]) for r in rows]
+    assert 0 < mb[1] < mb[0], out.stdout

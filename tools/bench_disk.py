@@ -215,6 +215,7 @@ def run_cell(
             cache_dir=str(usage.cache),
             resident_layers=resident,
             threads=args.threads,
+            experts_per_token=cell.get("experts_per_token"),
         )
         after_prefill: dict[str, Any] = {}
 

@@ -88,6 +88,15 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         help="write every forward's routed experts to FILE (a routing trace, JSON lines; "
         "docs/expert-store.md)",
     )
+    g.add_argument(
+        "--experts-per-token",
+        type=int,
+        default=None,
+        metavar="K",
+        help="route each token to the best K experts instead of the model's "
+        "num_experts_per_tok (1..k): fewer bytes read per token, and a different (lossy) "
+        "model; see docs/expert-store.md (default: the model's k)",
+    )
     g.add_argument("--no-mtp", action="store_true", help="do not load the MTP head")
     g.add_argument(
         "--pin-mtp",
@@ -227,6 +236,7 @@ def _load(args: argparse.Namespace) -> Any:
         chat_template=args.chat_template,
         load_progress=_load_bar(),
         trace_routing=args.trace_routing,
+        experts_per_token=args.experts_per_token,
     )
 
 

@@ -178,6 +178,7 @@ class Engine:
         decode: str = "auto",
         load_progress: Callable[[int, int], object] | None = None,
         trace_routing: str | PathLike[str] | None = None,
+        experts_per_token: int | None = None,
     ) -> None:
         """Load the model directory ``path``. ``io``, ``prefetch``, ``pin``: one of
         ``choices()[name]``; ``ram_budget``: expert-cache bytes (None: sized from available
@@ -199,7 +200,11 @@ class Engine:
         the decode arithmetic applies to prompt forwards of 16 rows or more); ``load_progress(done,
         total)``: called after each resident tensor is read (bytes; the last call has both
         equal), where Ctrl-C is also checked; ``trace_routing``: a file that every forward's
-        routing is written to, as a routing trace (JSON lines, docs/expert-store.md)."""
+        routing is written to, as a routing trace (JSON lines, docs/expert-store.md);
+        ``experts_per_token``: routed experts per token, main and MTP layers, 1 to the
+        model's ``num_experts_per_tok`` (None: the model's; fewer change the output,
+        docs/expert-store.md, "Fewer experts per token"; out of range:
+        ``InvalidArgumentError``)."""
     def config_json(self) -> str:
         """The model's ``config.json`` text."""
     def info(self) -> dict[str, Any]:
@@ -209,7 +214,9 @@ class Engine:
         steps: "exact" or "int8"), ``row_invariant`` (whether they agree, so that every row
         is computed from its own tokens alone),
         ``lookahead`` (whether decode predicts the next layer's experts: off for
-        ``prefetch="off"``, and for "auto" when the budget holds every routed expert)."""
+        ``prefetch="off"``, and for "auto" when the budget holds every routed expert),
+        ``experts_per_token`` (routed experts per token in effect) and
+        ``model_experts_per_token`` (the model's own ``num_experts_per_tok``)."""
     @property
     def usage_path(self) -> Path | None:
         """Where the routing history is saved, or None when it is not saved."""

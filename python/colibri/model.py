@@ -89,6 +89,17 @@ def _mtp_layers(path: Path) -> list[int]:
     return list(range(first, first + count))
 
 
+def _check_experts_per_token(path: Path, value: int) -> None:
+    """``experts_per_token`` is in 1..k, k the routed experts per token of the model at
+    ``path`` (the engine checks the same; here a negative value gets the message too)."""
+    k = int(_core.model_config(path)["num_experts_per_tok"])
+    if not 1 <= value <= k:
+        raise InvalidArgumentError(
+            f"invalid value for 'experts_per_token': {value}; this model routes each token to "
+            f"{k} experts (num_experts_per_tok), so the allowed range is 1..={k}"
+        )
+
+
 class Model(ChatMixin):
     """A Mixture-of-Experts language model run by colibri.
 
@@ -159,6 +170,17 @@ class Model(ChatMixin):
             experts, in the routing-trace format that the replay reads
             (``tools/replay_routing.rs --trace``; docs/expert-store.md, "Trace format").
             For measuring the expert levers on your own workload; off by default.
+        experts_per_token: route each token, in every MoE layer and the MTP layer alike, to
+            the best ``experts_per_token`` of the experts the model would choose, their
+            weights normalised as the model normalises its own (over the chosen experts
+            when the config's ``norm_topk_prob``, then times ``routed_scaling_factor``).
+            ``None`` (the default) is the model's own ``num_experts_per_tok`` (k), and k is
+            the model unchanged. **Fewer experts change the model's output** (a lossy speed
+            dial for disk-bound runs: fewer expert bytes per token); see
+            docs/expert-store.md, "Fewer experts per token", for what it costs on the
+            trained models. Outside 1..k it is an :class:`InvalidArgumentError`;
+            ``info()["routing"]`` reports the value in effect. Speculation stays lossless
+            against the model with the same value.
 
     Example:
         >>> import colibri
@@ -190,6 +212,7 @@ class Model(ChatMixin):
         n_ctx: int | None = None,
         load_progress: Callable[[int, int], object] | None = None,
         trace_routing: str | os.PathLike[str] | None = None,
+        experts_per_token: int | None = None,
     ) -> None:
         if load_progress is not None and not callable(load_progress):
             raise InvalidArgumentError(
@@ -222,9 +245,14 @@ class Model(ChatMixin):
             raise InvalidArgumentError(
                 f"invalid value for 'max_context': {context} tokens is beyond any model's limit"
             )
+        routed = None
+        if experts_per_token is not None:
+            routed = _check_int("experts_per_token", experts_per_token)
         budget = _parse_bytes("ram_budget", ram_budget)
         idle = _parse_bytes("idle_session_budget", idle_session_budget)
         self.path: Path = resolve_model_dir(model, revision=revision)
+        if routed is not None:
+            _check_experts_per_token(self.path, routed)
         tok_file = self.path / "tokenizer.json"
         if not tok_file.is_file():
             raise ModelNotFoundError(
@@ -252,6 +280,7 @@ class Model(ChatMixin):
             decode=decode,
             load_progress=load_progress,
             trace_routing=None if trace_routing is None else os.fspath(trace_routing),
+            experts_per_token=routed,
         )
         self.config: dict[str, Any] = json.loads(self._engine.config_json())
         facts = self._engine.info()
@@ -410,8 +439,10 @@ class Model(ChatMixin):
         top of ``ram_budget``), and what was decided at load: ``max_context``,
         ``decode`` and ``prefill`` (the arithmetic of decode steps and of prompts, ``"exact"``
         or ``"int8"``), ``row_invariant`` (True when they agree: every row's logits depend on
-        its own tokens alone) and ``lookahead`` (whether decode predicts the next layer's
-        experts to prefetch them)."""
+        its own tokens alone), ``lookahead`` (whether decode predicts the next layer's
+        experts to prefetch them) and ``routing``: ``experts_per_token`` (routed experts per
+        token in effect) and ``num_experts_per_tok`` (the model's own k; the two differ only
+        when ``experts_per_token`` chose fewer, which changes the output)."""
         info = model_info(self.path, mtp_loaded=self.has_mtp)
         stats, decided = self._engine.expert_stats(), self._engine.info()
         info["memory"]["ram_budget_bytes"] = stats["budget_bytes"]
@@ -422,6 +453,10 @@ class Model(ChatMixin):
         info["decode"] = decided["decode"]
         info["row_invariant"] = decided["row_invariant"]
         info["lookahead"] = decided["lookahead"]
+        info["routing"] = {
+            "experts_per_token": decided["experts_per_token"],
+            "num_experts_per_tok": decided["model_experts_per_token"],
+        }
         return info
 
     def __repr__(self) -> str:

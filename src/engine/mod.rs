@@ -68,6 +68,10 @@ pub struct EngineInfo {
     /// prefetch them): off when `prefetch` is "off", or "auto" and every expert fits the
     /// budget.
     pub lookahead: bool,
+    /// Routed experts per token in effect (the `experts_per_token` option, else the model's).
+    pub experts_per_token: usize,
+    /// The model's own routed experts per token (`num_experts_per_tok`).
+    pub model_experts_per_token: usize,
 }
 
 /// What one [`Engine::generate`] produced.
@@ -113,7 +117,7 @@ fn routing_trace_writer(model: &Model, path: &Path) -> Result<RoutingTraceWriter
     let header = crate::routing::TraceHeader::new(
         layers,
         cfg.n_routed_experts,
-        cfg.num_experts_per_tok,
+        model.experts_per_token(),
         mtp_layer,
     );
     RoutingTraceWriter::create(path, &header)
@@ -130,6 +134,8 @@ impl Engine {
                 .or_else(experts::usage::default_cache_dir),
         )?;
         let container = Arc::new(Container::open(path)?);
+        // Checked before the store starts its threads.
+        opts.experts_per_token(&container)?;
         let config_path = container.dir().join("config.json");
         let config_json =
             std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
@@ -144,7 +150,7 @@ impl Engine {
             None if store.holds_every_expert() => PrefetchMode::Off,
             _ => prefetch,
         };
-        let model_opts = opts.model_options(&container, lookahead);
+        let model_opts = opts.model_options(&container, lookahead)?;
         // Read before the model's dense weights are mapped and touched.
         let available = experts::mem_available();
         container.report_loads(opts.load_progress.as_ref().map(|p| p.0.clone()));
@@ -187,6 +193,8 @@ impl Engine {
             decode: model.decode_arithmetic().name(),
             row_invariant: model.row_invariant(),
             lookahead: model_opts.prefetch_top_k > 0,
+            experts_per_token: model.experts_per_token(),
+            model_experts_per_token: model.config().num_experts_per_tok,
         };
         let id = NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed);
         let own = Arc::new(Session::new(
@@ -296,6 +304,8 @@ impl Engine {
             vocab_size: self.info.vocab_size,
             max_context: self.info.max_context,
             mtp_head: self.info.has_mtp,
+            experts_per_token: (self.info.experts_per_token < self.info.model_experts_per_token)
+                .then_some(self.info.experts_per_token),
         }
     }
 

@@ -68,9 +68,15 @@ pub struct EngineOptions {
     pub ram_budget: Option<u64>,
     /// Router-lookahead prefetch; `None` = the store's default ([`PrefetchMode::default`]).
     pub prefetch: Option<PrefetchMode>,
-    /// Experts the lookahead predicts per layer; `None` = 1.5 × the routed top-k (0 with
-    /// prefetch off).
+    /// Experts the lookahead predicts per layer; `None` = 1.5 × the routed top-k in effect
+    /// (`experts_per_token`; 0 with prefetch off).
     pub prefetch_top_k: Option<usize>,
+    /// Routed experts per token (the speed dial): `None` = the model's own
+    /// `num_experts_per_tok` (k); 1..=k routes each token, in the main and the MTP layers, to
+    /// the best of the same choice with the weights normalised as the model's own. Fewer
+    /// experts read fewer bytes per token and change the model's output (docs/expert-store.md,
+    /// "Fewer experts per token"); a value outside 1..=k is refused at open.
+    pub experts_per_token: Option<usize>,
     /// Load the MTP head when the checkpoint has one (`false` saves its memory).
     pub load_mtp: bool,
     /// Read and save the routing history that picks the pinned set.
@@ -129,6 +135,7 @@ impl Default for EngineOptions {
             ram_budget: None,
             prefetch: None,
             prefetch_top_k: None,
+            experts_per_token: None,
             load_mtp: true,
             usage_file: true,
             cache_dir: None,
@@ -237,17 +244,32 @@ impl EngineOptions {
         self.decode.unwrap_or_else(Self::default_decode)
     }
 
+    /// The routed experts per token these choose for `container`'s model: `experts_per_token`
+    /// when it is in 1..=k, k when it is `None`, else an error naming the allowed range.
+    pub fn experts_per_token(&self, container: &Container) -> Result<usize> {
+        crate::model::moe::experts_per_token(
+            self.experts_per_token,
+            container.config().num_experts_per_tok,
+        )
+    }
+
     /// The model's options these decide for `container`, given the store's prefetch mode.
-    pub fn model_options(&self, container: &Container, prefetch: PrefetchMode) -> ModelOptions {
+    pub fn model_options(
+        &self,
+        container: &Container,
+        prefetch: PrefetchMode,
+    ) -> Result<ModelOptions> {
+        let top_k = self.experts_per_token(container)?;
         let prefetch_top_k = match (prefetch, self.prefetch_top_k) {
             (PrefetchMode::Off, _) => 0,
             // Measured on the trained tiny model (docs/benchmarks.md): 1.5× the routed top-k
             // lifts the lookahead's recall from 0.72 to 0.81 while keeping its precision
-            // above the store's prefetch gate.
-            (_, None | Some(0)) => (container.config().num_experts_per_tok * 3).div_ceil(2),
+            // above the store's prefetch gate. The top-k is the one in effect: with fewer
+            // experts per token the lookahead predicts fewer.
+            (_, None | Some(0)) => (top_k * 3).div_ceil(2),
             (_, Some(k)) => k,
         };
-        ModelOptions {
+        Ok(ModelOptions {
             threads: self.threads,
             load_mtp: self.load_mtp,
             prefetch_top_k,
@@ -256,7 +278,8 @@ impl EngineOptions {
                 Some(decode) => decode,
                 None => Self::default_prefill(),
             }),
-        }
+            experts_per_token: Some(top_k),
+        })
     }
 }
 
@@ -279,6 +302,36 @@ mod tests {
             "{msg}"
         );
         assert!(choices("nope").is_empty());
+    }
+
+    #[test]
+    fn the_lookahead_width_follows_the_experts_per_token_in_effect() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/colibri/models/tiny");
+        let c = Container::open(&dir).unwrap();
+        assert_eq!(c.config().num_experts_per_tok, 2);
+        let mut o = EngineOptions::default();
+        let m = o.model_options(&c, PrefetchMode::Real).unwrap();
+        assert_eq!((m.prefetch_top_k, m.experts_per_token), (3, Some(2)));
+        o.experts_per_token = Some(1);
+        let m = o.model_options(&c, PrefetchMode::Real).unwrap();
+        assert_eq!((m.prefetch_top_k, m.experts_per_token), (2, Some(1)));
+        assert_eq!(
+            o.model_options(&c, PrefetchMode::Off)
+                .unwrap()
+                .prefetch_top_k,
+            0
+        );
+        o.prefetch_top_k = Some(5);
+        assert_eq!(
+            o.model_options(&c, PrefetchMode::Real)
+                .unwrap()
+                .prefetch_top_k,
+            5
+        );
+        o.experts_per_token = Some(3);
+        let err = o.model_options(&c, PrefetchMode::Real).unwrap_err();
+        assert!(err.to_string().contains("1..=2"), "{err}");
     }
 
     #[test]

@@ -46,6 +46,11 @@ struct Header {
     /// was recorded; their MTP rows tell when they can).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     mtp_head: Option<bool>,
+    /// The saving model's routed experts per token when it ran fewer than its own k (the
+    /// `experts_per_token` option); absent for the model's own k (and in files written before
+    /// it was recorded, which all ran it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    experts_per_token: Option<usize>,
 }
 
 /// What the loading model must match (and what a saving model records).
@@ -57,6 +62,9 @@ pub struct Expect<'a> {
     /// The model's MTP head is loaded: a context saved with it on holds MTP rows a model
     /// without it cannot use, and one saved with it off lacks the rows drafting needs.
     pub mtp_head: bool,
+    /// The model's routed experts per token when fewer than its own k (`None`: its own):
+    /// another value computed the caches with another model.
+    pub experts_per_token: Option<usize>,
 }
 
 fn payload_bytes(
@@ -110,6 +118,7 @@ pub fn save(path: &Path, model: &Expect<'_>, caches: &KvCaches, state: &CacheSta
         tokens: state.tokens.clone(),
         crc32: crc.finalize(),
         mtp_head: Some(model.mtp_head),
+        experts_per_token: model.experts_per_token,
     };
     let json = serde_json::to_vec(&header).map_err(|e| Error::Internal(e.to_string()))?;
     check_target(path)?;
@@ -361,6 +370,14 @@ fn check_model(path: &Path, h: &Header, expect: &Expect<'_>, widths: &[[usize; 3
         return Err(bad(format!(
             "saved with the MTP head {then}, and this model has it {now}: open the model with mtp={} to use it, or save the context again from this model",
             if saved_head { "True" } else { "False" }
+        )));
+    }
+    if h.experts_per_token != expect.experts_per_token {
+        let name = |k: Option<usize>| k.map_or("the model's own k".to_owned(), |k| k.to_string());
+        return Err(bad(format!(
+            "saved with experts_per_token = {}, and this model routes {}: its caches were computed by another model; open the model with that experts_per_token to use it, or save the context again from this model",
+            name(h.experts_per_token),
+            name(expect.experts_per_token)
         )));
     }
     if h.widths != widths || h.hidden_size != expect.hidden_size {

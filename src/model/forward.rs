@@ -24,7 +24,7 @@ use crate::model::caches::KvCaches;
 use crate::model::indexer::Indexer;
 use crate::model::layer::{Layer, MtpHead};
 use crate::model::linear;
-use crate::model::moe::{ExpertProvider, ResidentExperts};
+use crate::model::moe::{self, ExpertProvider, ResidentExperts};
 use crate::model::norm::rmsnorm;
 use crate::model::rope::Rope;
 use crate::model::routing_sink::RoutingSink;
@@ -66,6 +66,11 @@ pub struct ModelOptions {
     /// [`PREFILL_MIN_ROWS`](crate::quant::kernels::int8act::PREFILL_MIN_ROWS) rows and the
     /// shorter ones run in the decode arithmetic.
     pub prefill_arithmetic: Arithmetic,
+    /// Routed experts per token, main and MTP layers alike: `None` = the model's own
+    /// `num_experts_per_tok`; fewer (1..=k) route each token to the best of the same choice,
+    /// their weights normalised as the model's own (see [`Router`](crate::model::moe::Router)).
+    /// Fewer experts change the model's output; `Some(k)` is the model unchanged.
+    pub experts_per_token: Option<usize>,
 }
 
 impl Default for ModelOptions {
@@ -76,6 +81,7 @@ impl Default for ModelOptions {
             prefetch_top_k: 0,
             decode_arithmetic: Arithmetic::Exact,
             prefill_arithmetic: Arithmetic::Exact,
+            experts_per_token: None,
         }
     }
 }
@@ -97,6 +103,8 @@ pub struct Model {
     pub(super) prefetch_top_k: usize,
     pub(super) decode_arithmetic: Arithmetic,
     pub(super) prefill_arithmetic: Arithmetic,
+    /// Routed experts per token in effect ([`ModelOptions::experts_per_token`] resolved).
+    experts_per_token: usize,
     /// GLM DSA: the checkpoint's lightning indexers are in use (see `max_exact_context`).
     dsa: bool,
     trace_selections: AtomicBool,
@@ -132,12 +140,13 @@ impl Model {
                 cfg.qk_rope_head_dim
             )));
         }
+        let top_k = moe::experts_per_token(opts.experts_per_token, cfg.num_experts_per_tok)?;
         let c = &*container;
         let h = cfg.hidden_size;
         let dsa = uses_dsa(c);
         let embed_tokens = linear::load(c, "model.embed_tokens.weight", cfg.vocab_size, h)?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|l| Layer::load(c, &cfg, l, dsa))
+            .map(|l| Layer::load(c, &cfg, l, dsa, top_k))
             .collect::<Result<Vec<_>>>()?;
         let lm_head = if cfg.tie_word_embeddings && !c.contains("lm_head.weight") {
             None
@@ -146,7 +155,7 @@ impl Model {
         };
         let mtp = match cfg.mtp_layer_index() {
             Some(i) if opts.load_mtp && MtpHead::present(c, i) => {
-                Some(MtpHead::load(c, &cfg, i, dsa)?)
+                Some(MtpHead::load(c, &cfg, i, dsa, top_k)?)
             }
             _ => None,
         };
@@ -175,6 +184,7 @@ impl Model {
             prefetch_top_k: opts.prefetch_top_k,
             decode_arithmetic: opts.decode_arithmetic,
             prefill_arithmetic: opts.prefill_arithmetic,
+            experts_per_token: top_k,
             dsa,
             trace_selections: AtomicBool::new(false),
             routing_sink: Mutex::new(None),
@@ -192,6 +202,11 @@ impl Model {
     }
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()
+    }
+    /// Routed experts per token, main and MTP layers (the config's `num_experts_per_tok`
+    /// unless [`ModelOptions::experts_per_token`] chose fewer).
+    pub fn experts_per_token(&self) -> usize {
+        self.experts_per_token
     }
 
     /// Empty caches shaped for this model (a new sequence's).

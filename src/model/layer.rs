@@ -26,11 +26,18 @@ pub(super) struct Layer {
 }
 
 impl Layer {
-    pub(super) fn load(c: &Container, cfg: &ModelConfig, index: usize, dsa: bool) -> Result<Self> {
+    /// Layer `index`; a MoE layer routes each row to `top_k` experts.
+    pub(super) fn load(
+        c: &Container,
+        cfg: &ModelConfig,
+        index: usize,
+        dsa: bool,
+        top_k: usize,
+    ) -> Result<Self> {
         let p = format!("model.layers.{index}");
         let h = cfg.hidden_size;
         let ffn = if cfg.is_moe_layer(index) {
-            Ffn::Moe(Moe::load(c, cfg, index)?)
+            Ffn::Moe(Moe::load(c, cfg, index, top_k)?)
         } else {
             Ffn::Dense(Mlp::load(c, &format!("{p}.mlp"), h, cfg.intermediate_size)?)
         };
@@ -174,14 +181,22 @@ pub(super) struct MtpHead {
 }
 
 impl MtpHead {
-    pub(super) fn load(c: &Container, cfg: &ModelConfig, index: usize, dsa: bool) -> Result<Self> {
+    /// The head at layer `index`, its MoE routing each row to `top_k` experts (the main
+    /// layers' k: a draft routes as the model it drafts for).
+    pub(super) fn load(
+        c: &Container,
+        cfg: &ModelConfig,
+        index: usize,
+        dsa: bool,
+        top_k: usize,
+    ) -> Result<Self> {
         let p = format!("model.layers.{index}");
         let h = cfg.hidden_size;
         Ok(MtpHead {
             enorm: linear::load_vector(c, &format!("{p}.enorm.weight"), h)?,
             hnorm: linear::load_vector(c, &format!("{p}.hnorm.weight"), h)?,
             eh_proj: linear::load(c, &format!("{p}.eh_proj.weight"), h, 2 * h)?,
-            layer: Layer::load(c, cfg, index, dsa)?,
+            layer: Layer::load(c, cfg, index, dsa, top_k)?,
             shared_head_norm: linear::load_vector(c, &format!("{p}.shared_head.norm.weight"), h)?,
         })
     }

@@ -146,7 +146,29 @@ impl ExpertProvider for ResidentExperts {
     }
 }
 
+/// The routed experts per token in effect: `requested` (the `experts_per_token` option) when
+/// it is in `1..=k`, the model's own `k` (`num_experts_per_tok`) when it is `None`.
+pub fn experts_per_token(requested: Option<usize>, k: usize) -> Result<usize> {
+    match requested {
+        None => Ok(k),
+        Some(n) if (1..=k).contains(&n) => Ok(n),
+        Some(n) => Err(Error::invalid(
+            "experts_per_token",
+            format!(
+                "{n}; this model routes each token to {k} experts (num_experts_per_tok), so \
+                 the allowed range is 1..={k}"
+            ),
+        )),
+    }
+}
+
 /// The noaux_tc router: sigmoid scores, bias-corrected choice, optional group limit.
+///
+/// `top_k` is the routed experts per token in effect: the config's `num_experts_per_tok`, or
+/// fewer with the `experts_per_token` option. The fewer are the best of the same choice
+/// (after the group limit, which does not depend on k), and their weights are normalised as
+/// the model normalises its own k: over the chosen experts when `norm_topk_prob`, then
+/// times `routed_scaling_factor`.
 pub struct Router {
     /// [n_routed_experts, hidden], kept in f32 as the checkpoints ship it.
     weight: Weight,
@@ -166,7 +188,9 @@ pub struct Routing {
 }
 
 impl Router {
-    pub fn load(c: &Container, cfg: &ModelConfig, prefix: &str) -> Result<Self> {
+    /// The router at `prefix`, choosing `top_k` experts per row (at most the config's
+    /// `num_experts_per_tok`: see [`experts_per_token`]).
+    pub fn load(c: &Container, cfg: &ModelConfig, prefix: &str, top_k: usize) -> Result<Self> {
         let e = cfg.n_routed_experts;
         Ok(Router {
             weight: linear::load(c, &format!("{prefix}.gate.weight"), e, cfg.hidden_size)?,
@@ -175,7 +199,7 @@ impl Router {
                 &format!("{prefix}.gate.e_score_correction_bias"),
                 e,
             )?,
-            top_k: cfg.num_experts_per_tok,
+            top_k,
             n_group: cfg.n_group.max(1),
             topk_group: cfg.topk_group.max(1),
             norm_topk_prob: cfg.norm_topk_prob,
@@ -183,7 +207,7 @@ impl Router {
         })
     }
 
-    /// Experts chosen per token (`num_experts_per_tok`).
+    /// Experts chosen per token (`num_experts_per_tok`, or the `experts_per_token` option).
     pub fn top_k(&self) -> usize {
         self.top_k
     }
@@ -261,7 +285,8 @@ pub struct Moe {
 }
 
 impl Moe {
-    pub fn load(c: &Container, cfg: &ModelConfig, layer: usize) -> Result<Self> {
+    /// The MoE block of `layer`, its router choosing `top_k` experts per row.
+    pub fn load(c: &Container, cfg: &ModelConfig, layer: usize, top_k: usize) -> Result<Self> {
         let prefix = format!("model.layers.{layer}.mlp");
         let shared = if cfg.n_shared_experts > 0 {
             Some(Mlp::load(
@@ -274,7 +299,7 @@ impl Moe {
             None
         };
         Ok(Moe {
-            router: Router::load(c, cfg, &prefix)?,
+            router: Router::load(c, cfg, &prefix, top_k)?,
             shared,
             layer,
         })
@@ -398,3 +423,7 @@ impl Moe {
             .transpose()
     }
 }
+
+#[cfg(test)]
+#[path = "moe_tests.rs"]
+mod tests;

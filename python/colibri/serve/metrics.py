@@ -275,6 +275,16 @@ class ServerStats:
             "io_mode": str(st["io_mode"]),
         }
 
+    def routing(self) -> dict[str, int]:
+        """Routed experts per token in effect (``experts_per_token``, fewer than the model's
+        own only when the server was started with ``--experts-per-token``) and the model's
+        own ``num_experts_per_tok``."""
+        facts = self.model._engine.info()
+        return {
+            "experts_per_token": int(facts["experts_per_token"]),
+            "num_experts_per_tok": int(facts["model_experts_per_token"]),
+        }
+
     def snapshot(self) -> dict[str, Any]:
         """Everything the dashboard shows, as JSON-ready data."""
         sched = self.scheduler
@@ -308,6 +318,7 @@ class ServerStats:
             #: The requests running now, updated as their tokens come (not only at the end).
             "active": [] if sched is None else sched.progress(),
             "memory": self.memory(),
+            "routing": self.routing(),
             "history": list(self.history),
         }
 

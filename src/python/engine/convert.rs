@@ -109,6 +109,8 @@ pub(super) fn info_dict<'py>(py: Python<'py>, engine: &Engine) -> PyResult<Bound
     d.set_item("decode", i.decode)?;
     d.set_item("row_invariant", i.row_invariant)?;
     d.set_item("lookahead", i.lookahead)?;
+    d.set_item("experts_per_token", i.experts_per_token)?;
+    d.set_item("model_experts_per_token", i.model_experts_per_token)?;
     Ok(d)
 }
 

@@ -50,7 +50,7 @@ pub struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, cache_dir=None, pin="auto", resident_layers=None, max_context=None, idle_session_bytes=None, spill_dir=None, prefill="auto", decode="auto", load_progress=None, trace_routing=None))]
+    #[pyo3(signature = (path, *, threads=0, io="auto", ram_budget=None, prefetch="auto", prefetch_top_k=0, mtp=true, usage_file=true, cache_dir=None, pin="auto", resident_layers=None, max_context=None, idle_session_bytes=None, spill_dir=None, prefill="auto", decode="auto", load_progress=None, trace_routing=None, experts_per_token=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -72,6 +72,7 @@ impl PyEngine {
         decode: &str,
         load_progress: Option<Py<PyAny>>,
         trace_routing: Option<PathBuf>,
+        experts_per_token: Option<usize>,
     ) -> PyResult<Self> {
         let args = options::EngineArgs {
             threads,
@@ -90,6 +91,7 @@ impl PyEngine {
             prefill,
             decode,
             trace_routing,
+            experts_per_token,
         };
         Self::open(py, path, &args, load_progress)
     }

@@ -31,6 +31,7 @@ pub(super) struct EngineArgs<'a> {
     pub(super) prefill: &'a str,
     pub(super) decode: &'a str,
     pub(super) trace_routing: Option<PathBuf>,
+    pub(super) experts_per_token: Option<usize>,
 }
 
 /// The engine's options of `Engine(...)`'s arguments ("auto" and 0 mean the engine decides).
@@ -41,6 +42,7 @@ pub(super) fn engine_options(a: &EngineArgs<'_>) -> crate::Result<EngineOptions>
         ram_budget: a.ram_budget,
         prefetch: EngineOptions::parse_prefetch(a.prefetch)?,
         prefetch_top_k: (a.prefetch_top_k > 0).then_some(a.prefetch_top_k),
+        experts_per_token: a.experts_per_token,
         load_mtp: a.mtp,
         usage_file: a.usage_file,
         cache_dir: a.cache_dir.clone(),

@@ -23,6 +23,7 @@ fn an_engine_opened_with_no_options_gets_the_default_options() {
         prefill: "auto",
         decode: "auto",
         trace_routing: None,
+        experts_per_token: None,
     };
     let got = engine_options(&no_options).unwrap();
     assert_eq!(

@@ -142,20 +142,7 @@ pub fn matmul_decode(
             format!("{} weights have no int8-activation form", w.format()),
         ));
     }
-    if x.len() != s * w.cols() || y.len() != s * w.rows() {
-        return Err(Error::invalid(
-            "int8 matmul",
-            format!(
-                "W is [{}, {}] so X must hold {s}×{} values and Y {s}×{}; got {} and {}",
-                w.rows(),
-                w.cols(),
-                w.cols(),
-                w.rows(),
-                x.len(),
-                y.len()
-            ),
-        ));
-    }
+    crate::quant::kernels::check_shapes(w, x.len(), s, y.len())?;
     let acts = decode::DecodeActs::new(x, s, w.cols(), w.format())?;
     matmul_decode_quantized(w, &acts, y, pool);
     Ok(())

@@ -23,8 +23,8 @@
 
 use std::arch::x86_64::*;
 
-use super::vnni::{load_bytes, quantize_block_vec};
-use super::{block_scales, offset_shift, sum_lanes, Int8Kernel, Line, OutColumns, BLOCK, LANES};
+use super::vnni::{load_bytes, quantize_block_vec, sum_lanes16, sum_lanes16_index};
+use super::{block_scales, offset_shift, Int8Kernel, Line, OutColumns, BLOCK, LANES};
 use crate::error::{Error, Result};
 use crate::quant::format::{QMatrix, QuantFormat};
 
@@ -148,43 +148,119 @@ unsafe fn quantize_row(
 pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, out: OutColumns) {
     debug_assert_eq!(x.int8, w.format() == QuantFormat::Int8PerRow);
     let shift = offset_shift(w.format());
-    // Zero past the last block, and only the first `blocks` change from row to row.
-    let mut ws = vec![0.0f32; x.chunks * LANES];
-    for o in o0..o0 + n {
-        fill_block_scales(w, o, &mut ws);
-        let data = w.row_data(o);
-        let mut t0 = 0;
-        while t0 < x.rows {
-            let na = (x.rows - t0).min(4);
-            let mut v = [0.0f32; 4];
-            // SAFETY: the features are enabled here; `t0 + na <= x.rows`; the caller's
-            // contract for `o` and `out`.
-            unsafe {
-                match na {
-                    4 => v = row_tile::<4>(data, &ws, x, t0, shift),
-                    3 => v[..3].copy_from_slice(&row_tile::<3>(data, &ws, x, t0, shift)),
-                    2 => v[..2].copy_from_slice(&row_tile::<2>(data, &ws, x, t0, shift)),
-                    _ => v[..1].copy_from_slice(&row_tile::<1>(data, &ws, x, t0, shift)),
+    // Block scales of formats whose stored scales are not one per block (groups of 128 and
+    // more): zero past the last block, and only the first `blocks` change from row to row.
+    let mut ws = match w.format() {
+        QuantFormat::Int4Grouped { group_size: BLOCK }
+        | QuantFormat::Int4PerRow
+        | QuantFormat::Int8PerRow => Vec::new(),
+        _ => vec![0.0f32; x.chunks * LANES],
+    };
+    // lanes[t][i]: activation row t's 16 lane sums against weight row g + i of the group,
+    // summed 16 at once by `sum_lanes16` (one scalar tree per output cost more than a
+    // hidden-256 row's products).
+    let mut lanes = vec![[_mm512_setzero_ps(); LANES]; x.rows];
+    // The tree leaves weight row i's sum in lane `sum_lanes16_index(i)`: this gathers them
+    // back into order.
+    let order: [i32; LANES] = std::array::from_fn(|i| sum_lanes16_index(i) as i32);
+    // SAFETY: AVX-512 F is enabled here; 16 values.
+    let order = unsafe { _mm512_loadu_si512(order.as_ptr().cast()) };
+    let mut g = o0;
+    while g < o0 + n {
+        let count = (o0 + n - g).min(LANES);
+        for i in 0..count {
+            let o = g + i;
+            let scales = w.row_scales(o);
+            let ws = match w.format() {
+                // Read where they are stored: a copy would cost a store-forwarding stall per row.
+                QuantFormat::Int4Grouped { group_size: BLOCK } => RowScales::PerBlock(scales),
+                QuantFormat::Int4PerRow | QuantFormat::Int8PerRow => RowScales::PerRow(scales[0]),
+                _ => {
+                    block_scales(w, o, &mut ws);
+                    RowScales::PerBlock(&ws)
                 }
-                for (a, value) in v[..na].iter().enumerate() {
-                    out.set(t0 + a, o, *value);
+            };
+            let data = w.row_data(o);
+            let mut t0 = 0;
+            while t0 < x.rows {
+                let na = (x.rows - t0).min(4);
+                // SAFETY: the features are enabled here; `t0 + na <= x.rows`.
+                unsafe {
+                    match na {
+                        4 => put(&mut lanes, t0, i, row_tile::<4>(data, ws, x, t0, shift)),
+                        3 => put(&mut lanes, t0, i, row_tile::<3>(data, ws, x, t0, shift)),
+                        2 => put(&mut lanes, t0, i, row_tile::<2>(data, ws, x, t0, shift)),
+                        _ => put(&mut lanes, t0, i, row_tile::<1>(data, ws, x, t0, shift)),
+                    }
                 }
+                t0 += na;
             }
-            t0 += na;
         }
+        let mask: u16 = if count == LANES {
+            u16::MAX
+        } else {
+            (1u16 << count) - 1
+        };
+        for (t, l) in lanes.iter().enumerate() {
+            // SAFETY: the features are enabled here; the caller's contract for `out`: the
+            // `count` columns g.. of row t are this task's and in bounds (masked store).
+            unsafe {
+                let sums = _mm512_permutexvar_ps(order, sum_lanes16(*l));
+                _mm512_mask_storeu_ps(out.row_ptr(t, g), mask, sums);
+            }
+        }
+        g += count;
     }
 }
 
-/// [`block_scales`] of row `o` into `ws`, whose entries past the last block are already 0:
-/// the scales of 64-element groups copied as they are, a per-row scale repeated.
+/// A tile's lane vectors into `lanes[t0 + a][i]`.
 #[inline(always)]
-fn fill_block_scales(w: &QMatrix<'_>, o: usize, ws: &mut [f32]) {
-    let blocks = w.cols().div_ceil(BLOCK);
-    let scales = w.row_scales(o);
-    match w.format() {
-        QuantFormat::Int4Grouped { group_size: BLOCK } => ws[..blocks].copy_from_slice(scales),
-        QuantFormat::Int4PerRow | QuantFormat::Int8PerRow => ws[..blocks].fill(scales[0]),
-        _ => block_scales(w, o, ws),
+fn put<const NA: usize>(lanes: &mut [[__m512; LANES]], t0: usize, i: usize, v: [__m512; NA]) {
+    for (a, v) in v.into_iter().enumerate() {
+        lanes[t0 + a][i] = v;
+    }
+}
+
+/// A weight row's scale for each of its blocks.
+#[derive(Clone, Copy)]
+enum RowScales<'a> {
+    /// One per block (the blocks past the slice have none: 0).
+    PerBlock(&'a [f32]),
+    /// One for the whole row.
+    PerRow(f32),
+}
+
+impl RowScales<'_> {
+    /// The scales of blocks `base..base + 16` (0 past the row's last block, as the reference's
+    /// [`block_scales`] has them), for a row of `held` blocks.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F.
+    #[inline(always)]
+    unsafe fn chunk(self, base: usize, held: usize) -> __m512 {
+        let mask = |n: usize| -> u16 {
+            if n >= LANES {
+                u16::MAX
+            } else {
+                (1u16 << n) - 1
+            }
+        };
+        // SAFETY: AVX-512 F is enabled by the caller; the masked load reads only the
+        // `len - base` values that exist (none when `base >= len`, when it reads nothing).
+        unsafe {
+            match self {
+                RowScales::PerBlock(s) => {
+                    let n = s.len().saturating_sub(base);
+                    if n == 0 {
+                        return _mm512_setzero_ps();
+                    }
+                    _mm512_maskz_loadu_ps(mask(n), s.as_ptr().add(base))
+                }
+                RowScales::PerRow(v) => {
+                    _mm512_maskz_mov_ps(mask(held.saturating_sub(base)), _mm512_set1_ps(v))
+                }
+            }
+        }
     }
 }
 
@@ -209,22 +285,21 @@ unsafe fn weight_bytes(data: &[u8], start: usize, full: bool) -> __m512i {
 /// block `4i + k` in lane `4k + i`.
 const TREE_LANE: [i32; 16] = [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15];
 
-/// One weight row (its bytes `data` and per-block scales `ws`) against activation rows
+/// One weight row (its bytes `data` and block scales `ws`) against activation rows
 /// `t0..t0 + NA`.
 ///
 /// # Safety
-/// The CPU has AVX-512 F, BW and VNNI; `ws` holds `x.chunks · 16` scales; `t0 + NA <= x.rows`.
+/// The CPU has AVX-512 F, BW and VNNI; `t0 + NA <= x.rows`.
 #[inline(always)]
 unsafe fn row_tile<const NA: usize>(
     data: &[u8],
-    ws: &[f32],
+    ws: RowScales<'_>,
     x: &DecodeActs,
     t0: usize,
     shift: u32,
-) -> [f32; NA] {
+) -> [__m512; NA] {
     // SAFETY: AVX-512 F, BW and VNNI are enabled by the caller. Line `k < blocks` and block
-    // offsets `base + 16 <= blocks` of rows `t0 + a < x.rows` are inside `x`'s vectors, `ws`
-    // holds `blocks` scales, lines are 64-byte aligned, and the weight loads are masked to
+    // offsets `base + 16 <= blocks` of rows `t0 + a < x.rows` are inside `x`'s vectors, lines are 64-byte aligned, and the weight loads are masked to
     // `data` (`load_bytes`, `int8_block`).
     let lanes = unsafe {
         let blocks = x.chunks * LANES;
@@ -237,17 +312,27 @@ unsafe fn row_tile<const NA: usize>(
         // Row a's line k (plain pointer arithmetic, not a closure: closures would not inherit the
         // caller's target features).
         let rows = x.lines.as_ptr().add(t0 * blocks);
+        // The blocks that hold columns: a chunk's blocks past them have zero activations
+        // and weights, so their integer sums are 0 and their work is skipped (a hidden
+        // size of 256 is 4 blocks of a 16-block chunk, an expert's 64 columns 1).
+        let held = x.cols.div_ceil(BLOCK);
         for c in 0..x.chunks {
             let base = c * LANES;
-            // Whether the row holds every byte of this chunk's 16 blocks.
-            let full = (base + LANES) * block_bytes <= data.len();
             // t[a][m]: 128-bit lane q = four partial sums of block base + 4m + q.
             let mut t = [[zero; 4]; NA];
             for m in 0..4 {
+                if base + 4 * m >= held {
+                    break;
+                }
                 // p[a][h]: lanes 0–7 = partial sums of block base + 4m + 2h, lanes 8–15 of the next.
                 let mut p = [[zero; 2]; NA];
                 for h in 0..2 {
                     let b = base + 4 * m + 2 * h;
+                    if b >= held {
+                        break;
+                    }
+                    // Whether the row holds every byte of blocks b and b + 1.
+                    let full = (b + 2) * block_bytes <= data.len();
                     if x.int8 {
                         let flip = _mm512_set1_epi8(-128);
                         let wa = _mm512_xor_si512(weight_bytes(data, b * BLOCK, full), flip);
@@ -312,7 +397,7 @@ unsafe fn row_tile<const NA: usize>(
                 let off = (t0 + a) * blocks + base;
                 let sums = _mm512_loadu_si512(x.sums.as_ptr().add(off).cast());
                 let sx = _mm512_loadu_ps(x.scales.as_ptr().add(off));
-                let sw = _mm512_loadu_ps(ws.as_ptr().add(base));
+                let sw = ws.chunk(base, held);
                 // Σ u·xq − o·Σ xq = Σ q·xq, block b in lane b mod 16.
                 let d = _mm512_sub_epi32(
                     _mm512_permutexvar_epi32(tree_lane, tree),
@@ -323,12 +408,5 @@ unsafe fn row_tile<const NA: usize>(
         }
         lanes
     };
-    let mut out = [0.0f32; NA];
-    for (v, l) in out.iter_mut().zip(&lanes) {
-        let mut l16 = [0.0f32; LANES];
-        // SAFETY: AVX-512 F is enabled by the caller; 16 floats.
-        unsafe { _mm512_storeu_ps(l16.as_mut_ptr(), *l) };
-        *v = sum_lanes(&l16);
-    }
-    out
+    lanes
 }

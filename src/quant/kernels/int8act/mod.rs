@@ -339,6 +339,18 @@ impl OutColumns {
         // SAFETY: in bounds by the contract (`y` holds S·O floats).
         unsafe { *self.ptr.add(t * self.o + col) = v };
     }
+
+    /// Where `y[t, col]` is: columns `col..` of row t follow it.
+    ///
+    /// # Safety
+    /// `t < S` and `col < O`; writes through it keep to row t's columns this task owns.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(super) unsafe fn row_ptr(&self, t: usize, col: usize) -> *mut f32 {
+        debug_assert!(t < self.s && col < self.o);
+        // SAFETY: in bounds by the contract.
+        unsafe { self.ptr.add(t * self.o + col) }
+    }
 }
 
 #[cfg(test)]

@@ -435,6 +435,8 @@ fn decode_kernel_equals_the_reference_bit_for_bit() {
                 (9, 5),
                 (17, 8),
                 (6, 9),
+                (33, 1),
+                (40, 3),
             ] {
                 let p = quantize(format, "w", &values(o * i, (o * i) as u64), o, i).unwrap();
                 let x = values(s * i, (s + 3 * i) as u64);

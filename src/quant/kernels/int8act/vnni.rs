@@ -180,7 +180,7 @@ pub(super) unsafe fn quantize_row(
 /// Each vector's 16 lanes summed by [`super::sum_lanes`]' tree (lane i + lane i + 8, then + 4, + 2,
 /// + 1), 16 vectors at once: cell c's sum lands in lane [`sum_lanes16_index`]`(c)`.
 #[inline(always)]
-unsafe fn sum_lanes16(v: [__m512; 16]) -> __m512 {
+pub(super) unsafe fn sum_lanes16(v: [__m512; 16]) -> __m512 {
     // SAFETY: AVX-512 F is enabled by the caller.
     unsafe {
         // u[m]: lanes 0–7 = cell 2m's i + (i + 8), lanes 8–15 = cell 2m + 1's.
@@ -220,7 +220,7 @@ unsafe fn sum_lanes16(v: [__m512; 16]) -> __m512 {
 
 /// The lane of [`sum_lanes16`]'s result that holds cell `c`'s sum.
 #[inline(always)]
-fn sum_lanes16_index(c: usize) -> usize {
+pub(super) fn sum_lanes16_index(c: usize) -> usize {
     4 * (c % 4) + c / 4
 }
 

@@ -124,4 +124,3 @@ def test_a_body_of_too_many_json_values_is_refused_before_it_is_parsed(server: L
                    json={"model": MODEL, "prompt": text, "max_tokens": 1}, timeout=60)  # fmt: skip
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "context_length_exceeded"
-

@@ -51,7 +51,9 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_py(code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> Finding:
+def run_py(
+    code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> Finding:
     """``code`` in a fresh interpreter under ``timeout``: its exit status, last stdout line
     (JSON when it printed one), stderr tail and whether it hung."""
     t = time.monotonic()
@@ -130,11 +132,17 @@ def probe_header_flips(tmp: Path, model: Any, quick: bool) -> Finding:
             if isinstance(e, colibri.InternalError):
                 untyped += 1
             kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
-        except Exception as e:  # noqa: BLE001 - counted, that is the finding
+        except Exception as e:
             untyped += 1
             kinds["untyped:" + type(e).__name__] = kinds.get("untyped:" + type(e).__name__, 0) + 1
-    return {"ok": loaded == 0 and untyped == 0, "flips": len(bits), "header_bytes": header_end,
-            "loaded": loaded, "untyped": untyped, "errors": kinds}  # fmt: skip
+    return {
+        "ok": loaded == 0 and untyped == 0,
+        "flips": len(bits),
+        "header_bytes": header_end,
+        "loaded": loaded,
+        "untyped": untyped,
+        "errors": kinds,
+    }
 
 
 def probe_concurrent_saves(tmp: Path, model_dir: Path, quick: bool) -> Finding:
@@ -156,7 +164,7 @@ def probe_concurrent_saves(tmp: Path, model_dir: Path, quick: bool) -> Finding:
         for _ in range(rounds):
             try:
                 s.save(path)
-            except Exception as e:  # noqa: BLE001 - counted
+            except Exception as e:
                 failures.append(f"{type(e).__name__}: {e}"[:200])
 
     def reader() -> None:
@@ -164,7 +172,7 @@ def probe_concurrent_saves(tmp: Path, model_dir: Path, quick: bool) -> Finding:
             try:
                 got = a.load_session(path)
                 seen["tokens"].add(len(got.token_ids))
-            except Exception:  # noqa: BLE001 - a torn read is the finding
+            except Exception:
                 seen["torn"] += 1
             seen["reads"] += 1
 
@@ -178,10 +186,16 @@ def probe_concurrent_saves(tmp: Path, model_dir: Path, quick: bool) -> Finding:
     stop.set()
     rd.join()
     temps = [p.name for p in tmp.iterdir() if p.name.startswith(".shared.ctx.tmp.")]
-    return {"ok": not failures and seen["torn"] == 0 and not temps, "saves": 2 * rounds,
-            "failed": len(failures), "first_failure": failures[:1], "reads": seen["reads"],
-            "torn_reads": seen["torn"], "token_counts_seen": sorted(seen["tokens"]),
-            "temporaries_left": len(temps)}  # fmt: skip
+    return {
+        "ok": not failures and seen["torn"] == 0 and not temps,
+        "saves": 2 * rounds,
+        "failed": len(failures),
+        "first_failure": failures[:1],
+        "reads": seen["reads"],
+        "torn_reads": seen["torn"],
+        "token_counts_seen": sorted(seen["tokens"]),
+        "temporaries_left": len(temps),
+    }
 
 
 _SAVE_LOOP = """
@@ -243,15 +257,20 @@ def probe_kills_mid_save(tmp: Path, model: Any, model_dir: Path, quick: bool) ->
     loads = True
     try:
         model.load_session(path)
-    except Exception:  # noqa: BLE001
+    except Exception:
         loads = False
     ok = after == sorted([alive.name, elsewhere.name]) and loads
-    return {"ok": ok, "kills": kills, "kills_that_left_a_temporary": left_by_a_kill,
-            "temporaries_after_the_last_kill": len(left),
-            "their_bytes": left_bytes, "dead_unlocked_left_after_next_save": dead.name in after,
-            "live_pid_temporary_kept": alive.name in after,
-            "locked_temporary_of_a_pid_gone_here_kept": elsewhere.name in after,
-            "target_loads": loads}  # fmt: skip
+    return {
+        "ok": ok,
+        "kills": kills,
+        "kills_that_left_a_temporary": left_by_a_kill,
+        "temporaries_after_the_last_kill": len(left),
+        "their_bytes": left_bytes,
+        "dead_unlocked_left_after_next_save": dead.name in after,
+        "live_pid_temporary_kept": alive.name in after,
+        "locked_temporary_of_a_pid_gone_here_kept": elsewhere.name in after,
+        "target_loads": loads,
+    }
 
 
 def probe_non_regular_targets(tmp: Path, model: Any) -> Finding:
@@ -279,14 +298,16 @@ def probe_non_regular_targets(tmp: Path, model: Any) -> Finding:
         result = {"ok": False}
         done = threading.Event()
 
-        def attempt(path: Path = path, result: Finding = result) -> None:
+        def attempt(
+            path: Path = path, result: Finding = result, done: threading.Event = done
+        ) -> None:
             try:
                 s.save(path)
                 result["error"] = "saved"
             except colibri.ColibriError as e:
                 result["error"] = type(e).__name__
                 result["ok"] = not isinstance(e, colibri.InternalError)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 result["error"] = "untyped:" + type(e).__name__
             done.set()
 
@@ -308,11 +329,19 @@ def probe_bad_path_types(tmp: Path, model: Any) -> Finding:
     s.prefill("x = 1")
     got: dict[str, dict[str, str]] = {}
     ok = True
-    for label, value in [("int", 3), ("None", None), ("float", 1.5), ("list", ["a"]),
-                         ("empty", ""), ("bytes", os.fsencode(tmp / "b.ctx"))]:  # fmt: skip
+    for label, value in [
+        ("int", 3),
+        ("None", None),
+        ("float", 1.5),
+        ("list", ["a"]),
+        ("empty", ""),
+        ("bytes", os.fsencode(tmp / "b.ctx")),
+    ]:
         got[label] = {}
-        for op, call in [("save", lambda v=value: s.save(v)),
-                         ("load_session", lambda v=value: model.load_session(v))]:  # fmt: skip
+        for op, call in [
+            ("save", lambda v=value: s.save(v)),
+            ("load_session", lambda v=value: model.load_session(v)),
+        ]:
             try:
                 call()
                 got[label][op] = "ok"
@@ -320,7 +349,7 @@ def probe_bad_path_types(tmp: Path, model: Any) -> Finding:
             except colibri.ColibriError as e:
                 got[label][op] = type(e).__name__
                 ok = ok and not isinstance(e, colibri.InternalError)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 got[label][op] = "untyped:" + type(e).__name__
                 ok = False
     return {"ok": ok, **got}
@@ -358,7 +387,7 @@ def probe_nan_context(tmp: Path, model: Any) -> Finding:
             ok = False
         except colibri.SavedContextError as e:
             out[label] = "SavedContextError: " + str(e)[:120]
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             out[label] = type(e).__name__
             ok = False
     # The checksum recomputation itself is right: an unedited rewrite loads.
@@ -366,7 +395,7 @@ def probe_nan_context(tmp: Path, model: Any) -> Finding:
     try:
         model.load_session(tmp / "same.ctx")
         out["control_rewrite_loads"] = True
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["control_rewrite_loads"] = f"no: {type(e).__name__}: {e}"[:200]
         ok = False
     out["ok"] = ok
@@ -390,7 +419,9 @@ def section_saved(tmp: Path, model_dir: Path, quick: bool) -> dict[str, Finding]
 
 # ------------------------------------------------------------------------- spill directory
 
-_SPILL_FIFO = _CLASSIFY + """
+_SPILL_FIFO = (
+    _CLASSIFY
+    + """
 import os, time
 cache = sys.argv[2]
 m = colibri.Model(sys.argv[1], threads=1, cache_dir=cache, idle_session_budget=0)
@@ -419,6 +450,7 @@ res.append(round(time.monotonic() - t, 2))
 res.append(names)
 print(json.dumps(res))
 """
+)
 
 _SPILL_NAMES = """
 import json, os, sys, colibri
@@ -472,8 +504,11 @@ def probe_spill_names(tmp: Path, model_dir: Path) -> Finding:
     parts = [n.split("-") for n in names if n.endswith(".ctx")]
     random_part = all(len(p) >= 4 and len(p[1]) == 16 for p in parts)
     distinct = len({p[1] for p in parts}) == 2 if len(parts) >= 2 else False
-    return {"ok": random_part and distinct, "names": names,
-            "random_part_per_process": random_part and distinct}  # fmt: skip
+    return {
+        "ok": random_part and distinct,
+        "names": names,
+        "random_part_per_process": random_part and distinct,
+    }
 
 
 def probe_spill_crash_sweep(tmp: Path, model_dir: Path) -> Finding:
@@ -484,8 +519,11 @@ def probe_spill_crash_sweep(tmp: Path, model_dir: Path) -> Finding:
     for _ in range(3):
         p = subprocess.Popen(
             [sys.executable, "-c", _SPILL_NAMES, str(model_dir), str(cache), "hold"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(),
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
         assert p.stdout is not None
         p.stdout.readline()
         p.kill()
@@ -498,12 +536,18 @@ def probe_spill_crash_sweep(tmp: Path, model_dir: Path) -> Finding:
         "import colibri, sys, os, json\n"
         "m = colibri.Model(sys.argv[1], threads=1, cache_dir=sys.argv[2])\n"
         "print(json.dumps(len(os.listdir(os.path.join(sys.argv[2], 'sessions')))))",
-        str(model_dir), str(cache), timeout=60,
-    )  # fmt: skip
+        str(model_dir),
+        str(cache),
+        timeout=60,
+    )
     after = r.get("result")
-    return {"ok": left_by_a_kill == 3 and after == 0, "kills": 3,
-            "kills_that_left_spill_files": left_by_a_kill, "files_after_the_last_kill": left,
-            "after_next_open": after}  # fmt: skip
+    return {
+        "ok": left_by_a_kill == 3 and after == 0,
+        "kills": 3,
+        "kills_that_left_spill_files": left_by_a_kill,
+        "files_after_the_last_kill": left,
+        "after_next_open": after,
+    }
 
 
 def probe_spill_other_namespace(tmp: Path, model_dir: Path) -> Finding:
@@ -516,21 +560,37 @@ def probe_spill_other_namespace(tmp: Path, model_dir: Path) -> Finding:
     cache = tmp / "volume"
     holder = subprocess.Popen(
         [sys.executable, "-c", _SPILL_NAMES, str(model_dir), str(cache), "hold"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(),
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     assert holder.stdin is not None and holder.stdout is not None
     first = json.loads(holder.stdout.readline())
     code = (
         "import colibri, sys, os, json\n"
         "m = colibri.Model(sys.argv[1], threads=1, cache_dir=sys.argv[2])\n"
-        "print(json.dumps([os.getpid(), sorted(os.listdir(os.path.join(sys.argv[2], 'sessions')))]))"
+        "d = os.path.join(sys.argv[2], 'sessions')\n"
+        "print(json.dumps([os.getpid(), sorted(os.listdir(d))]))"
     )
     try:
         r = subprocess.run(
-            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code,
-             str(model_dir), str(cache)],
-            capture_output=True, text=True, timeout=90, env=_env(),
-        )  # fmt: skip
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                sys.executable,
+                "-c",
+                code,
+                str(model_dir),
+                str(cache),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            env=_env(),
+        )
     except (FileNotFoundError, subprocess.TimeoutExpired) as e:
         holder.kill()
         holder.wait()
@@ -548,9 +608,15 @@ def probe_spill_other_namespace(tmp: Path, model_dir: Path) -> Finding:
     spilled = [n for n in first[1] if n.endswith(".ctx")]
     kept = all(n in other[1] for n in spilled)
     reused = bool(restored_json) and restored_json[1] > 0
-    return {"ok": kept and reused, "holder_pid": first[0], "holder_files": first[1],
-            "other_namespace_pid": other[0], "files_after_its_open": other[1],
-            "live_spill_kept": kept, "holder_restored": restored_json}  # fmt: skip
+    return {
+        "ok": kept and reused,
+        "holder_pid": first[0],
+        "holder_files": first[1],
+        "other_namespace_pid": other[0],
+        "files_after_its_open": other[1],
+        "live_spill_kept": kept,
+        "holder_restored": restored_json,
+    }
 
 
 def probe_private_spill_dir(tmp: Path, model_dir: Path) -> Finding:
@@ -565,13 +631,19 @@ def probe_private_spill_dir(tmp: Path, model_dir: Path) -> Finding:
     victim = tmp / "victim"
     victim.write_bytes(b"secret")
     victim.chmod(0o600)
-    env = {k: v for k, v in _env().items() if k not in ("HOME", "XDG_CACHE_HOME", "COLIBRI_CACHE_DIR")}
+    env = {
+        k: v for k, v in _env().items() if k not in ("HOME", "XDG_CACHE_HOME", "COLIBRI_CACHE_DIR")
+    }
     env["TMPDIR"] = str(ttmp)
     r = run_py(_NO_CACHE, str(model_dir), timeout=90, env=env)
     res = r.get("result") or {}
-    ok = (res.get("dir_mode") == "0o700" and set(res.get("file_modes", [])) == {"0o600"}
-          and res.get("removed_with_model") is True and victim.read_bytes() == b"secret"
-          and list(planted.iterdir()) == [])  # fmt: skip
+    ok = (
+        res.get("dir_mode") == "0o700"
+        and set(res.get("file_modes", [])) == {"0o600"}
+        and res.get("removed_with_model") is True
+        and victim.read_bytes() == b"secret"
+        and list(planted.iterdir()) == []
+    )
     return {"ok": ok, **r}
 
 
@@ -592,12 +664,27 @@ class Server:
     """``colibri serve`` of the model on a free loopback port."""
 
     def __init__(self, model_dir: Path, *args: str, cache: Path) -> None:
-        cmd = [sys.executable, "-m", "colibri.cli", "serve", "-m", str(model_dir), "--port", "0",
-               "--threads", "1", *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "colibri.cli",
+            "serve",
+            "-m",
+            str(model_dir),
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            *args,
+        ]
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
             env=_env(COLIBRI_CACHE_DIR=str(cache)),
-        )  # fmt: skip
+        )
         self.log: list[str] = []
         assert self.proc.stdout is not None
         deadline = time.monotonic() + 90
@@ -621,8 +708,14 @@ class Server:
         for line in self.proc.stdout:
             self.log.append(line)
 
-    def request(self, method: str, path: str, body: bytes | None = None,
-                headers: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, bytes]:  # fmt: skip
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 120,
+    ) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
             hdrs = {"Content-Type": "application/json", **(headers or {})}
@@ -668,49 +761,104 @@ def probe_server_guards(model_dir: Path, tmp: Path) -> dict[str, Finding]:
     try:
         ok_body = {"model": "tiny", "prompt": "def f(", "max_tokens": 2}
         st, body = srv.request("POST", "/v1/completions", b"[" * 200_000)
-        out["deep_json_body"] = {"ok": st == 400 and _code(body) == "invalid_json", "status": st,
-                                 "code": _code(body)}  # fmt: skip
+        out["deep_json_body"] = {
+            "ok": st == 400 and _code(body) == "invalid_json",
+            "status": st,
+            "code": _code(body),
+        }
         # Nested under the parser's limit but deep for whatever walks it afterwards (JSON
         # text built by hand: the encoder's own recursion limit is lower).
         depth = 450
         schema = '{"type":"object","properties":{"a":' * depth + '{"type":"string"}' + "}}" * depth
         hi = '"model":"tiny","max_tokens":2,"messages":[{"role":"user","content":"hi"}]'
-        st_f, b_f = srv.request("POST", "/v1/chat/completions", (
-            '{' + hi + ',"response_format":{"type":"json_schema","json_schema":{"name":"x",'
-            '"schema":' + schema + '}}}').encode())  # fmt: skip
-        st_t, b_t = srv.request("POST", "/v1/chat/completions", (
-            '{' + hi + ',"tools":[{"type":"function","function":{"name":"f","parameters":'
-            + schema + '}}]}').encode())  # fmt: skip
+        st_f, b_f = srv.request(
+            "POST",
+            "/v1/chat/completions",
+            (
+                "{" + hi + ',"response_format":{"type":"json_schema","json_schema":{"name":"x",'
+                '"schema":' + schema + "}}}"
+            ).encode(),
+        )
+        st_t, b_t = srv.request(
+            "POST",
+            "/v1/chat/completions",
+            (
+                "{"
+                + hi
+                + ',"tools":[{"type":"function","function":{"name":"f","parameters":'
+                + schema
+                + "}}]}"
+            ).encode(),
+        )
         nested = "[" * 900 + '"x"' + "]" * 900
-        st_m, b_m = srv.request("POST", "/v1/chat/completions", (
-            '{"model":"tiny","max_tokens":2,"messages":[{"role":"user","content":' + nested
-            + "}]}").encode())  # fmt: skip
-        st_g, b_g = srv.request("POST", "/v1/completions", (
-            '{"model":"tiny","prompt":"x","max_tokens":2,"logit_bias":' + "[" * 900 + "]" * 900
-            + "}").encode())  # fmt: skip
+        st_m, b_m = srv.request(
+            "POST",
+            "/v1/chat/completions",
+            (
+                '{"model":"tiny","max_tokens":2,"messages":[{"role":"user","content":'
+                + nested
+                + "}]}"
+            ).encode(),
+        )
+        st_g, b_g = srv.request(
+            "POST",
+            "/v1/completions",
+            (
+                '{"model":"tiny","prompt":"x","max_tokens":2,"logit_bias":'
+                + "[" * 900
+                + "]" * 900
+                + "}"
+            ).encode(),
+        )
         out["deep_json_fields"] = {
             "ok": all(400 <= s < 500 or s == 200 for s in (st_f, st_t, st_m, st_g)),
-            "json_schema": [st_f, _code(b_f)], "tool_parameters": [st_t, _code(b_t)],
-            "message_content": [st_m, _code(b_m)], "logit_bias": [st_g, _code(b_g)],
-        }  # fmt: skip
+            "json_schema": [st_f, _code(b_f)],
+            "tool_parameters": [st_t, _code(b_t)],
+            "message_content": [st_m, _code(b_m)],
+            "logit_bias": [st_g, _code(b_g)],
+        }
         t = time.monotonic()
         st, body = srv.post("/v1/completions", {"model": "tiny", "prompt": "a" * (31 * MIB)})
-        out["huge_string_prompt"] = {"ok": st == 400, "status": st, "code": _code(body),
-                                     "seconds": round(time.monotonic() - t, 2)}  # fmt: skip
+        out["huge_string_prompt"] = {
+            "ok": st == 400,
+            "status": st,
+            "code": _code(body),
+            "seconds": round(time.monotonic() - t, 2),
+        }
         st, _ = srv.request("GET", "/stats", headers={"Host": "evil.example"})
-        st2, _ = srv.request("POST", "/v1/completions", json.dumps(ok_body).encode(),
-                             headers={"Host": "evil.example"})  # fmt: skip
+        st2, _ = srv.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(ok_body).encode(),
+            headers={"Host": "evil.example"},
+        )
         out["host_evil_example"] = {"ok": st == 403 and st2 == 403, "stats": st, "completions": st2}
-        st, _ = srv.request("POST", "/v1/completions", json.dumps(ok_body).encode(),
-                            headers={"Content-Type": "text/plain"})  # fmt: skip
-        st2, _ = srv.request("POST", "/v1/completions", json.dumps(ok_body).encode(),
-                             headers={"Origin": "http://evil.example"})  # fmt: skip
-        st3, _ = srv.request("POST", "/v1/completions", b"prompt=x",
-                             headers={"Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
+        st, _ = srv.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(ok_body).encode(),
+            headers={"Content-Type": "text/plain"},
+        )
+        st2, _ = srv.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(ok_body).encode(),
+            headers={"Origin": "http://evil.example"},
+        )
+        st3, _ = srv.request(
+            "POST",
+            "/v1/completions",
+            b"prompt=x",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
         st4, _ = srv.request("POST", "/v1/completions", json.dumps(ok_body).encode())
-        out["cross_site_posts"] = {"ok": st in (403, 415) and st2 == 403 and st3 in (403, 415)
-                                   and st4 == 200, "text_plain": st, "evil_origin": st2,
-                                   "form": st3, "control_json": st4}  # fmt: skip
+        out["cross_site_posts"] = {
+            "ok": st in (403, 415) and st2 == 403 and st3 in (403, 415) and st4 == 200,
+            "text_plain": st,
+            "evil_origin": st2,
+            "form": st3,
+            "control_json": st4,
+        }
     finally:
         srv.stop()
     return out
@@ -718,15 +866,23 @@ def probe_server_guards(model_dir: Path, tmp: Path) -> dict[str, Finding]:
 
 def probe_shutdown_503(model_dir: Path, tmp: Path) -> Finding:
     srv = Server(model_dir, "--max-batch", "1", "--sessions", "1", cache=tmp / "shut-cache")
-    long = {"model": "tiny", "prompt": "def f(", "max_tokens": 1900, "ignore_eos": True,
-            "temperature": 0, "stream": True, "draft": "off"}  # fmt: skip
+    long = {
+        "model": "tiny",
+        "prompt": "def f(",
+        "max_tokens": 1900,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "draft": "off",
+    }
     started = threading.Event()
 
     def run_long() -> None:
         conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
         with contextlib.suppress(OSError, http.client.HTTPException):
-            conn.request("POST", "/v1/completions", json.dumps(long),
-                         {"Content-Type": "application/json"})  # fmt: skip
+            conn.request(
+                "POST", "/v1/completions", json.dumps(long), {"Content-Type": "application/json"}
+            )
             r = conn.getresponse()
             started.set()
             while r.read(256):
@@ -736,7 +892,9 @@ def probe_shutdown_503(model_dir: Path, tmp: Path) -> Finding:
     threading.Thread(target=run_long, daemon=True).start()
     started.wait(30)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        queued = pool.submit(srv.post, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 4})
+        queued = pool.submit(
+            srv.post, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 4}
+        )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             _, body = srv.request("GET", "/stats")
@@ -746,7 +904,7 @@ def probe_shutdown_503(model_dir: Path, tmp: Path) -> Finding:
         srv.proc.send_signal(signal.SIGINT)
         try:
             st, body = queued.result(timeout=60)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             st, body = -1, str(e).encode()
     srv.stop()
     return {"ok": st == 503 and _code(body) == "shutting_down", "status": st, "code": _code(body)}
@@ -754,8 +912,18 @@ def probe_shutdown_503(model_dir: Path, tmp: Path) -> Finding:
 
 def probe_idle_sockets(quick: bool) -> Finding:
     n, seconds = (2000, 8) if quick else (10000, 20)
-    cmd = [sys.executable, str(ROOT / "tools" / "probe_idle_sockets.py"), "--sockets", str(n),
-           "--fd-limit", "1024", "--seconds", str(seconds), "--mode", "mixed"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "probe_idle_sockets.py"),
+        "--sockets",
+        str(n),
+        "--fd-limit",
+        "1024",
+        "--seconds",
+        str(seconds),
+        "--mode",
+        "mixed",
+    ]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120, env=_env())
     except subprocess.TimeoutExpired:
@@ -764,8 +932,12 @@ def probe_idle_sockets(quick: bool) -> Finding:
         res = json.loads(r.stdout[r.stdout.index("{") :])
     except ValueError:
         return {"ok": False, "rc": r.returncode, "stderr": r.stderr[-800:]}
-    ok = (res.get("health_failed", 1) == 0 and res.get("health_ok", 0) > 0
-          and res.get("server_alive") is True and res.get("server_emfile", 1) == 0)  # fmt: skip
+    ok = (
+        res.get("health_failed", 1) == 0
+        and res.get("health_ok", 0) > 0
+        and res.get("server_alive") is True
+        and res.get("server_emfile", 1) == 0
+    )
     return {"ok": ok, "sockets": n, "seconds": seconds, **res}
 
 
@@ -813,12 +985,38 @@ def _worst_requests() -> list[tuple[str, list[bytes], str]]:
     ucs4 = "a" * (31 * MIB - 8) + "\U0001f600"  # one astral character: 4 bytes per character
     chat = {"model": "tiny", "messages": [{"role": "user", "content": big}], "max_tokens": 4}
     comp = {"model": "tiny", "prompt": big, "max_tokens": 4}
-    wide_lists = b'{"model":"tiny","prompt":"x","max_tokens":2,"stop":[' + b"[]," * (10 * MIB) + b"[]]}"
-    wide_strings = (b'{"model":"tiny","max_tokens":2,"prompt":["ab"' + b',"ab"' * (6 * MIB) + b"]}")
+    wide_lists = (
+        b'{"model":"tiny","prompt":"x","max_tokens":2,"stop":[' + b"[]," * (10 * MIB) + b"[]]}"
+    )
+    wide_strings = b'{"model":"tiny","max_tokens":2,"prompt":["ab"' + b',"ab"' * (6 * MIB) + b"]}"
     ids = b'{"model":"tiny","max_tokens":2,"prompt":[' + b"1000," * (6 * MIB) + b"1]}"
-    bias = {"model": "tiny", "prompt": "x", "max_tokens": 2,
-            "logit_bias": {str(i): 1 for i in range(1_500_000)}}  # fmt: skip
+    bias = {
+        "model": "tiny",
+        "prompt": "x",
+        "max_tokens": 2,
+        "logit_bias": {str(i): 1 for i in range(1_500_000)},
+    }
     stops = {"model": "tiny", "prompt": "x", "max_tokens": 2, "stop": ["s" * 30] * 900_000}
+    # Just under the server's limit on JSON values (serve/app.py's MAX_JSON_VALUES, 2**21,
+    # an upper bound counted from the , [ and : outside strings): the most a body that is
+    # parsed can hold. An empty list counts 2 (its [ and the , after it), a message 4.
+    under = 2**21 - 64
+    wide_under = (
+        b'{"model":"tiny","prompt":"x","max_tokens":2,"stop":['
+        + b"[]," * (under // 2 - 8)
+        + b"[]]}"
+    )
+    bias_under = {
+        "model": "tiny",
+        "prompt": "x",
+        "max_tokens": 2,
+        "logit_bias": {str(i): 1 for i in range(under // 2 - 8)},
+    }
+    many_messages = {
+        "model": "tiny",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "a"}] * (under // 4 - 8),
+    }
     enc = lambda o: json.dumps(o).encode()  # noqa: E731
     return [
         ("completions_31MiB_string", [enc(comp)], "/v1/completions"),
@@ -830,14 +1028,46 @@ def _worst_requests() -> list[tuple[str, list[bytes], str]]:
         ("wide_json_10M_empty_lists", [wide_lists], "/v1/completions"),
         ("prompt_list_6M_strings", [wide_strings], "/v1/completions"),
         ("prompt_6M_token_ids", [ids], "/v1/completions"),
-        ("max_tokens_huge", [enc({"model": "tiny", "prompt": "def f(", "max_tokens": 2**62,
-                                  "ignore_eos": True})], "/v1/completions"),  # fmt: skip
+        ("wide_json_1M_empty_lists_under_the_limit", [wide_under], "/v1/completions"),
+        ("logit_bias_1M_entries_under_the_limit", [enc(bias_under)], "/v1/completions"),
+        ("chat_500k_messages_under_the_limit", [enc(many_messages)], "/v1/chat/completions"),
+        (
+            "max_tokens_huge",
+            [enc({"model": "tiny", "prompt": "def f(", "max_tokens": 2**62, "ignore_eos": True})],
+            "/v1/completions",
+        ),
         ("stop_900k_strings", [enc(stops)], "/v1/completions"),
         ("logit_bias_1.5M_entries", [enc(bias)], "/v1/completions"),
-        ("n_16", [enc({"model": "tiny", "prompt": "def f(", "max_tokens": 256, "n": 16,
-                       "ignore_eos": True})], "/v1/completions"),  # fmt: skip
-        ("batch_4_prompts_n_16", [enc({"model": "tiny", "prompt": ["def f("] * 4, "max_tokens": 256,
-                                       "n": 16, "ignore_eos": True})], "/v1/completions"),  # fmt: skip
+        (
+            "n_16",
+            [
+                enc(
+                    {
+                        "model": "tiny",
+                        "prompt": "def f(",
+                        "max_tokens": 256,
+                        "n": 16,
+                        "ignore_eos": True,
+                    }
+                )
+            ],
+            "/v1/completions",
+        ),
+        (
+            "batch_4_prompts_n_16",
+            [
+                enc(
+                    {
+                        "model": "tiny",
+                        "prompt": ["def f("] * 4,
+                        "max_tokens": 256,
+                        "n": 16,
+                        "ignore_eos": True,
+                    }
+                )
+            ],
+            "/v1/completions",
+        ),
     ]
 
 
@@ -850,6 +1080,8 @@ def section_rss(tmp: Path, model_dir: Path, quick: bool) -> dict[str, Finding]:
     kinds = _worst_requests()
     if quick:
         kinds = [k for k in kinds if "x3" not in k[0]]
+    if os.environ.get("PROBE_RSS_KINDS"):  # a comma-separated subset, by name
+        kinds = [k for k in kinds if k[0] in os.environ["PROBE_RSS_KINDS"].split(",")]
     for kind, bodies, path in kinds:
         srv = Server(model_dir, cache=tmp / "rss-cache")
         try:
@@ -859,17 +1091,26 @@ def section_rss(tmp: Path, model_dir: Path, quick: bool) -> dict[str, Finding]:
             sampler = PeakSampler(srv.proc.pid)
             t = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-                results = list(pool.map(lambda b, p=path: srv.request("POST", p, b, timeout=300), bodies))
+                results = list(
+                    pool.map(
+                        lambda b, p=path, srv=srv: srv.request("POST", p, b, timeout=300), bodies
+                    )
+                )
             seconds = time.monotonic() - t
             above = sampler.stop() - idle
             st, _ = srv.request("GET", "/health")
         finally:
             srv.stop()
-        out[kind] = {"ok": above <= limit and all(s < 500 for s, _ in results) and st == 200,
-                     "status": sorted({s for s, _ in results}), "code": _code(results[0][1]),
-                     "seconds": round(seconds, 2), "body_mib": round(len(bodies[0]) / MIB, 1),
-                     "at_once": len(bodies), "idle_mib": round(idle / MIB, 1),
-                     "peak_above_idle_mib": round(above / MIB, 1)}  # fmt: skip
+        out[kind] = {
+            "ok": above <= limit and all(s < 500 for s, _ in results) and st == 200,
+            "status": sorted({s for s, _ in results}),
+            "code": _code(results[0][1]),
+            "seconds": round(seconds, 2),
+            "body_mib": round(len(bodies[0]) / MIB, 1),
+            "at_once": len(bodies),
+            "idle_mib": round(idle / MIB, 1),
+            "peak_above_idle_mib": round(above / MIB, 1),
+        }
     return out
 
 
@@ -898,7 +1139,11 @@ def section_convert(tmp: Path, model_dir: Path, quick: bool) -> dict[str, Findin
     out: dict[str, Finding] = {}
 
     def files(d: Path) -> dict[str, bytes]:
-        return {p.name: p.read_bytes() for p in d.iterdir() if p.is_file() and not p.name.startswith(".")}
+        return {
+            p.name: p.read_bytes()
+            for p in d.iterdir()
+            if p.is_file() and not p.name.startswith(".")
+        }
 
     with _helpers() as community:
         cfg = community.tiny_config()
@@ -937,15 +1182,23 @@ def section_convert(tmp: Path, model_dir: Path, quick: bool) -> dict[str, Findin
         def truncated(p: Path) -> None:
             os.truncate(p, start(p) + 10)
 
-        for label, change in [("rewritten_in_place", in_place), ("zero_copy_renamed_over", renamed_over),
-                              ("truncated", truncated)]:  # fmt: skip
+        for label, change in [
+            ("rewritten_in_place", in_place),
+            ("zero_copy_renamed_over", renamed_over),
+            ("truncated", truncated),
+        ]:
             src, dst = source(f"src-{label}"), tmp / f"dst-{label}"
             path = first(src)
             size0 = path.stat().st_size
             job = _core.ConvertJob(str(src), str(dst), max_shard_bytes=shard)
             calls: list[int] = []
 
-            def hook(n: int, path: Path = path, change: Callable[[Path], None] = change) -> None:
+            def hook(
+                n: int,
+                path: Path = path,
+                change: Callable[[Path], None] = change,
+                calls: list[int] = calls,
+            ) -> None:
                 calls.append(n)
                 if len(calls) == 2:
                     change(path)
@@ -960,7 +1213,7 @@ def section_convert(tmp: Path, model_dir: Path, quick: bool) -> dict[str, Findin
                 res["names_file"] = e.filename == str(path) or str(path) in str(e)
                 message = str(e)
                 res["message"] = message[:300]
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 res["error"] = "untyped:" + type(e).__name__
                 res["message"] = str(e)[:300]
             del job
@@ -978,10 +1231,19 @@ def section_convert(tmp: Path, model_dir: Path, quick: bool) -> dict[str, Findin
                 res["rerun_equals_fresh_conversion"] = files(dst) == files(fresh)
             except ColibriError as e:
                 res["rerun_equals_fresh_conversion"] = f"typed error: {type(e).__name__}"
-            mid_ok = res["error"] is not None and not str(res["error"]).startswith("untyped") and res.get("names_file")
+            mid_ok = (
+                res["error"] is not None
+                and not str(res["error"]).startswith("untyped")
+                and res.get("names_file")
+            )
             res["ok"] = bool(mid_ok) and res["rerun_equals_fresh_conversion"] is True
             if label == "truncated":
-                res["ok"] = res["ok"] and res["names_offset"] and res["sizes_named"] and res["no_bare_io_message"]
+                res["ok"] = (
+                    res["ok"]
+                    and res["names_offset"]
+                    and res["sizes_named"]
+                    and res["no_bare_io_message"]
+                )
             out[label] = res
     return out
 
@@ -1016,8 +1278,12 @@ def main() -> int:
             report[name] = findings
             report[name + "_seconds"] = round(time.monotonic() - t, 1)
             bad += [f"{name}.{k}" for k, v in findings.items() if not v.get("ok", False)]
-            print(f"[{name}] {round(time.monotonic() - t, 1)} s, not ok: "
-                  f"{[k for k, v in findings.items() if not v.get('ok', False)]}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"[{name}] {round(time.monotonic() - t, 1)} s, not ok: "
+                f"{[k for k, v in findings.items() if not v.get('ok', False)]}",
+                file=sys.stderr,
+                flush=True,
+            )
     report["not_ok"] = bad
     print(json.dumps(report, default=str))
     return 1 if bad else 0

@@ -146,6 +146,26 @@ def test_create_completion_bounds_the_prompt_before_tokenising_it() -> None:
     assert time.monotonic() - t0 < 10
 
 
+def test_a_completions_batch_is_counted_before_any_prompt_is_tokenised() -> None:
+    """More prompts than the request's choices allow are refused from their count: 6M short
+    prompts were each tokenised first (50 s) before the count was checked."""
+    m = colibri.Model(threads=1)
+    calls = []
+    encode = m.encode
+
+    def counting(text: str, *a: Any, **kw: Any) -> list[int]:
+        calls.append(text)
+        return encode(text, *a, **kw)
+
+    m.encode = counting  # type: ignore[method-assign]
+    for prompt, n in [(["def f("] * 100_000, 1), (["def f("] * 5, 16), ([[1, 2]] * 65, 1)]:
+        with pytest.raises(colibri.InvalidArgumentError, match="prompts times n="):
+            m.create_completion(prompt, n=n, max_tokens=1)
+    assert calls == []
+    body = m.create_completion(["def f("] * 4, n=16, max_tokens=1)  # 64 choices: allowed
+    assert isinstance(body, dict) and len(body["choices"]) == 64 and len(calls) == 4
+
+
 def test_create_completion_and_chat_completion_return_openai_bodies() -> None:
     m = colibri.Model(threads=1)
     body = m.create_completion("def add(a, b):", max_tokens=8, temperature=0, logprobs=1)

@@ -140,10 +140,10 @@ tmp = os.environ["TMPDIR"]
 dirs = [d for d in os.listdir(tmp) if d.startswith("colibri-sessions-")]
 assert len(dirs) == 1, dirs
 d = os.path.join(tmp, dirs[0])
-files = os.listdir(d)
-assert len(files) == 1 and files[0].endswith(".ctx"), files
+files = sorted(os.listdir(d))  # the spill file, and the owner lock the sweep respects
+assert len(files) == 2 and files[0].endswith(".ctx") and files[1].endswith(".lock"), files
 mode = lambda p: oct(stat.S_IMODE(os.lstat(p).st_mode))
-print(mode(d), mode(os.path.join(d, files[0])))
+print(mode(d), *{mode(os.path.join(d, f)) for f in files})
 del a, b, m
 gc.collect()
 print(os.path.exists(d))
@@ -182,6 +182,30 @@ def test_a_spill_directory_others_can_write_or_redirect_is_refused(
         with pytest.raises(colibri.InvalidArgumentError, match=needle) as info:
             colibri.Model(test_model_dir, threads=1, cache_dir=cache)
         assert "spill_dir" in str(info.value)
+
+
+def test_spill_files_of_a_live_process_in_another_pid_namespace_are_kept(
+    test_model_dir: Path, tmp_path: Path
+) -> None:
+    """Containers sharing a cache volume see each other's pids as gone. A spill file whose
+    pid is gone here is swept at the next open only once its owner lock is free: the probe
+    (tools/probe_hostile.py, ``unshare --pid``) saw a second container's open delete a live
+    process's spill file, so its session prefilled again."""
+    import fcntl
+
+    sessions = tmp_path / "cache" / "sessions"
+    sessions.mkdir(parents=True, mode=0o700)
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    spill = sessions / f"{gone}-00000000feedf00d-1-1.ctx"
+    lock = sessions / f"{gone}-00000000feedf00d.lock"
+    spill.write_bytes(b"x")
+    lock.write_bytes(b"")
+    with lock.open("rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        colibri.Model(test_model_dir, threads=1, cache_dir=tmp_path / "cache")
+        assert spill.exists() and lock.exists()
+    colibri.Model(test_model_dir, threads=1, cache_dir=tmp_path / "cache")
+    assert not spill.exists() and not lock.exists()
 
 
 # ----------------------------------------------------------------------------- saved contexts

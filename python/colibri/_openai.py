@@ -435,19 +435,27 @@ def _completion_batch(
 ) -> tuple[list[list[int]], list[str] | None]:
     """A completions request's prompts, at most :data:`MAX_BATCH_CHOICES` choices in all,
     and with a ``suffix`` (fill-in-the-middle) the prompts' texts (what ``echo`` repeats)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        _check_batch_size(len(prompt), n)  # before any prompt is tokenised
     texts = _fim_texts(body, model)
     if texts is None:
         prompts = _completion_prompts(body.get("prompt"), model)
     else:
         prompts = [_completion_prompt(t, model) for t in texts]
         texts = [body["prompt"]] if isinstance(body["prompt"], str) else list(body["prompt"])
-    if len(prompts) * n > MAX_BATCH_CHOICES:
+    _check_batch_size(len(prompts), n)
+    return prompts, texts
+
+
+def _check_batch_size(prompts: int, n: int) -> None:
+    """At most :data:`MAX_BATCH_CHOICES` choices (prompts times ``n``) per request."""
+    if prompts * n > MAX_BATCH_CHOICES:
         raise invalid(
             "prompt",
-            f"{len(prompts)} prompts times n={n} choices; at most {MAX_BATCH_CHOICES} per "
+            f"{prompts} prompts times n={n} choices; at most {MAX_BATCH_CHOICES} per "
             "request: split the batch",
         )
-    return prompts, texts
 
 
 def _fim_texts(body: Mapping[str, Any], model: Model) -> list[str] | None:

@@ -132,6 +132,10 @@ pub fn save(path: &Path, model: &Expect<'_>, caches: &KvCaches, state: &CacheSta
             .create_new(true)
             .mode(0o600) // a conversation's KV: this user's alone
             .open(&tmp)?;
+        // Held until the rename: the sweep of dead savers' temporaries leaves a locked one
+        // (a live saver in another pid namespace, where its pid looks gone). Advisory and
+        // best effort: a filesystem without flock only loses that guard.
+        let _ = file.try_lock();
         let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
         w.write_all(MAGIC)?;
         w.write_all(&VERSION.to_le_bytes())?;
@@ -215,7 +219,8 @@ fn temporary_path(path: &Path) -> PathBuf {
 
 /// Remove the temporary files of saves to `path` whose process is gone (killed mid-save):
 /// they are ours (our prefix, a regular file) and nobody will finish them. Only where
-/// `/proc` tells which processes live.
+/// `/proc` tells which processes live, and only when no one holds the temporary's lock (a
+/// saver in another pid namespace, sharing the directory, whose pid looks gone here).
 fn remove_stale_temporaries(path: &Path) {
     if !Path::new("/proc/self").exists() {
         return;
@@ -238,10 +243,21 @@ fn remove_stale_temporaries(path: &Path) {
         };
         let alive = Path::new("/proc").join(pid.to_string()).exists();
         let regular = entry.file_type().is_ok_and(|t| t.is_file());
-        if !alive && regular {
+        if !alive && regular && unlocked(&entry.path()) {
             let _ = std::fs::remove_file(entry.path());
         }
     }
+}
+
+/// Whether nobody holds the advisory lock on the file at `path` (false when it cannot be
+/// opened: then it is kept).
+fn unlocked(path: &Path) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .is_ok_and(|f| f.try_lock().is_ok())
 }
 
 /// Read a context written by [`save`] into `caches` (made by the loading model's

@@ -269,8 +269,15 @@ fn concurrent_saves_to_one_path_never_mix_and_dead_saves_are_cleaned() {
     let ours = tmp
         .path()
         .join(format!(".shared.colibri.tmp.{}.999", std::process::id()));
+    // A save under way in another pid namespace (its pid gone here), holding its lock.
+    let elsewhere = tmp
+        .path()
+        .join(format!(".shared.colibri.tmp.{}.1", pid_max + 1));
     std::fs::write(&dead, b"left by a killed save").unwrap();
     std::fs::write(&ours, b"a save of this process, in flight").unwrap();
+    std::fs::write(&elsewhere, b"a save of another namespace, in flight").unwrap();
+    let saving = std::fs::File::open(&elsewhere).unwrap();
+    saving.try_lock().unwrap();
     std::thread::scope(|scope| {
         for e in [&a, &b] {
             let target = &target;
@@ -287,11 +294,23 @@ fn concurrent_saves_to_one_path_never_mix_and_dead_saves_are_cleaned() {
     });
     assert!(!dead.exists(), "a dead process's temporary file is removed");
     assert!(ours.exists(), "a live process's is not");
+    assert!(elsewhere.exists(), "nor a locked one whose pid looks gone");
+    drop(saving);
     let left: Vec<_> = std::fs::read_dir(tmp.path())
         .unwrap()
         .flatten()
         .map(|d| d.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(".shared.colibri.tmp.") && !n.ends_with(".999"))
+        .filter(|n| {
+            n.starts_with(".shared.colibri.tmp.") && !n.ends_with(".999") && !n.ends_with(".1")
+        })
         .collect();
     assert!(left.is_empty(), "{left:?}");
+    // Its lock free (that saver died), the next save sweeps it.
+    let s = a.new_session().unwrap();
+    run(&a, Some(&s), &PROMPT, false);
+    a.save_session(Some(&s), &target).unwrap();
+    assert!(
+        !elsewhere.exists(),
+        "an unlocked one of a gone pid is swept"
+    );
 }

@@ -54,6 +54,58 @@ fn spill_files_are_named_apart_and_dead_processes_files_are_swept() {
     );
 }
 
+/// Containers sharing a cache volume each have their own pid namespace, where the other's
+/// live process looks gone: its files are kept while it holds its owner lock (a spill
+/// file) or the temporary's lock (a save under way), and swept once the lock is free.
+#[test]
+fn files_of_a_process_whose_pid_looks_gone_are_kept_while_it_holds_its_lock() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spill = tmp.path().join("spill");
+    std::fs::create_dir_all(&spill).unwrap();
+    let pid_max: u64 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(4_194_304);
+    let elsewhere = pid_max + 1; // no such pid here: "another namespace's"
+    let nonce = "00000000feedf00d";
+    let ctx = spill.join(format!("{elsewhere}-{nonce}-1-1.ctx"));
+    let tmp_file = spill.join(format!(".{elsewhere}-{nonce}-1-2.ctx.tmp.{elsewhere}.0.1"));
+    let lock_path = spill.join(format!("{elsewhere}-{nonce}.lock"));
+    for f in [&ctx, &tmp_file, &lock_path] {
+        std::fs::write(f, b"x").unwrap();
+    }
+    let lock = std::fs::File::open(&lock_path).unwrap();
+    lock.try_lock().unwrap();
+    let e = open("python/colibri/models/tiny", &spill, Some(0));
+    assert!(
+        ctx.exists() && tmp_file.exists() && lock_path.exists(),
+        "a locked owner's files are kept"
+    );
+    // This engine holds its own lock once it spills.
+    let a = e.new_session().unwrap();
+    run(&e, Some(&a), &PROMPT, false);
+    let b = e.new_session().unwrap();
+    run(&e, Some(&b), &PROMPT, false);
+    assert!(a.is_evicted().unwrap());
+    let own: Vec<String> = std::fs::read_dir(&spill)
+        .unwrap()
+        .flatten()
+        .map(|d| d.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("{}-", std::process::id())) && n.ends_with(".lock"))
+        .collect();
+    assert_eq!(own.len(), 1, "{own:?}");
+    let held = std::fs::File::open(spill.join(&own[0])).unwrap();
+    assert!(held.try_lock().is_err(), "the engine holds its owner lock");
+    // The other process is gone: its lock free, its files swept at the next open.
+    drop(lock);
+    let _again = open("python/colibri/models/tiny", &spill, Some(0));
+    assert!(
+        !ctx.exists() && !tmp_file.exists() && !lock_path.exists(),
+        "a gone owner's files and lock are swept"
+    );
+    assert!(a.spill_path.is_file(), "a live engine's spill file is kept");
+}
+
 #[test]
 fn idle_sessions_beyond_the_budget_go_to_disk_and_come_back_intact() {
     let tmp = tempfile::tempdir().unwrap();

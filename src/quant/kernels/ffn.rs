@@ -201,10 +201,25 @@ fn experts_int8_decode(
     for (c, out) in calls.iter().zip(outs.iter()) {
         check_expert(c, out.len())?;
     }
-    let xs = calls
-        .iter()
-        .map(|c| DecodeActs::new(c.x, c.s, c.gate.cols(), c.gate.format()))
-        .collect::<Result<Vec<_>>>()?;
+    // At a decode step every routed expert and the shared one see the same row: quantise
+    // each distinct input once (quantisation is per row, so sharing changes no value).
+    let mut xs: Vec<DecodeActs> = Vec::new();
+    let mut x_of: Vec<usize> = Vec::with_capacity(calls.len());
+    for (i, c) in calls.iter().enumerate() {
+        let same = calls[..i].iter().zip(&x_of).find(|(d, _)| {
+            d.s == c.s
+                && d.gate.format() == c.gate.format()
+                && d.gate.cols() == c.gate.cols()
+                && d.x == c.x
+        });
+        match same {
+            Some((_, &k)) => x_of.push(k),
+            None => {
+                xs.push(DecodeActs::new(c.x, c.s, c.gate.cols(), c.gate.format())?);
+                x_of.push(xs.len() - 1);
+            }
+        }
+    }
     let mut gs: Vec<Vec<f32>> = calls
         .iter()
         .map(|c| vec![0.0; c.s * c.gate.rows()])
@@ -212,7 +227,8 @@ fn experts_int8_decode(
     let mut us: Vec<Vec<f32>> = gs.clone();
     {
         let mut jobs: Vec<DecodeJob<'_>> = Vec::with_capacity(2 * calls.len());
-        for (((c, x), g), u) in calls.iter().zip(&xs).zip(&mut gs).zip(&mut us) {
+        for (((c, &k), g), u) in calls.iter().zip(&x_of).zip(&mut gs).zip(&mut us) {
+            let x = &xs[k];
             jobs.push(DecodeJob { w: c.gate, x, y: g });
             jobs.push(DecodeJob { w: c.up, x, y: u });
         }

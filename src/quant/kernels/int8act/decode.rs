@@ -44,6 +44,9 @@ pub struct DecodeActs {
     pub(super) scales: Vec<f32>,
     /// [rows][chunks · 16]: `Σ xq` of each block (0 past the last block).
     pub(super) sums: Vec<i32>,
+    /// For rows of nb = 1, 2, 4 or 8 whole blocks: each row repeated 16 / nb times, so that one
+    /// 16-block chunk of weights holds 16 / nb weight rows ([`rows_packed`]).
+    packed: Option<Box<DecodeActs>>,
 }
 
 impl DecodeActs {
@@ -72,6 +75,7 @@ impl DecodeActs {
             lines: vec![Line([0; 64]); rows * blocks],
             scales: vec![0.0; rows * blocks],
             sums: vec![0; rows * blocks],
+            packed: None,
         };
         for r in 0..rows {
             let src = &x[r * cols..(r + 1) * cols];
@@ -83,6 +87,25 @@ impl DecodeActs {
             // SAFETY: the caller checked the CPU runs the VNNI kernel; each row's slices hold
             // `blocks` elements.
             unsafe { quantize_row(src, acts.int8, lines, scales, sums) };
+        }
+        let nb = cols / BLOCK;
+        if cols % BLOCK == 0 && matches!(nb, 1 | 2 | 4 | 8) {
+            // Quantisation is per block, so each copy is quantised as the row itself is.
+            let mut tiled = vec![0.0f32; rows * LANES * BLOCK];
+            for (dst, src) in tiled
+                .chunks_exact_mut(LANES * BLOCK)
+                .zip(x.chunks_exact(cols))
+            {
+                for copy in dst.chunks_exact_mut(cols) {
+                    copy.copy_from_slice(src);
+                }
+            }
+            acts.packed = Some(Box::new(DecodeActs::new(
+                &tiled,
+                rows,
+                LANES * BLOCK,
+                format,
+            )?));
         }
         Ok(acts)
     }
@@ -148,6 +171,12 @@ unsafe fn quantize_row(
 pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, out: OutColumns) {
     debug_assert_eq!(x.int8, w.format() == QuantFormat::Int8PerRow);
     let shift = offset_shift(w.format());
+    if let Some(packed) = x.packed.as_deref() {
+        if let Some(scales) = PackedScales::of(w.format()) {
+            // SAFETY: the caller's contract; `packed` is `x`'s rows tiled for `w`'s format.
+            return unsafe { rows_packed(w, o0, n, x.cols / BLOCK, packed, scales, out) };
+        }
+    }
     // Block scales of formats whose stored scales are not one per block (groups of 128 and
     // more): zero past the last block, and only the first `blocks` change from row to row.
     let mut ws = match w.format() {
@@ -213,6 +242,117 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, 
     }
 }
 
+/// How a packed chunk's weight scales are stored.
+#[derive(Clone, Copy)]
+enum PackedScales {
+    /// One per block (int4 in groups of 64): a packed chunk's 16 are contiguous.
+    PerBlock,
+    /// One per row (per-row int4 and int8): each serves its row's nb blocks.
+    PerRow,
+}
+
+impl PackedScales {
+    fn of(format: QuantFormat) -> Option<PackedScales> {
+        match format {
+            QuantFormat::Int4Grouped { group_size: BLOCK } => Some(PackedScales::PerBlock),
+            QuantFormat::Int4PerRow | QuantFormat::Int8PerRow => Some(PackedScales::PerRow),
+            _ => None,
+        }
+    }
+}
+
+/// [`rows`] for weight rows of `nb` whole blocks (nb = 1, 2, 4, 8), 16 / nb of them per
+/// 16-block chunk against `packed` (each activation row repeated 16 / nb times): block b of
+/// row r of the chunk lands in lane `r · nb + b`, as block b of that row alone lands in lane
+/// b. The reference sums lanes by halves (8, 4, 2, 1); lanes nb and up of a lone row hold +0
+/// (an `fma` onto +0 never gives −0), so the steps of distance nb and more change nothing
+/// and the steps nb / 2 … 1, done here inside each row's nb lanes, give its bits.
+///
+/// # Safety
+/// As [`rows`], with `packed` built from `x` by [`DecodeActs::new`] and `nb = w.cols() / 64`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn rows_packed(
+    w: &QMatrix<'_>,
+    o0: usize,
+    n: usize,
+    nb: usize,
+    packed: &DecodeActs,
+    scales: PackedScales,
+    out: OutColumns,
+) {
+    let shift = offset_shift(w.format());
+    let per = LANES / nb;
+    let rb = w.format().row_bytes(w.cols());
+    let (data, stored) = (w.data(), w.scales());
+    // Lane j of a packed chunk: block j mod nb of row j / nb.
+    let row_of: [i32; LANES] = std::array::from_fn(|j| (j / nb) as i32);
+    // The tree's steps inside a row: lane i + lane i + d for d = nb / 2 … 1.
+    let step = |d: usize| -> [i32; LANES] { std::array::from_fn(|i| ((i + d) % LANES) as i32) };
+    let steps: Vec<[i32; LANES]> = (0..nb.trailing_zeros())
+        .map(|k| step(nb >> (k + 1)))
+        .collect();
+    // The lanes that hold a row's sum: 0, nb, 2nb, …
+    let firsts: u16 = (0..per).fold(0, |m, r| m | 1 << (r * nb));
+    let mut o = o0;
+    while o < o0 + n {
+        let count = (o0 + n - o).min(per);
+        let blocks = count * nb;
+        let bytes = &data[o * rb..(o + count) * rb];
+        let lane_mask: u16 = if blocks >= LANES {
+            u16::MAX
+        } else {
+            (1u16 << blocks) - 1
+        };
+        // SAFETY: the features are enabled here; the loads read `count` stored scales (or
+        // `blocks`) from row o on, which exist (`o + count <= w.rows()`).
+        let ws = unsafe {
+            match scales {
+                PackedScales::PerBlock => RowScales::PerBlock(&stored[o * nb..(o + count) * nb]),
+                PackedScales::PerRow => {
+                    let row_mask: u16 = (1u32 << count).wrapping_sub(1) as u16;
+                    let v = _mm512_maskz_loadu_ps(row_mask, stored.as_ptr().add(o));
+                    let idx = _mm512_loadu_si512(row_of.as_ptr().cast());
+                    RowScales::Lanes(_mm512_maskz_mov_ps(
+                        lane_mask,
+                        _mm512_permutexvar_ps(idx, v),
+                    ))
+                }
+            }
+        };
+        let mut t0 = 0;
+        while t0 < packed.rows {
+            let na = (packed.rows - t0).min(4);
+            let mut v = [_mm512_setzero_ps(); 4];
+            // SAFETY: the features are enabled here; `t0 + na <= packed.rows`.
+            unsafe {
+                match na {
+                    4 => v = row_tile::<4>(bytes, ws, packed, t0, shift),
+                    3 => v[..3].copy_from_slice(&row_tile::<3>(bytes, ws, packed, t0, shift)),
+                    2 => v[..2].copy_from_slice(&row_tile::<2>(bytes, ws, packed, t0, shift)),
+                    _ => v[..1].copy_from_slice(&row_tile::<1>(bytes, ws, packed, t0, shift)),
+                }
+            }
+            for (a, mut l) in v.into_iter().take(na).enumerate() {
+                // SAFETY: the features are enabled here; `steps` hold 16 indices each; the
+                // store writes `count` columns o.. of row t0 + a, which are this task's.
+                unsafe {
+                    for s in &steps {
+                        let idx = _mm512_loadu_si512(s.as_ptr().cast());
+                        l = _mm512_add_ps(l, _mm512_permutexvar_ps(idx, l));
+                    }
+                    _mm512_mask_compressstoreu_ps(
+                        out.row_ptr(t0 + a, o).cast(),
+                        firsts & lane_mask,
+                        l,
+                    );
+                }
+            }
+            t0 += na;
+        }
+        o += count;
+    }
+}
+
 /// A tile's lane vectors into `lanes[t0 + a][i]`.
 #[inline(always)]
 fn put<const NA: usize>(lanes: &mut [[__m512; LANES]], t0: usize, i: usize, v: [__m512; NA]) {
@@ -228,6 +368,8 @@ enum RowScales<'a> {
     PerBlock(&'a [f32]),
     /// One for the whole row.
     PerRow(f32),
+    /// A packed chunk's 16 scales, ready (`rows_packed`).
+    Lanes(__m512),
 }
 
 impl RowScales<'_> {
@@ -259,6 +401,7 @@ impl RowScales<'_> {
                 RowScales::PerRow(v) => {
                     _mm512_maskz_mov_ps(mask(held.saturating_sub(base)), _mm512_set1_ps(v))
                 }
+                RowScales::Lanes(v) => v,
             }
         }
     }

@@ -90,24 +90,61 @@ impl DecodeActs {
         }
         let nb = cols / BLOCK;
         if cols % BLOCK == 0 && matches!(nb, 1 | 2 | 4 | 8) {
-            // Quantisation is per block, so each copy is quantised as the row itself is.
-            let mut tiled = vec![0.0f32; rows * LANES * BLOCK];
-            for (dst, src) in tiled
-                .chunks_exact_mut(LANES * BLOCK)
-                .zip(x.chunks_exact(cols))
-            {
-                for copy in dst.chunks_exact_mut(cols) {
-                    copy.copy_from_slice(src);
-                }
-            }
-            acts.packed = Some(Box::new(DecodeActs::new(
-                &tiled,
-                rows,
-                LANES * BLOCK,
-                format,
-            )?));
+            acts.packed = Some(Box::new(acts.tiled(x, nb)));
         }
         Ok(acts)
+    }
+
+    /// These rows (of `nb` whole blocks, `x` their values) repeated 16 / nb times, as
+    /// [`DecodeActs::new`] of the repeated values would quantise and lay them out: quantisation
+    /// is per block, so the lines, scales and sums are copies of the row's own. Only an int4
+    /// row of one block quantises again, as two copies, because an int4 line holds a pair of
+    /// blocks.
+    fn tiled(&self, x: &[f32], nb: usize) -> DecodeActs {
+        let blocks = self.chunks * LANES;
+        // Blocks per repeated unit, and the unit's lines, scales and sums per row.
+        let unit = if !self.int8 && nb == 1 { 2 } else { nb };
+        let mut units: Vec<(Vec<Line>, Vec<f32>, Vec<i32>)> = Vec::with_capacity(self.rows);
+        for r in 0..self.rows {
+            if unit == nb {
+                let at = r * blocks..r * blocks + nb;
+                units.push((
+                    self.lines[at.clone()].to_vec(),
+                    self.scales[at.clone()].to_vec(),
+                    self.sums[at].to_vec(),
+                ));
+            } else {
+                let row = &x[r * self.cols..(r + 1) * self.cols];
+                let pair: Vec<f32> = row.iter().chain(row).copied().collect();
+                // The pair is quantised into one 16-block chunk, of which 2 blocks are used.
+                let (mut lines, mut scales, mut sums) =
+                    (vec![Line([0; 64]); LANES], vec![0.0; LANES], vec![0; LANES]);
+                // SAFETY: `new` checked the CPU runs the VNNI kernel; 16 elements each.
+                unsafe { quantize_row(&pair, false, &mut lines, &mut scales, &mut sums) };
+                lines.truncate(2);
+                scales.truncate(2);
+                sums.truncate(2);
+                units.push((lines, scales, sums));
+            }
+        }
+        let mut tiled = DecodeActs {
+            rows: self.rows,
+            cols: LANES * BLOCK,
+            chunks: 1,
+            int8: self.int8,
+            lines: Vec::with_capacity(self.rows * LANES),
+            scales: Vec::with_capacity(self.rows * LANES),
+            sums: Vec::with_capacity(self.rows * LANES),
+            packed: None,
+        };
+        for (lines, scales, sums) in &units {
+            for _ in 0..LANES / unit {
+                tiled.lines.extend_from_slice(lines);
+                tiled.scales.extend_from_slice(scales);
+                tiled.sums.extend_from_slice(sums);
+            }
+        }
+        tiled
     }
 
     /// Whether these activations are laid out for weights of `format`.

@@ -469,8 +469,8 @@ class Model(ChatMixin):
         (``"auto"``, ``"on"``, ``"off"``), ``resident``, ``bytes`` (the MTP layer's routed
         experts), ``reason`` and ``mtp_drafting`` (False when ``"auto"`` could not keep the
         layer resident: ``draft="auto"`` drafts by prompt lookup)), and what was decided at
-        load: ``max_context``, ``decode`` and ``prefill`` (the arithmetic of decode steps and of prompts, ``"exact"``
-        or ``"int8"``), ``row_invariant`` (True when they agree: every row's logits depend on
+        load: ``max_context``, ``decode`` and ``prefill`` (the arithmetic of decode steps and
+        of prompts, ``"exact"`` or ``"int8"``), ``row_invariant`` (True when they agree: every row's logits depend on
         its own tokens alone), ``lookahead`` (whether decode predicts the next layer's
         experts to prefetch them) and ``routing``: ``experts_per_token`` (routed experts per
         token in effect) and ``num_experts_per_tok`` (the model's own k; the two differ only

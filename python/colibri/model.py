@@ -462,18 +462,18 @@ class Model(ChatMixin):
 
     # ----------------------------------------------------------------------------- info
     def info(self) -> dict[str, Any]:
-        """Config summary, container formats and byte sizes per tensor role, and the memory
-        plan (see :func:`model_info`; ``memory["ram_budget_bytes"]`` is the experts' whole
-        allowance, ``memory["mtp_resident_bytes"]`` the part of it that ``pin_mtp`` added on
-        top of ``ram_budget``, ``memory["pin_mtp"]`` what ``pin_mtp`` decided: ``mode``
-        (``"auto"``, ``"on"``, ``"off"``), ``resident``, ``bytes`` (the MTP layer's routed
-        experts), ``reason`` and ``mtp_drafting`` (False when ``"auto"`` could not keep the
-        layer resident: ``draft="auto"`` drafts by prompt lookup)), and what was decided at
-        load: ``max_context``, ``decode`` and ``prefill`` (the arithmetic of decode steps and
-        of prompts, ``"exact"`` or ``"int8"``), ``row_invariant`` (True when they agree: every row's logits depend on
-        its own tokens alone), ``lookahead`` (whether decode predicts the next layer's
-        experts to prefetch them) and ``routing``: ``experts_per_token`` (routed experts per
-        token in effect) and ``num_experts_per_tok`` (the model's own k; the two differ only
+        """Config summary, container formats and byte sizes per tensor role, and the memory plan
+        (see :func:`model_info`; ``memory["ram_budget_bytes"]`` is the experts' whole allowance,
+        ``memory["mtp_resident_bytes"]`` the part of it that ``pin_mtp`` added on top of
+        ``ram_budget``, ``memory["pin_mtp"]`` what ``pin_mtp`` decided: ``mode`` (``"auto"``,
+        ``"on"``, ``"off"``), ``resident``, ``bytes`` (the MTP layer's routed experts),
+        ``reason`` and ``mtp_drafting`` (False when ``"auto"`` could not keep the layer resident:
+        ``draft="auto"`` drafts by prompt lookup)), and what was decided at load:
+        ``max_context``, ``decode`` and ``prefill`` (the arithmetic of decode steps and of
+        prompts, ``"exact"`` or ``"int8"``), ``row_invariant`` (True when they agree: every row's
+        logits depend on its own tokens alone), ``lookahead`` (whether decode predicts the next
+        layer's experts to prefetch them) and ``routing``: ``experts_per_token`` (routed experts
+        per token in effect) and ``num_experts_per_tok`` (the model's own k; the two differ only
         when ``experts_per_token`` chose fewer, which changes the output)."""
         info = model_info(self.path, mtp_loaded=self.has_mtp)
         stats, decided = self._engine.expert_stats(), self._engine.info()

@@ -90,6 +90,21 @@ def _mtp_layers(path: Path) -> list[int]:
     return list(range(first, first + count))
 
 
+def _mtp_expert_layers(path: Path) -> list[int]:
+    """The MTP layers of the model at ``path`` that have routed experts in its container (a
+    config may declare more MTP layers than the checkpoint holds)."""
+    cfg = _core.model_config(path)
+    first, count = int(cfg["num_hidden_layers"]), int(cfg["num_nextn_predict_layers"])
+    found: set[int] = set()
+    for name in _core.Container(str(path)).names():
+        parts = name.split(".")
+        if name.startswith("model.layers.") and ".mlp.experts." in name and parts[2].isdigit():
+            layer = int(parts[2])
+            if first <= layer < first + count:
+                found.add(layer)
+    return sorted(found)
+
+
 def _decide_pin_mtp(
     path: Path, mode: str, *, mtp: bool, budget: int | None, draft: str
 ) -> PinMtpChoice:
@@ -301,7 +316,7 @@ class Model(ChatMixin):
             ram_budget=budget,
             prefetch=prefetch,
             mtp=bool(mtp),
-            resident_layers=_mtp_layers(self.path) if self._pin_mtp.resident else None,
+            resident_layers=_mtp_expert_layers(self.path) if self._pin_mtp.resident else None,
             max_context=context,
             cache_dir=None if cache_dir is None else os.fspath(cache_dir),
             idle_session_bytes=idle,

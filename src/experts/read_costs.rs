@@ -147,7 +147,11 @@ impl ReadCosts {
 }
 
 fn layer_of(stats: &StoreStats, layer: usize) -> Option<&LayerStats> {
-    stats.layers.iter().find(|(l, _)| *l == layer).map(|(_, s)| s)
+    stats
+        .layers
+        .iter()
+        .find(|(l, _)| *l == layer)
+        .map(|(_, s)| s)
 }
 
 #[cfg(test)]

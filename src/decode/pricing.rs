@@ -75,6 +75,9 @@ fn finite(x: f64) -> f64 {
 
 /// A draft priced by its bytes must be worth this much more than what it costs.
 pub const BYTE_MARGIN: f64 = 1.05;
+/// The acceptance expected of a first draft before any was measured (the depth controller's
+/// prior): what the bytes of a probe are weighed against.
+pub const PRIOR_ACCEPTANCE: f64 = 0.5;
 
 /// Where the price check stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -165,6 +168,10 @@ impl DraftPricing {
             Engagement::Probing if self.pairs.len() < Self::PAIRS => {
                 if first || self.last_plain.is_none() {
                     Step::Plain
+                } else if self.bytes_rule_out() {
+                    // Not even worth probing: a probe's own rows would read those bytes.
+                    self.state = Engagement::PricedOut;
+                    Step::Plain
                 } else {
                     Step::Probe
                 }
@@ -228,6 +235,18 @@ impl DraftPricing {
         let plains: Vec<f64> = self.pairs.iter().map(|p| p.0).collect();
         let extras: Vec<f64> = self.pairs.iter().map(|p| p.1 - p.0).collect();
         (median(&plains), median(&extras).max(0.0))
+    }
+
+    /// Whether the bytes alone make drafting lose: a depth-1 cycle at the expected acceptance
+    /// ([`PRIOR_ACCEPTANCE`]) emits 1 + a tokens for a plain step plus one draft token's
+    /// reads, which must beat 1 + a plain steps by [`BYTE_MARGIN`]. False when reads are
+    /// free (every expert in RAM) or no plain step was measured yet.
+    fn bytes_rule_out(&self) -> bool {
+        let read = self.bytes.draft_token_secs(true);
+        let Some(plain) = self.last_plain.or_else(|| self.pairs.first().map(|p| p.0)) else {
+            return false;
+        };
+        read > 0.0 && (1.0 + PRIOR_ACCEPTANCE) * plain <= BYTE_MARGIN * (plain + read)
     }
 
     /// The engagement test (module docs). Priced by bytes as well, the extra row costs at

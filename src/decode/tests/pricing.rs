@@ -132,9 +132,10 @@ fn cheap_compute(bytes: ByteCosts) -> MockConfig {
     }
 }
 
-/// Disk-bound, a draft's bytes cost as much as a plain step: the defaults never engage the
-/// MTP layer (whatever the measured compute says), and decode plainly. In RAM the same mock
-/// drafts, and a byte price of a few percent of a step does not stop it.
+/// Disk-bound, a draft's bytes cost about a plain step: the defaults never engage the MTP
+/// layer (whatever the measured compute says), do not even probe (a probe's row would read
+/// those bytes), and decode plainly. In RAM the same mock drafts, and a byte price of a few
+/// percent of a step does not stop it.
 #[test]
 fn a_disk_bound_target_stops_drafting_and_an_in_ram_one_does_not() {
     let prompt = [1, 2, 3];
@@ -151,11 +152,16 @@ fn a_disk_bound_target_stops_drafting_and_an_in_ram_one_does_not() {
         let g = defaults(&mut t, &mut state, &prompt, n);
         assert_eq!(g.tokens, plain(&cfg, &prompt, n), "{bytes:?}");
         if drafts {
-            assert!(t.mtp_calls > 0 && g.stats.tokens_per_forward > 1.5, "{bytes:?}: {:?}", g.stats);
+            assert!(
+                t.mtp_calls > 0 && g.stats.tokens_per_forward > 1.5,
+                "{bytes:?}: {:?}",
+                g.stats
+            );
             assert!(!state.mtp_priced_out());
         } else {
             assert_eq!(t.mtp_calls, 0, "{bytes:?}: the MTP layer ran");
-            assert_eq!(g.stats.proposed, DraftPricing::PAIRS as u64, "only the probes");
+            assert_eq!(g.stats.proposed, 0, "{bytes:?}: probed");
+            assert_eq!(g.stats.forwards as usize, t.step_calls);
             assert!(state.mtp_priced_out());
         }
     }
@@ -176,7 +182,11 @@ fn the_depth_controller_prices_drafts_by_their_bytes() {
             ..MockConfig::default()
         };
         let mut t = MockTarget::new(cfg);
-        let plain = gen(&mut t, &prompt, &opts(DraftSource::Off, DraftDepth::Auto, n));
+        let plain = gen(
+            &mut t,
+            &prompt,
+            &opts(DraftSource::Off, DraftDepth::Auto, n),
+        );
         let mut reference = prompt.to_vec();
         reference.extend(&plain.tokens);
         let mut d = ForcedDrafter {

@@ -1,5 +1,6 @@
-//! What a read costs, as the store measured it: seconds per byte of the demand reads and each
-//! layer's miss rate, for the decode loop to price a draft by the bytes it will read
+//! What a read costs, as the store measured it: seconds per byte read (the wall time during
+//! which reads were in flight, per byte: the rate the store moves bytes with its I/O threads
+//! in parallel, what an extra expert of a verify's union adds) and each layer's miss rate, for the decode loop to price a draft by the bytes it will read
 //! (docs/speculative.md, "Priced drafting"). Updated from the store's counters each time it
 //! is asked (the decode loop asks every 16 cycles): the change since the last ask, blended
 //! into a running estimate, so a cache that warms up is priced as it now is.
@@ -18,7 +19,7 @@ const MIN_ROUTED: u64 = 8;
 /// What a draft's reads cost, for the `k` routed experts per token in effect.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ReadPrice {
-    /// Measured seconds of waiting per byte read (demand and prefetch bytes).
+    /// Measured seconds per byte read: `io_busy_ns / bytes_read` (demand and prefetch).
     pub secs_per_byte: f64,
     /// Expected bytes one more row of a verify reads in the main layers: per layer, its
     /// `k` experts less those the batch's other row already routes (k/n of them on
@@ -57,7 +58,8 @@ pub struct ReadCosts {
     secs_per_byte: Option<f64>,
     /// (layer, miss rate) estimates.
     miss: Vec<(usize, f64)>,
-    /// The counters at the last update: totals (bytes, wait) and per layer (routed, misses).
+    /// The counters at the last update: totals (bytes read, I/O busy ns) and per layer
+    /// (routed, misses).
     last_total: (u64, u64),
     last_layers: Vec<(usize, u64, u64)>,
 }
@@ -72,7 +74,7 @@ impl ReadCosts {
         k: usize,
         mtp_layer: Option<usize>,
     ) -> ReadPrice {
-        let (bytes, wait) = (stats.total.bytes_read, stats.total.wait_ns);
+        let (bytes, wait) = (stats.total.bytes_read, stats.io_busy_ns);
         // Counters go back to 0 on `reset_stats`: start the interval again.
         let (b0, w0) = if bytes < self.last_total.0 || wait < self.last_total.1 {
             (0, 0)
@@ -158,10 +160,10 @@ fn layer_of(stats: &StoreStats, layer: usize) -> Option<&LayerStats> {
 mod tests {
     use super::*;
 
-    fn stats(bytes: u64, wait_ns: u64, layers: &[(usize, u64, u64)]) -> StoreStats {
+    fn stats(bytes: u64, busy_ns: u64, layers: &[(usize, u64, u64)]) -> StoreStats {
         let mut s = StoreStats::default();
         s.total.bytes_read = bytes;
-        s.total.wait_ns = wait_ns;
+        s.io_busy_ns = busy_ns;
         for &(l, routed, misses) in layers {
             let ls = LayerStats {
                 routed,
@@ -206,7 +208,7 @@ mod tests {
         assert!((p.mtp_row_bytes - 2.0 * mib).abs() < 1.0);
         assert_eq!(p.mtp_missing_bytes, 16.0 * mib);
         assert_eq!(p.secs_per_byte, PRIOR_SECS_PER_BYTE);
-        // Measured: every other request missed; 8 ms of waiting for 4 MiB read.
+        // Measured: every other request missed; reads in flight for 8 ms to read 4 MiB.
         let s = stats(4 << 20, 8_000_000, &[(1, 100, 50), (4, 100, 100)]);
         let p = c.update(&s, &shapes, 2, Some(4));
         let spb = 8e-3 / (4u64 << 20) as f64;

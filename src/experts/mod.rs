@@ -217,6 +217,23 @@ impl ExpertStore {
         lock(&self.inner.read_costs).update(&stats, &shapes, k, mtp_layer)
     }
 
+    /// Whether every streamed layer's LRU share holds at least `2·k` of its experts: room
+    /// for a prefetched token's `k` beside the `k` the current token uses (the eviction
+    /// guard protects those). With less, a prefetch can only be refused or evict what the
+    /// next token needs, and on a disk-bound host its reads compete with the demand reads
+    /// (docs/benchmarks.md, disk-bound decode).
+    pub fn has_room_to_prefetch(&self, k: usize) -> bool {
+        self.inner.layers.iter().flatten().all(|ls| {
+            let cache = lock(&ls.cache);
+            let bytes: u64 = ls.est.iter().sum();
+            if cache.capacity() + cache.pin_set_bytes() >= bytes || ls.est.is_empty() {
+                return true; // held whole (resident, or a budget that fits it)
+            }
+            let mean = bytes / ls.est.len() as u64;
+            cache.capacity() >= 2 * k as u64 * mean
+        })
+    }
+
     /// Whether every routed expert can be resident at once: each layer's LRU share and pins
     /// hold all of its experts, so once each has been read no expert is ever read again.
     pub fn holds_every_expert(&self) -> bool {

@@ -148,8 +148,9 @@ class Model(ChatMixin):
             ``"auto"``.
         prefetch: router-lookahead prefetch: ``"off"``, ``"hint"`` (page-cache hints),
             ``"real"`` (loads into the cache), or ``"auto"`` (``"real"``, and no lookahead at
-            all when ``ram_budget`` holds every routed expert: nothing is read twice then;
-            ``info()["lookahead"]`` says which).
+            all when ``ram_budget`` holds every routed expert: nothing is read twice then,
+            or when a streamed layer's share of it holds fewer than 2·k experts: no room
+            for a prefetch beside the current token's; ``info()["lookahead"]`` says which).
         draft: default drafter for :meth:`generate`: ``"auto"`` (MTP when the model has a
             head, else n-gram), ``"mtp"``, ``"ngram"`` or ``"off"``.
         draft_depth: default draft depth, 1-8, or ``"auto"`` (chosen online from measured

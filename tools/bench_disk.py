@@ -204,7 +204,7 @@ def run_cell(
 ) -> dict[str, Any]:
     """One cold run of one cell; decode-only counters."""
     draft, depth = DRAFTS[cell["draft"]]
-    if args.pin_mtp == "auto" and args.mtp_layer is not None:
+    if getattr(args, "pin_mtp", "off") == "auto" and args.mtp_layer is not None:
         from colibri.model import _decide_pin_mtp
 
         choice = _decide_pin_mtp(model, "auto", mtp=True, budget=budget, draft=draft)

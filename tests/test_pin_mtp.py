@@ -70,9 +70,11 @@ def test_auto_that_does_not_fit_starts_with_mtp_drafting_disabled(
     assert auto.stats.mtp_forwards == 0
     assert auto.token_ids == plain.token_ids
     assert m._engine.expert_stats()["layers"][layer]["misses"] == 0
-    # An explicit draft="mtp" still runs, streamed.
-    mtp_run = m.generate("def f(x):", max_new_tokens=16, temperature=0, draft="mtp")
+    # An explicit draft="mtp" at a fixed depth still runs, streamed (at the automatic depth
+    # its drafts are priced by the bytes they read).
+    mtp_run = m.generate("def f(x):", max_new_tokens=16, temperature=0, draft="mtp", draft_depth=2)
     assert mtp_run.stats.mtp_forwards > 0 and mtp_run.token_ids == plain.token_ids
+    assert m._engine.expert_stats()["layers"][layer]["misses"] > 0
 
 
 def test_pin_mtp_true_that_does_not_fit_says_what_to_do(

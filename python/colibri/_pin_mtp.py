@@ -132,7 +132,7 @@ def decide(
                 "pin_mtp=True, but this model has no MTP layer (or mtp=False); use "
                 "pin_mtp='auto' or False"
             )
-        return PinMtpChoice("auto", False, 0, "no MTP layer", False)
+        return PinMtpChoice("auto", False, 0, "no MTP layer (or mtp=False)", False)
     if mode == "on":
         if not fits:
             raise InvalidArgumentError(

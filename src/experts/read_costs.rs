@@ -11,8 +11,9 @@ use super::stats::{LayerStats, StoreStats};
 pub const PRIOR_SECS_PER_BYTE: f64 = 1e-9;
 /// Weight of the newest interval in the running estimates.
 const BLEND: f64 = 0.5;
-/// An interval counts for the per-byte cost once this many bytes were read in it.
-const MIN_BYTES: u64 = 1 << 20;
+/// An interval counts for the per-byte cost once this many bytes were read in it (small
+/// models' experts are a few KiB: they are measured too, not left at the prior).
+const MIN_BYTES: u64 = 64 << 10;
 /// An interval counts for a layer's miss rate once this many experts were routed in it.
 const MIN_ROUTED: u64 = 8;
 

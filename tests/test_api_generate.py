@@ -96,14 +96,22 @@ def test_result_and_stats(model: colibri.Model) -> None:
         ({"prefetch": "off"}, False),
         ({"prefetch": "real"}, True),
         ({"prefetch": "hint"}, True),
-        # Too small for every expert: "auto" keeps the lookahead.
-        ({"ram_budget": "200KB"}, True),
+        # Too small for every expert (each layer's share holds 12 of 16): "auto" keeps the
+        # lookahead.
+        ({"ram_budget": "300KB"}, True),
+        # A share of 4 experts, fewer than 2·k = 8: no room to prefetch, no lookahead.
+        ({"ram_budget": "100KB"}, False),
     ],
 )
 def test_lookahead_runs_unless_off_or_every_expert_fits(
-    test_model_dir: Path, model: colibri.Model, kwargs: dict[str, Any], lookahead: bool
+    test_model_dir: Path,
+    model: colibri.Model,
+    kwargs: dict[str, Any],
+    lookahead: bool,
+    tmp_path: Path,
 ) -> None:
-    m = colibri.Model(test_model_dir, threads=1, **kwargs)
+    # A fresh cache directory: no routing history, so no pins take a share of the budget.
+    m = colibri.Model(test_model_dir, threads=1, cache_dir=tmp_path, **kwargs)
     assert m.info()["lookahead"] is lookahead
     kw: dict[str, Any] = {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": []}
     out = m.generate("The quick brown fox", **kw)

@@ -507,7 +507,7 @@ def test_pin_mtp_goes_beyond_the_budget_while_the_history_pins_the_rest(
     # Pinned: the MTP layer's experts (loaded at open) and some history pins (loaded on use).
     assert st["pinned_bytes"] == mem["mtp_resident_bytes"]
     assert st["pin_set_len"] > m.info()["config"]["n_routed_experts"], "no history pins"
-    plain = colibri.Model(model_dir, cache_dir=tmp_path / "cache", ram_budget=budget)
+    plain = colibri.Model(model_dir, cache_dir=tmp_path / "cache", ram_budget=budget, pin_mtp=False)
     assert plain.info()["memory"]["mtp_resident_bytes"] == 0
     assert plain.info()["memory"]["ram_budget_bytes"] == budget
     a = m.generate("def f(x):", max_new_tokens=12, temperature=0, draft="mtp", draft_depth=2)

@@ -162,7 +162,7 @@ def test_pin_mtp_keeps_the_mtp_layer_resident(standin: Path) -> None:
     import colibri
 
     m = colibri.Model(standin, io="pread", ram_budget=0, prefetch="off", pin_mtp=True)
-    plain = colibri.Model(standin, io="pread", ram_budget=0, prefetch="off")
+    plain = colibri.Model(standin, io="pread", ram_budget=0, prefetch="off", pin_mtp=False)
     st = m._engine.expert_stats()
     assert st["pinned_bytes"] > 0 and st["budget_bytes"] == st["pinned_bytes"]
     mtp_layer = json.loads((standin / "config.json").read_text())["num_hidden_layers"]

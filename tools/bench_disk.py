@@ -28,8 +28,11 @@ Pins ``learned``: the routing history of a *different* workload (``LEARN_PROMPTS
 once, draft off, into a scratch cache) is put in a fresh scratch cache directory before each
 such run and removed after it, so measured runs never teach the pins what they are then tested
 on (nor write into the stand-in or the user's cache).
-``--pin-mtp`` keeps the MTP layer's experts resident (loaded at open, beyond the budget), as a
-user with RAM to spare would, so a draft step costs compute, not disk (docs/benchmarks.md).
+``--pin-mtp`` (or ``--pin-mtp on``) keeps the MTP layer's experts resident (loaded at open, beyond
+the budget), as a user with RAM to spare would, so a draft step costs compute, not disk
+(docs/benchmarks.md). ``--pin-mtp auto`` decides per cell as ``colibri.Model``'s default does
+(``colibri._pin_mtp``): resident when the cell drafts and the layer fits in this host's free
+memory, else the cell's ``draft="auto"`` starts with MTP drafting disabled (prompt lookup).
 """
 
 from __future__ import annotations
@@ -201,6 +204,13 @@ def run_cell(
 ) -> dict[str, Any]:
     """One cold run of one cell; decode-only counters."""
     draft, depth = DRAFTS[cell["draft"]]
+    if getattr(args, "pin_mtp", "off") == "auto" and args.mtp_layer is not None:
+        from colibri.model import _decide_pin_mtp
+
+        choice = _decide_pin_mtp(model, "auto", mtp=True, budget=budget, draft=draft)
+        resident = [args.mtp_layer] if choice.resident else []
+        if draft == "auto" and not choice.mtp_drafting:
+            draft = "ngram"  # as Model does: MTP drafting starts disabled
     learned = cell["pins"] == "learned"
     if learned:
         usage.install()
@@ -265,6 +275,8 @@ def run_cell(
         "verify_s": st["verify_seconds"],
         "depth_histogram": st["depth_histogram"],
         "pinned_bytes": end["pinned_bytes"],
+        "mtp_resident": bool(resident),
+        "draft_run": draft,
     }
 
 
@@ -323,8 +335,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument(
         "--pin-mtp",
-        action="store_true",
-        help="keep the MTP layer resident (the proportional table)",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=["off", "on", "auto"],
+        help="keep the MTP layer resident (on: the proportional table; auto: per cell, as "
+        "colibri.Model's default pin_mtp='auto' decides)",
     )
     ap.add_argument("--io-threads", type=int, default=4, help="the store's demand threads")
     ap.add_argument("--jsonl", type=Path, default=None, help="append every run here")
@@ -353,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = sorted(int(layer) for layer in shape)
     main_layers = [layer for layer in layers if layer < mtp_layer]
     total = expert_bytes * cfg["n_routed_experts"] * len(main_layers)
-    resident = [mtp_layer] if args.pin_mtp and mtp_layer in layers else []
+    resident = [mtp_layer] if args.pin_mtp == "on" and mtp_layer in layers else []
+    args.mtp_layer = mtp_layer if mtp_layer in layers else None
     cells = _cells(args, ap)
     learned_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"colibri-learned-{os.getpid()}.json"
     relative = Path("unused")
@@ -364,10 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"learning pins on {kind} ...", file=sys.stderr)
         relative = learn(model, tok, args.learn_tokens, resident, learned_file, total // 2, prompts)
     usage = UsageFile(learned_file, relative)
+    where = "resident" if resident else "streamed"
+    where = "per cell (pin_mtp auto)" if args.pin_mtp == "auto" else where
     print(
         f"model {model}: {len(main_layers)} MoE layers x {cfg['n_routed_experts']} experts x "
         f"{expert_bytes / 1e6:.1f} MB = {total / 1e9:.2f} GB routed; top-"
-        f"{cfg['num_experts_per_tok']}; MTP layer {'resident' if resident else 'streamed'}; "
+        f"{cfg['num_experts_per_tok']}; MTP layer "
+        f"{where}; "
         f"io {args.io}; prompt {len(ids)} tokens, {args.tokens} new",
         file=sys.stderr,
     )
@@ -379,7 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.io_threads} threads): median {bw / 1e9:.2f} GB/s "
         f"(rounds: {', '.join(f'{b / 1e9:.2f}' for b in bandwidths)})"
     )
-    print("MTP layer: " + ("resident (proportional table)" if resident else "streamed (naive)"))
+    if args.pin_mtp == "auto":
+        print("MTP layer: pin_mtp auto (per cell: resident when the cell drafts and it fits)")
+    else:
+        print("MTP layer: " + ("resident (proportional table)" if resident else "streamed (naive)"))
     if "learned" in args.pins:
         print(f"learned pins: taught by {kind}")
     _print_table(cells, results, bw)

@@ -20,6 +20,23 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
+#: The values of ``--pin-mtp``.
+PIN_MTP_VALUES = ("auto", "on", "off")
+
+
+def bare_pin_mtp(argv: list[str]) -> list[str]:
+    """``argv`` with a bare ``--pin-mtp`` (the flag of before, "on") written ``--pin-mtp=on``,
+    so that a positional argument after it (``colibri generate --pin-mtp "def f"``) stays
+    the positional it was."""
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a == "--":
+            break
+        if a == "--pin-mtp" and (i + 1 == len(out) or out[i + 1] not in PIN_MTP_VALUES):
+            out[i] = "--pin-mtp=on"
+    return out
+
+
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument(
@@ -100,8 +117,14 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-mtp", action="store_true", help="do not load the MTP head")
     g.add_argument(
         "--pin-mtp",
-        action="store_true",
-        help="keep the MTP layer's experts in RAM (beyond --ram-budget): drafts read no disk",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=PIN_MTP_VALUES,
+        help="keep the MTP layer's experts in RAM (beyond --ram-budget) so drafts read no "
+        "disk: auto (default) when drafting is on and they fit in free memory, else MTP "
+        "drafting starts disabled; on (also a bare --pin-mtp) always, an error when they do "
+        "not fit; off: streamed",
     )
 
 
@@ -230,7 +253,7 @@ def _load(args: argparse.Namespace) -> Any:
         draft_depth=_depth(getattr(args, "draft_depth", "auto")),
         threads=args.threads,
         mtp=not args.no_mtp,
-        pin_mtp=args.pin_mtp and not args.no_mtp,
+        pin_mtp="off" if args.no_mtp else args.pin_mtp,
         max_context=args.max_context,
         cache_dir=args.cache_dir,
         chat_template=args.chat_template,

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
     from tokenizers import Tokenizer
 
+    from colibri._pin_mtp import PinMtpChoice
     from colibri.session import Session
     from colibri.validation import DraftMode
 
@@ -64,6 +65,7 @@ class GenerationMixin:
         default_max_new_tokens: int
         default_draft: DraftMode
         default_draft_depth: int
+        _pin_mtp: PinMtpChoice
 
         @property
         def max_context(self) -> int: ...
@@ -264,6 +266,10 @@ class GenerationMixin:
                 "give a stop token id"
             )
         d = self.default_draft if draft is None else _check_choice("draft", draft, _DRAFT_MODES)
+        if d == "auto" and not self._pin_mtp.mtp_drafting:
+            # pin_mtp="auto" could not keep the MTP layer resident: MTP drafting starts
+            # disabled (its every draft and absorbed row would be read from disk).
+            d = "ngram"
         depth = self.default_draft_depth if draft_depth is None else _check_depth(draft_depth)
         if len(ids) >= self.max_context:
             raise InvalidArgumentError(

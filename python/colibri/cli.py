@@ -21,6 +21,7 @@ from colibri._cli_options import (
     _prefill_bar,
     _stats_line,
     _timings,
+    bare_pin_mtp,
 )
 from colibri._cli_serve import _add_serve
 
@@ -436,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from colibri.errors import ColibriError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(bare_pin_mtp(sys.argv[1:] if argv is None else list(argv)))
     if not hasattr(args, "func"):
         parser.print_help()
         return 2

@@ -28,6 +28,7 @@ from colibri import _core
 from colibri._chat_api import ChatMixin
 from colibri._generation import BatchEntry
 from colibri._hub import resolve_model_dir
+from colibri._pin_mtp import PinMtp, PinMtpChoice, check_pin_mtp, decide, mem_available
 from colibri.errors import (
     ColibriError,
     InvalidArgumentError,
@@ -89,6 +90,39 @@ def _mtp_layers(path: Path) -> list[int]:
     return list(range(first, first + count))
 
 
+def _mtp_expert_layers(path: Path) -> list[int]:
+    """The MTP layers of the model at ``path`` that have routed experts in its container (a
+    config may declare more MTP layers than the checkpoint holds)."""
+    cfg = _core.model_config(path)
+    first, count = int(cfg["num_hidden_layers"]), int(cfg["num_nextn_predict_layers"])
+    found: set[int] = set()
+    for name in _core.Container(str(path)).names():
+        parts = name.split(".")
+        if name.startswith("model.layers.") and ".mlp.experts." in name and parts[2].isdigit():
+            layer = int(parts[2])
+            if first <= layer < first + count:
+                found.add(layer)
+    return sorted(found)
+
+
+def _decide_pin_mtp(
+    path: Path, mode: str, *, mtp: bool, budget: int | None, draft: str
+) -> PinMtpChoice:
+    """``pin_mtp``'s decision for the model at ``path`` (:mod:`colibri._pin_mtp`)."""
+    facts = model_info(path, mtp_loaded=mtp)
+    mtp_bytes = sum(facts["tensors"].get("mtp_routed_experts", {}).values()) if mtp else 0
+    if mtp_bytes and int(_core.model_config(path)["num_nextn_predict_layers"]) == 0:
+        mtp_bytes = 0  # tensors past the last layer that the config does not declare
+    return decide(
+        mode,
+        mtp_bytes=mtp_bytes,
+        dense_bytes=int(facts["memory"]["dense_bytes"]),
+        ram_budget=budget,
+        drafting=draft != "off" and mtp,
+        available=mem_available(),
+    )
+
+
 def _check_experts_per_token(path: Path, value: int) -> None:
     """``experts_per_token`` is in 1..k, k the routed experts per token of the model at
     ``path`` (the engine checks the same; here a negative value gets the message too)."""
@@ -114,8 +148,9 @@ class Model(ChatMixin):
             ``"auto"``.
         prefetch: router-lookahead prefetch: ``"off"``, ``"hint"`` (page-cache hints),
             ``"real"`` (loads into the cache), or ``"auto"`` (``"real"``, and no lookahead at
-            all when ``ram_budget`` holds every routed expert: nothing is read twice then;
-            ``info()["lookahead"]`` says which).
+            all when ``ram_budget`` holds every routed expert: nothing is read twice then,
+            or when a streamed layer's share of it holds fewer than 2·k experts: no room
+            for a prefetch beside the current token's; ``info()["lookahead"]`` says which).
         draft: default drafter for :meth:`generate`: ``"auto"`` (MTP when the model has a
             head, else n-gram), ``"mtp"``, ``"ngram"`` or ``"off"``.
         draft_depth: default draft depth, 1-8, or ``"auto"`` (chosen online from measured
@@ -140,10 +175,16 @@ class Model(ChatMixin):
             row's values depend on how its prompt was chunked and the same seed can give
             other text after a cached prefix (``info()["row_invariant"]`` is False).
         mtp: load the MTP head when the checkpoint has one.
-        pin_mtp: keep every routed expert of the MTP layer in RAM (loaded at start, on top
-            of ``ram_budget``), so a draft step reads nothing from disk. Worth it when the
-            experts stream from disk and the RAM is there (GLM-5.2's int8 MTP layer is
-            ~9.7 GB); see docs/benchmarks.md for what it changes.
+        pin_mtp: keep every routed expert of the MTP layer in RAM (loaded at start, beyond
+            ``ram_budget``), so a draft step reads nothing from disk (GLM-5.2's int8 MTP
+            layer is ~9.7 GB). ``"auto"`` (the default): resident when drafting is enabled
+            (``draft`` not ``"off"``, ``mtp=True``, a model with an MTP layer) and the layer
+            fits in ``MemAvailable`` less the dense weights, the expert budget and 2 GiB of
+            headroom; when it does not fit, MTP drafting starts disabled (``draft="auto"``
+            drafts by prompt lookup; ``draft="mtp"`` still runs, streamed). ``True``: always
+            resident, an :class:`InvalidArgumentError` when it does not fit; ``False``:
+            streamed like any layer. ``info()["memory"]["pin_mtp"]`` reports the choice and
+            why; see docs/expert-store.md.
         max_context: the longest context (prompt + generated tokens) in tokens; it bounds
             the KV cache's memory. ``None`` takes the model's limit
             (``max_position_embeddings``), lowered to what fits in half of the memory left
@@ -204,7 +245,7 @@ class Model(ChatMixin):
         prefill: PrefillMode = "auto",
         decode: DecodeMode = "auto",
         mtp: bool = True,
-        pin_mtp: bool = False,
+        pin_mtp: PinMtp = "auto",
         max_context: int | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         idle_session_budget: int | str | None = None,
@@ -248,9 +289,13 @@ class Model(ChatMixin):
         routed = None
         if experts_per_token is not None:
             routed = _check_int("experts_per_token", experts_per_token)
+        pin_mode = check_pin_mtp(pin_mtp)
         budget = _parse_bytes("ram_budget", ram_budget)
         idle = _parse_bytes("idle_session_budget", idle_session_budget)
         self.path: Path = resolve_model_dir(model, revision=revision)
+        self._pin_mtp: PinMtpChoice = _decide_pin_mtp(
+            self.path, pin_mode, mtp=bool(mtp), budget=budget, draft=self.default_draft
+        )
         if routed is not None:
             _check_experts_per_token(self.path, routed)
         tok_file = self.path / "tokenizer.json"
@@ -272,7 +317,7 @@ class Model(ChatMixin):
             ram_budget=budget,
             prefetch=prefetch,
             mtp=bool(mtp),
-            resident_layers=_mtp_layers(self.path) if pin_mtp and mtp else None,
+            resident_layers=_mtp_expert_layers(self.path) if self._pin_mtp.resident else None,
             max_context=context,
             cache_dir=None if cache_dir is None else os.fspath(cache_dir),
             idle_session_bytes=idle,
@@ -433,21 +478,25 @@ class Model(ChatMixin):
 
     # ----------------------------------------------------------------------------- info
     def info(self) -> dict[str, Any]:
-        """Config summary, container formats and byte sizes per tensor role, and the memory
-        plan (see :func:`model_info`; ``memory["ram_budget_bytes"]`` is the experts' whole
-        allowance, ``memory["mtp_resident_bytes"]`` the part of it that ``pin_mtp`` added on
-        top of ``ram_budget``), and what was decided at load: ``max_context``,
-        ``decode`` and ``prefill`` (the arithmetic of decode steps and of prompts, ``"exact"``
-        or ``"int8"``), ``row_invariant`` (True when they agree: every row's logits depend on
-        its own tokens alone), ``lookahead`` (whether decode predicts the next layer's
-        experts to prefetch them) and ``routing``: ``experts_per_token`` (routed experts per
-        token in effect) and ``num_experts_per_tok`` (the model's own k; the two differ only
+        """Config summary, container formats and byte sizes per tensor role, and the memory plan
+        (see :func:`model_info`; ``memory["ram_budget_bytes"]`` is the experts' whole allowance,
+        ``memory["mtp_resident_bytes"]`` the part of it that ``pin_mtp`` added on top of
+        ``ram_budget``, ``memory["pin_mtp"]`` what ``pin_mtp`` decided: ``mode`` (``"auto"``,
+        ``"on"``, ``"off"``), ``resident``, ``bytes`` (the MTP layer's routed experts),
+        ``reason`` and ``mtp_drafting`` (False when ``"auto"`` could not keep the layer resident:
+        ``draft="auto"`` drafts by prompt lookup)), and what was decided at load:
+        ``max_context``, ``decode`` and ``prefill`` (the arithmetic of decode steps and of
+        prompts, ``"exact"`` or ``"int8"``), ``row_invariant`` (True when they agree: every row's
+        logits depend on its own tokens alone), ``lookahead`` (whether decode predicts the next
+        layer's experts to prefetch them) and ``routing``: ``experts_per_token`` (routed experts
+        per token in effect) and ``num_experts_per_tok`` (the model's own k; the two differ only
         when ``experts_per_token`` chose fewer, which changes the output)."""
         info = model_info(self.path, mtp_loaded=self.has_mtp)
         stats, decided = self._engine.expert_stats(), self._engine.info()
         info["memory"]["ram_budget_bytes"] = stats["budget_bytes"]
         info["memory"]["mtp_resident_bytes"] = stats["resident_bytes"]
         info["memory"]["io_mode"] = stats["io_mode"]
+        info["memory"]["pin_mtp"] = self._pin_mtp.as_dict()
         info["max_context"] = self.max_context
         info["prefill"] = decided["prefill"]
         info["decode"] = decided["decode"]

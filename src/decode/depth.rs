@@ -2,6 +2,7 @@
 //! second from measured acceptance and measured verify and draft cost (docs/speculative.md,
 //! "Guard and automatic depth").
 
+use super::pricing::BYTE_MARGIN;
 use super::stats::MAX_DEPTH;
 
 /// A decayed weighted least-squares line y ≈ a + b·x with b ≥ 0 (costs do not fall as the
@@ -72,6 +73,9 @@ pub struct DepthController {
     /// The decision at which the next exploration happens.
     next_explore: u64,
     explorations: u64,
+    /// Seconds the reads of one draft token cost ([`set_byte_price`](Self::set_byte_price));
+    /// 0 when every expert is in RAM.
+    byte_secs: f64,
 }
 
 impl DepthController {
@@ -97,7 +101,38 @@ impl DepthController {
             explore_interval: Self::EXPLORE_EVERY,
             next_explore: Self::EXPLORE_EVERY,
             explorations: 0,
+            byte_secs: 0.0,
         }
+    }
+
+    /// Price each draft token at `secs` of reads as well (the MTP layer's expected misses
+    /// and the verify's expected extra union against the cache, at the measured cost per
+    /// byte): a depth then costs at least a plain step plus its reads, and is chosen only if
+    /// its rate beats a plain step's by [`BYTE_MARGIN`]. 0 (every expert in RAM) is the
+    /// controller without byte prices.
+    pub fn set_byte_price(&mut self, secs: f64) {
+        self.byte_secs = if secs.is_finite() { secs.max(0.0) } else { 0.0 };
+    }
+
+    /// [`cost`](Self::cost) with the reads of the drafts priced in: the measured cost, or a
+    /// plain step plus `g` drafts' reads where that is more (a verify measured while the
+    /// cache happened to hold its experts says nothing of the next one).
+    fn priced_cost(&self, g: usize) -> f64 {
+        let c = self.cost(g);
+        if g == 0 || self.byte_secs <= 0.0 {
+            return c;
+        }
+        c.max(self.cost(0) + g as f64 * self.byte_secs)
+    }
+
+    /// Whether some depth could pay at all, every draft accepted, with the reads priced in.
+    fn can_pay(&self, cap: usize) -> bool {
+        if self.byte_secs <= 0.0 {
+            return true;
+        }
+        let plain = 1.0 / self.cost(0).max(1e-12);
+        (1..=cap.min(self.max_depth))
+            .any(|g| (g + 1) as f64 / self.priced_cost(g).max(1e-12) > BYTE_MARGIN * plain)
     }
 
     /// Wall time of a decode forward over `rows` rows (1 = a plain step).
@@ -177,10 +212,17 @@ impl DepthController {
     /// The best depth in 0..=min(cap, frontier) by E(G)/cost(G); ties go to the smaller G.
     pub fn best(&self, cap: usize) -> usize {
         let top = cap.min(self.frontier());
-        let mut best = (0, self.expected_tokens(0) / self.cost(0).max(1e-12));
+        let plain = self.expected_tokens(0) / self.cost(0).max(1e-12);
+        // Priced by bytes, a depth must beat a plain step by the margin.
+        let bar = if self.byte_secs > 0.0 {
+            plain * BYTE_MARGIN
+        } else {
+            plain
+        };
+        let mut best = (0, plain);
         for g in 1..=top {
-            let rate = self.expected_tokens(g) / self.cost(g).max(1e-12);
-            if rate > best.1 * (1.0 + 1e-9) {
+            let rate = self.expected_tokens(g) / self.priced_cost(g).max(1e-12);
+            if rate > best.1.max(bar) * (1.0 + 1e-9) {
                 best = (g, rate);
             }
         }
@@ -196,6 +238,11 @@ impl DepthController {
     pub fn choose(&mut self, cap: usize) -> usize {
         self.decisions += 1;
         if self.widest == 0 {
+            return 0;
+        }
+        // Where the reads make every depth lose even at perfect acceptance, nothing is worth
+        // exploring either.
+        if !self.can_pay(cap) {
             return 0;
         }
         let best = self.best(cap);

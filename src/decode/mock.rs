@@ -12,7 +12,7 @@ use std::sync::atomic::AtomicBool;
 
 use super::rng::Rng;
 use super::sampling::argmax;
-use super::{Drafter, StepOutput, Target};
+use super::{ByteCosts, Drafter, StepOutput, Target};
 use crate::carried::Carried;
 use crate::{Error, Result};
 
@@ -37,6 +37,8 @@ pub struct MockConfig {
     pub mtp_cost_per_row: f64,
     /// What the mock reports as `Target::mtp_draft_share`.
     pub mtp_draft_share: f64,
+    /// What the mock reports as `Target::byte_costs` (free by default: all in RAM).
+    pub byte_costs: ByteCosts,
 }
 
 impl Default for MockConfig {
@@ -51,6 +53,7 @@ impl Default for MockConfig {
             cost_per_row: 0.0,
             mtp_cost_per_row: 0.0,
             mtp_draft_share: 0.0,
+            byte_costs: ByteCosts::FREE,
         }
     }
 }
@@ -318,6 +321,10 @@ impl Target for MockTarget {
 
     fn mtp_draft_share(&self) -> f64 {
         self.cfg.mtp_draft_share
+    }
+
+    fn byte_costs(&self) -> ByteCosts {
+        self.cfg.byte_costs
     }
 }
 

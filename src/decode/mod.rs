@@ -39,6 +39,7 @@ use crate::{Error, Result};
 
 pub use constraint::{Grammar, GrammarSpec, Vocabulary};
 pub use guard::GuardConfig;
+pub use pricing::ByteCosts;
 pub use prompt::PromptLogprobs;
 pub use sampling::{History, SamplingParams, TokenLogprob};
 pub use spec::{
@@ -118,6 +119,11 @@ pub trait Target {
     fn mtp_draft_share(&self) -> f64 {
         0.0
     }
+    /// What the bytes a draft reads cost now (the expert store's measure of its misses and
+    /// of a byte's read time: `experts::read_costs`); free when every expert is in RAM.
+    fn byte_costs(&self) -> ByteCosts {
+        ByteCosts::FREE
+    }
 }
 
 /// A source of draft tokens for the loop in [`spec`].
@@ -155,6 +161,11 @@ pub trait Drafter {
         0
     }
 
+    /// Whether its drafts run the MTP layer (whose reads a draft's price then includes).
+    fn uses_mtp_layer(&self) -> bool {
+        false
+    }
+
     /// Drafting is over for this generation (priced out): drop what is held for it and do no
     /// more upkeep. Called again on every later cycle, so it must be idempotent.
     fn release(&mut self) {}
@@ -190,6 +201,9 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
     }
     fn mtp_forwards(&self) -> u64 {
         (**self).mtp_forwards()
+    }
+    fn uses_mtp_layer(&self) -> bool {
+        (**self).uses_mtp_layer()
     }
     fn release(&mut self) {
         (**self).release()

@@ -174,6 +174,10 @@ impl Drafter for MtpDrafter {
         self.forwards
     }
 
+    fn uses_mtp_layer(&self) -> bool {
+        true
+    }
+
     fn release(&mut self) {
         self.released = true;
         self.pending = Carried::default();

@@ -21,6 +21,64 @@
 //! drops what it holds. Once engaged, the first measured drafts are checked the same way
 //! (with the backlog gone) and can still price drafting out.
 
+/// What the bytes a draft reads cost (the target's expert store measures them; 0 when every
+/// expert is in RAM). A draft of G tokens reads G·`mtp_row_bytes` in the MTP layer (MTP
+/// drafts only) and its verify G·`verify_row_bytes` more than a plain step (the extra union
+/// of its rows' routed experts against the cache), each byte at `secs_per_byte`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ByteCosts {
+    /// Measured seconds per byte read.
+    pub secs_per_byte: f64,
+    /// Expected bytes one more verify row reads beyond a plain step's.
+    pub verify_row_bytes: f64,
+    /// Expected bytes one row through the MTP layer reads.
+    pub mtp_row_bytes: f64,
+    /// The MTP layer's bytes not in RAM: the most absorbing many rows reads.
+    pub mtp_missing_bytes: f64,
+}
+
+impl ByteCosts {
+    /// Nothing to read: every expert in RAM.
+    pub const FREE: ByteCosts = ByteCosts {
+        secs_per_byte: 0.0,
+        verify_row_bytes: 0.0,
+        mtp_row_bytes: 0.0,
+        mtp_missing_bytes: 0.0,
+    };
+
+    /// Seconds the reads of one draft token cost (`mtp`: drafted by the MTP layer).
+    pub fn draft_token_secs(&self, mtp: bool) -> f64 {
+        let bytes = self.verify_row_bytes + if mtp { self.mtp_row_bytes } else { 0.0 };
+        finite(bytes * self.secs_per_byte)
+    }
+
+    /// Seconds the reads of absorbing `rows` rows through the MTP layer cost.
+    pub fn absorb_secs(&self, rows: usize) -> f64 {
+        let bytes = (rows as f64 * self.mtp_row_bytes).min(self.mtp_missing_bytes);
+        finite(bytes * self.secs_per_byte)
+    }
+
+    /// Seconds the reads of one extra verify row cost.
+    pub fn verify_row_secs(&self) -> f64 {
+        finite(self.verify_row_bytes * self.secs_per_byte)
+    }
+}
+
+/// `x`, or 0 when it is negative or not finite.
+fn finite(x: f64) -> f64 {
+    if x.is_finite() {
+        x.max(0.0)
+    } else {
+        0.0
+    }
+}
+
+/// A draft priced by its bytes must be worth this much more than what it costs.
+pub const BYTE_MARGIN: f64 = 1.05;
+/// The acceptance expected of a first draft before any was measured (the depth controller's
+/// prior): what the bytes of a probe are weighed against.
+pub const PRIOR_ACCEPTANCE: f64 = 0.5;
+
 /// Where the price check stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Engagement {
@@ -57,6 +115,8 @@ pub struct Backlog {
 #[derive(Clone, Debug)]
 pub struct DraftPricing {
     draft_share: f64,
+    /// What the reads of drafts cost ([`set_byte_costs`](Self::set_byte_costs)).
+    bytes: ByteCosts,
     state: Engagement,
     /// The plain step before the pending probe.
     last_plain: Option<f64>,
@@ -81,6 +141,7 @@ impl DraftPricing {
             } else {
                 0.0
             },
+            bytes: ByteCosts::FREE,
             state: Engagement::Probing,
             last_plain: None,
             pairs: Vec::new(),
@@ -93,6 +154,11 @@ impl DraftPricing {
         self.state
     }
 
+    /// Price drafts by their bytes too (the store's measure, refreshed by the loop).
+    pub fn set_byte_costs(&mut self, bytes: ByteCosts) {
+        self.bytes = bytes;
+    }
+
     /// The next step. `first` is true before any decode step of this generation (it is a
     /// plain step, and not timed as a pair's: it runs cold).
     pub fn next(&mut self, first: bool, backlog: Backlog) -> Step {
@@ -101,6 +167,10 @@ impl DraftPricing {
             Engagement::Engaged => Step::Draft,
             Engagement::Probing if self.pairs.len() < Self::PAIRS => {
                 if first || self.last_plain.is_none() {
+                    Step::Plain
+                } else if self.bytes_rule_out() {
+                    // Not even worth probing: a probe's own rows would read those bytes.
+                    self.state = Engagement::PricedOut;
                     Step::Plain
                 } else {
                     Step::Probe
@@ -167,17 +237,38 @@ impl DraftPricing {
         (median(&plains), median(&extras).max(0.0))
     }
 
-    /// The engagement test (module docs).
+    /// Whether the bytes alone make drafting lose: a depth-1 cycle at the expected acceptance
+    /// ([`PRIOR_ACCEPTANCE`]) emits 1 + a tokens for a plain step plus one draft token's
+    /// reads, which must beat 1 + a plain steps by [`BYTE_MARGIN`]. False when reads are
+    /// free (every expert in RAM) or no plain step was measured yet.
+    fn bytes_rule_out(&self) -> bool {
+        let read = self.bytes.draft_token_secs(true);
+        let Some(plain) = self.last_plain.or_else(|| self.pairs.first().map(|p| p.0)) else {
+            return false;
+        };
+        read > 0.0 && (1.0 + PRIOR_ACCEPTANCE) * plain <= BYTE_MARGIN * (plain + read)
+    }
+
+    /// The engagement test (module docs). Priced by bytes as well, the extra row costs at
+    /// least its expected reads, a draft its MTP layer's, the backlog its absorb's, and
+    /// drafting must save [`BYTE_MARGIN`] over them.
     fn pays(&self, backlog: Backlog) -> bool {
         if self.pairs.is_empty() {
             return false;
         }
         let (plain, extra) = self.probed();
-        let draft = self.draft_share * plain;
-        let saved_per_token = plain - (plain + extra + draft) / 2.0;
+        let b = &self.bytes;
+        let extra = extra.max(b.verify_row_secs());
+        let draft = self.draft_share * plain + (b.draft_token_secs(true) - b.verify_row_secs());
+        let margin = if b.draft_token_secs(true) > 0.0 {
+            BYTE_MARGIN
+        } else {
+            1.0
+        };
+        let saved_per_token = plain - margin * (plain + extra + draft) / 2.0;
         let absorb_row = self.draft_share * backlog.prefill_row_secs.unwrap_or(plain);
-        saved_per_token > 0.0
-            && backlog.remaining as f64 * saved_per_token > backlog.rows as f64 * absorb_row
+        let absorb = backlog.rows as f64 * absorb_row + b.absorb_secs(backlog.rows);
+        saved_per_token > 0.0 && backlog.remaining as f64 * saved_per_token > margin * absorb
     }
 }
 

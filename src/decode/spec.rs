@@ -331,6 +331,10 @@ pub(crate) struct Hooks<'d, 'c> {
     pub clock: Clock<'c>,
 }
 
+/// The automatic depth re-reads what a draft's bytes cost ([`Target::byte_costs`]) every this
+/// many cycles.
+pub const BYTE_COSTS_EVERY: usize = 16;
+
 /// Seconds on a monotonic clock; the loop times forwards and drafting with it (tests pass a
 /// virtual clock that the mock model advances).
 pub(crate) type Clock<'a> = &'a dyn Fn() -> f64;
@@ -391,6 +395,9 @@ pub(crate) struct Decoding<'d, 'c> {
     /// Whether the previous cycle drafted: only then is a draft's time typical (after a
     /// cycle without drafts the MTP drafter also absorbs the rows it skipped).
     drafted_last_cycle: bool,
+    /// Cycles of the automatic depth since the byte costs were last read from the target
+    /// (`None`: never; re-read every [`BYTE_COSTS_EVERY`] cycles).
+    byte_costs_age: Option<usize>,
     clock: Clock<'c>,
     /// First prompt position the prefill computes (the ones before were kept in the cache).
     prefilled_from: usize,
@@ -512,6 +519,7 @@ impl<'d, 'c> Decoding<'d, 'c> {
             mtp_priced_out: false,
             pricing: None,
             drafted_last_cycle: false,
+            byte_costs_age: None,
             started: clock(),
             clock,
             planned: None,

@@ -66,7 +66,7 @@ pub struct EngineInfo {
     pub row_invariant: bool,
     /// Whether decode runs the router lookahead (predicting the next layer's experts to
     /// prefetch them): off when `prefetch` is "off", or "auto" and every expert fits the
-    /// budget.
+    /// budget or a streamed layer's LRU share holds fewer than 2·k experts.
     pub lookahead: bool,
     /// Routed experts per token in effect (the `experts_per_token` option, else the model's).
     pub experts_per_token: usize,
@@ -135,7 +135,7 @@ impl Engine {
         )?;
         let container = Arc::new(Container::open(path)?);
         // Checked before the store starts its threads.
-        opts.experts_per_token(&container)?;
+        let routed_per_token = opts.experts_per_token(&container)?;
         let config_path = container.dir().join("config.json");
         let config_json =
             std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
@@ -145,9 +145,13 @@ impl Engine {
         // "auto" drops the router lookahead when the budget holds every expert: once each is
         // resident a prediction can only repeat the next router's work and split the shared
         // experts from the routed batch (decode +2.5% on the side-by-side model,
-        // docs/benchmarks.md, "The router lookahead when every expert fits").
+        // docs/benchmarks.md, "The router lookahead when every expert fits"). It drops it
+        // too when a streamed layer's LRU share holds fewer than 2·k experts: no room for a
+        // prefetch beside the current token's experts (at 0 and 10% budgets on the disk
+        // stand-ins the lookahead ran 0.91× plain; docs/benchmarks.md, disk-bound decode).
         let lookahead = match opts.prefetch {
             None if store.holds_every_expert() => PrefetchMode::Off,
+            None if !store.has_room_to_prefetch(routed_per_token) => PrefetchMode::Off,
             _ => prefetch,
         };
         let model_opts = opts.model_options(&container, lookahead)?;

@@ -5,7 +5,7 @@
 use std::borrow::BorrowMut;
 
 use crate::carried::Carried;
-use crate::decode::{StepOutput, Target};
+use crate::decode::{ByteCosts, StepOutput, Target};
 use crate::error::Result;
 use crate::model::{Forward, KvCaches, MtpForward, Sequence};
 
@@ -74,5 +74,15 @@ impl<C: BorrowMut<KvCaches>> Target for Sequence<'_, C> {
     }
     fn mtp_draft_share(&self) -> f64 {
         self.model().config().mtp_draft_share()
+    }
+    fn byte_costs(&self) -> ByteCosts {
+        self.model()
+            .read_price()
+            .map_or(ByteCosts::FREE, |p| ByteCosts {
+                secs_per_byte: p.secs_per_byte,
+                verify_row_bytes: p.main_row_bytes,
+                mtp_row_bytes: p.mtp_row_bytes,
+                mtp_missing_bytes: p.mtp_missing_bytes,
+            })
     }
 }

@@ -35,6 +35,7 @@ mod persistence;
 mod predictor_gate;
 mod prefetch;
 mod prefetch_queue;
+pub mod read_costs;
 pub mod source;
 pub mod stats;
 /// Synthetic containers of real shapes (stand-ins for benchmarks and replays): always
@@ -59,6 +60,7 @@ use file_io::{Files, Resident};
 use io_pool::IoPool;
 use predictor_gate::Predictions;
 use prefetch_queue::PrefetchQueue;
+use read_costs::{LayerShape, ReadCosts};
 use stats::{BusyClock, LayerCounters};
 use usage::UsageCounts;
 
@@ -68,6 +70,7 @@ pub use fault::{FaultInjector, FaultKind};
 pub use file_io::IoMode;
 pub use options::{PinPolicy, StoreOptions};
 pub use prefetch_queue::PrefetchMode;
+pub use read_costs::ReadPrice;
 pub use source::{ByteRange, ContainerSource, ExpertLoc, ExpertLocator, MatrixLoc, StaticSource};
 pub use stats::{LayerStats, StoreStats};
 pub use usage::{SaveOutcome, USAGE_FILE};
@@ -126,6 +129,8 @@ struct Inner {
     /// Bytes of the resident layers' experts (inside `budget` and `pin_set_bytes`).
     resident_bytes: u64,
     busy: BusyClock,
+    /// The measured read costs a draft is priced by ([`ExpertStore::read_price`]).
+    read_costs: Mutex<ReadCosts>,
 }
 
 /// The expert store. `Send + Sync`; share it behind an `Arc`.
@@ -186,6 +191,47 @@ impl ExpertStore {
     /// The RAM budget in effect, bytes.
     pub fn budget_bytes(&self) -> u64 {
         self.inner.budget
+    }
+
+    /// What a draft's reads cost now, for `k` routed experts per token with the MTP layer at
+    /// `mtp_layer` (see [`read_costs`]): updated from the counters since the last call.
+    pub fn read_price(&self, k: usize, mtp_layer: Option<usize>) -> ReadPrice {
+        let stats = self.stats();
+        let shapes: Vec<LayerShape> = self
+            .inner
+            .shape
+            .iter()
+            .filter_map(|&(layer, experts)| {
+                let ls = self.inner.layer(layer).ok()?;
+                let bytes: u64 = ls.est.iter().sum();
+                let cache = lock(&ls.cache);
+                let holds = (cache.capacity() + cache.pin_set_bytes()).min(bytes);
+                Some(LayerShape {
+                    layer,
+                    experts,
+                    bytes,
+                    holds,
+                })
+            })
+            .collect();
+        lock(&self.inner.read_costs).update(&stats, &shapes, k, mtp_layer)
+    }
+
+    /// Whether every streamed layer's LRU share holds at least `2·k` of its experts: room
+    /// for a prefetched token's `k` beside the `k` the current token uses (the eviction
+    /// guard protects those). With less, a prefetch can only be refused or evict what the
+    /// next token needs, and on a disk-bound host its reads compete with the demand reads
+    /// (docs/benchmarks.md, disk-bound decode).
+    pub fn has_room_to_prefetch(&self, k: usize) -> bool {
+        self.inner.layers.iter().flatten().all(|ls| {
+            let cache = lock(&ls.cache);
+            let bytes: u64 = ls.est.iter().sum();
+            if cache.capacity() + cache.pin_set_bytes() >= bytes || ls.est.is_empty() {
+                return true; // held whole (resident, or a budget that fits it)
+            }
+            let mean = bytes / ls.est.len() as u64;
+            cache.capacity() >= 2 * k as u64 * mean
+        })
     }
 
     /// Whether every routed expert can be resident at once: each layer's LRU share and pins

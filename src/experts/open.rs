@@ -14,6 +14,7 @@ use super::persistence::open_history;
 use super::predictor_gate::Predictions;
 use super::prefetch::start_prefetch_threads;
 use super::prefetch_queue::{PrefetchMode, PrefetchQueue};
+use super::read_costs::ReadCosts;
 use super::source::{ContainerSource, ExpertLoc, ExpertLocator};
 use super::stats::{BusyClock, LayerCounters};
 use super::{ExpertStore, Inner, LayerState};
@@ -121,6 +122,7 @@ impl ExpertStore {
             pin_set_len: plan.pins.len(),
             resident_bytes: plan.resident_bytes,
             busy: BusyClock::default(),
+            read_costs: Mutex::new(ReadCosts::default()),
         });
         let workers = match &inner.queue {
             Some(q) => start_prefetch_threads(&inner, q, opts.prefetch_threads)?,

@@ -19,6 +19,7 @@ use crate::carried::Carried;
 use crate::config::{ModelConfig, ModelFamily};
 use crate::container::{Container, Weight};
 use crate::error::{Error, Result};
+use crate::experts::ReadPrice;
 use crate::model::attention::LayerKv;
 use crate::model::caches::KvCaches;
 use crate::model::indexer::Indexer;
@@ -207,6 +208,13 @@ impl Model {
     /// unless [`ModelOptions::experts_per_token`] chose fewer).
     pub fn experts_per_token(&self) -> usize {
         self.experts_per_token
+    }
+
+    /// What the reads of a draft cost on this model's expert source, now (`None`: its
+    /// experts are all resident).
+    pub fn read_price(&self) -> Option<ReadPrice> {
+        let mtp = self.mtp.as_ref().and_then(|_| self.cfg.mtp_layer_index());
+        self.experts.read_price(self.experts_per_token, mtp)
     }
 
     /// Empty caches shaped for this model (a new sequence's).

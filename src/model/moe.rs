@@ -4,7 +4,7 @@
 use crate::config::ModelConfig;
 use crate::container::{Container, Weight};
 use crate::error::{Error, Result};
-use crate::experts::{ExpertBatch, ExpertView};
+use crate::experts::{ExpertBatch, ExpertView, ReadPrice};
 use crate::model::linear;
 use crate::quant::kernels;
 use crate::quant::QMatrix;
@@ -83,6 +83,12 @@ pub trait ExpertProvider: Send + Sync {
 
     /// `layer` is about to run (a chance to hint the experts the previous token used there).
     fn begin_layer(&self, _layer: usize) {}
+
+    /// What the reads of a draft cost, for `k` routed experts per token with the MTP layer at
+    /// `mtp_layer` (`experts::read_costs`); `None` when nothing is read (all resident).
+    fn read_price(&self, _k: usize, _mtp_layer: Option<usize>) -> Option<ReadPrice> {
+        None
+    }
 }
 
 /// Every expert loaded at start-up (owned copies read from the container).

@@ -1,7 +1,7 @@
 //! The streaming expert store as the MoE's source of routed experts.
 
 use crate::error::Result;
-use crate::experts::{ExpertBatch, ExpertStore};
+use crate::experts::{ExpertBatch, ExpertStore, ReadPrice};
 use crate::model::moe::ExpertProvider;
 
 impl ExpertProvider for ExpertStore {
@@ -20,5 +20,9 @@ impl ExpertProvider for ExpertStore {
 
     fn begin_layer(&self, layer: usize) {
         ExpertStore::hint_previous(self, layer)
+    }
+
+    fn read_price(&self, k: usize, mtp_layer: Option<usize>) -> Option<ReadPrice> {
+        Some(ExpertStore::read_price(self, k, mtp_layer))
     }
 }

@@ -3,7 +3,9 @@
 
 use std::sync::atomic::AtomicBool;
 
-use super::{CacheState, Decoding, DraftDepth, Emitted, FinishReason, Generation, Planned};
+use super::{
+    CacheState, Decoding, DraftDepth, Emitted, FinishReason, Generation, Planned, BYTE_COSTS_EVERY,
+};
 use crate::decode::ngram;
 use crate::decode::pricing::{Backlog, Engagement, Step};
 
@@ -108,6 +110,7 @@ impl<'d, 'c> Decoding<'d, 'c> {
         match self.opts.depth {
             DraftDepth::Fixed(g) => Cycle::Draft(g.min(cap)),
             DraftDepth::Auto => {
+                self.refresh_byte_costs(target);
                 let backlog = self.backlog(target);
                 let first = self.stats.decode_forwards == 0;
                 let Some(pricing) = self.pricing.as_mut() else {
@@ -123,6 +126,24 @@ impl<'d, 'c> Decoding<'d, 'c> {
                     Step::Draft => Cycle::Draft(self.depth.choose(cap)),
                 }
             }
+        }
+    }
+
+    /// Every [`BYTE_COSTS_EVERY`] cycles (and before the first), price drafts by what their
+    /// reads now cost: the depth controller per draft token, the default drafter's price
+    /// check for its engagement.
+    fn refresh_byte_costs(&mut self, target: &dyn Target) {
+        let age = self.byte_costs_age.map_or(BYTE_COSTS_EVERY, |a| a + 1);
+        if age < BYTE_COSTS_EVERY {
+            self.byte_costs_age = Some(age);
+            return;
+        }
+        self.byte_costs_age = Some(0);
+        let costs = target.byte_costs();
+        let mtp = self.drafter.as_ref().is_some_and(|d| d.uses_mtp_layer());
+        self.depth.set_byte_price(costs.draft_token_secs(mtp));
+        if let Some(p) = self.pricing.as_mut() {
+            p.set_byte_costs(costs);
         }
     }
 

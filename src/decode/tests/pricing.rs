@@ -2,7 +2,7 @@
 //! the MTP layer does any work, and leave it idle where drafting cannot pay.
 
 use super::*;
-use crate::decode::pricing::DraftPricing;
+use crate::decode::pricing::{ByteCosts, DraftPricing};
 use crate::decode::spec::generate_timed;
 
 /// The defaults on `t` after `prompt`, timed by the mock's virtual clock.
@@ -106,4 +106,104 @@ fn a_backlog_the_answer_cannot_repay_is_not_absorbed() {
     let mut t = MockTarget::new(cfg.clone());
     defaults(&mut t, &mut CacheState::default(), short, 200);
     assert!(t.mtp_calls > 0);
+}
+
+/// Byte costs of a disk-bound target: each extra verify row reads `row_secs` seconds' worth
+/// of experts it would not read plainly, and each MTP row as much again.
+fn disk_bound(row_secs: f64) -> ByteCosts {
+    ByteCosts {
+        secs_per_byte: 1e-9,
+        verify_row_bytes: row_secs * 1e9,
+        mtp_row_bytes: row_secs * 1e9,
+        mtp_missing_bytes: 1e12,
+    }
+}
+
+/// The cheap-verify mock of `where_verify_rows_are_cheap_the_defaults_draft` (drafting pays
+/// on compute time alone), with `bytes` for what its drafts read.
+fn cheap_compute(bytes: ByteCosts) -> MockConfig {
+    MockConfig {
+        cost_base: 1.0,
+        cost_per_row: 0.05,
+        mtp_cost_per_row: 0.01,
+        mtp_draft_share: 0.02,
+        byte_costs: bytes,
+        ..MockConfig::default()
+    }
+}
+
+/// Disk-bound, a draft's bytes cost about a plain step: the defaults never engage the MTP
+/// layer (whatever the measured compute says), do not even probe (a probe's row would read
+/// those bytes), and decode plainly. In RAM the same mock drafts, and a byte price of a few
+/// percent of a step does not stop it.
+#[test]
+fn a_disk_bound_target_stops_drafting_and_an_in_ram_one_does_not() {
+    let prompt = [1, 2, 3];
+    let n = 200;
+    for (bytes, drafts) in [
+        (disk_bound(1.0), false),
+        (disk_bound(0.6), false),
+        (ByteCosts::FREE, true),
+        (disk_bound(0.005), true),
+    ] {
+        let cfg = cheap_compute(bytes);
+        let mut t = MockTarget::new(cfg.clone());
+        let mut state = CacheState::default();
+        let g = defaults(&mut t, &mut state, &prompt, n);
+        assert_eq!(g.tokens, plain(&cfg, &prompt, n), "{bytes:?}");
+        if drafts {
+            assert!(
+                t.mtp_calls > 0 && g.stats.tokens_per_forward > 1.5,
+                "{bytes:?}: {:?}",
+                g.stats
+            );
+            assert!(!state.mtp_priced_out());
+        } else {
+            assert_eq!(t.mtp_calls, 0, "{bytes:?}: the MTP layer ran");
+            assert_eq!(g.stats.proposed, 0, "{bytes:?}: probed");
+            assert_eq!(g.stats.forwards as usize, t.step_calls);
+            assert!(state.mtp_priced_out());
+        }
+    }
+}
+
+/// The depth controller alone (any drafter, here an always-right one): priced by bytes that
+/// cost a plain step per draft token it never drafts, not even to explore; in RAM it goes
+/// deep; lossless either way.
+#[test]
+fn the_depth_controller_prices_drafts_by_their_bytes() {
+    let prompt = [1, 2, 3];
+    let n = 300;
+    let histogram = |bytes: ByteCosts| {
+        let cfg = MockConfig {
+            cost_base: 1.0,
+            cost_per_row: 0.01,
+            byte_costs: bytes,
+            ..MockConfig::default()
+        };
+        let mut t = MockTarget::new(cfg);
+        let plain = gen(
+            &mut t,
+            &prompt,
+            &opts(DraftSource::Off, DraftDepth::Auto, n),
+        );
+        let mut reference = prompt.to_vec();
+        reference.extend(&plain.tokens);
+        let mut d = ForcedDrafter {
+            reference,
+            vocab: 16,
+            mode: Forced::AcceptAll,
+        };
+        let o = opts(DraftSource::Ngram, DraftDepth::Auto, n);
+        let g = run_forced(&mut t, &prompt, &o, &mut d, Acceptance::Exact);
+        assert_eq!(g.tokens, plain.tokens);
+        g.stats.depth_histogram
+    };
+    let disk = histogram(disk_bound(1.2));
+    assert_eq!(disk[0], disk.iter().sum::<u64>(), "{disk:?}");
+    let ram = histogram(ByteCosts::FREE);
+    assert!(ram[8] * 2 > ram.iter().sum::<u64>(), "{ram:?}");
+    // A small price leaves deep drafts paying.
+    let cheap = histogram(disk_bound(0.02));
+    assert!(cheap[0] * 4 < cheap.iter().sum::<u64>(), "{cheap:?}");
 }

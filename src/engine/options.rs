@@ -192,9 +192,10 @@ impl EngineOptions {
     }
 
     /// What "auto" means for `decode`: exact for now. The int8 decode kernel is 1.9× the exact
-    /// one on a GLM-5.2-shaped matrix in L2 (AVX-512 VNNI, 2026-12-07), but on the shipped
-    /// models (hidden size 256) int8 decode measured 0.6–1.0× exact end to end, its per-call
-    /// overheads larger than the matrices; int8 becomes the default once it measures faster.
+    /// one on a GLM-5.2-shaped matrix in L2 (AVX-512 VNNI, 2026-12-07); on the shipped models
+    /// (hidden size 256) int8 decode measured 1.11× exact end to end on the tiny one and 0.93×
+    /// on the GLM-like one (docs/architecture.md, "Decode arithmetic"); int8 becomes the
+    /// default once it measures faster on every shipped model.
     pub fn default_decode() -> Arithmetic {
         Arithmetic::Exact
     }

@@ -89,7 +89,7 @@ impl DecodeActs {
             unsafe { quantize_row(src, acts.int8, lines, scales, sums) };
         }
         let nb = cols / BLOCK;
-        if cols % BLOCK == 0 && matches!(nb, 1 | 2 | 4 | 8) {
+        if cols.is_multiple_of(BLOCK) && matches!(nb, 1 | 2 | 4 | 8) {
             acts.packed = Some(Box::new(acts.tiled(x, nb)));
         }
         Ok(acts)

@@ -30,13 +30,7 @@ import colibri
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dial import (
-    PROMPT_TOKENS,
-    _first_divergence,
-    _greedy,
-    _log_softmax,
-    heldout_code,
-)
+from bench_dial import _first_divergence, _greedy, _log_softmax, heldout_windows
 
 
 def _open(path: Path, decode: str) -> colibri.Model:
@@ -49,14 +43,7 @@ def _open(path: Path, decode: str) -> colibri.Model:
 def accuracy(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One model's row: int8 decode against exact."""
     exact = _open(path, "exact")
-    stream = heldout_code(exact, args.stdlib, args.heldout_pct)
-    span = len(stream) - args.seq
-    starts = np.linspace(0, span, args.windows, dtype=np.int64)
-    windows = [[int(t) for t in stream[s : s + args.seq]] for s in starts]
-    offsets = np.linspace(0, span, args.prompts, endpoint=False, dtype=np.int64) + span // (
-        2 * args.prompts
-    )
-    prompts = [[int(t) for t in stream[s : s + PROMPT_TOKENS]] for s in offsets]
+    _, windows, prompts = heldout_windows(exact, args)
     ref = [_log_softmax(exact.logits(w)) for w in windows]
     ref_greedy = _greedy(exact, prompts, args.gen)
     exact.close()

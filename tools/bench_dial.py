@@ -70,6 +70,22 @@ def heldout_code(model: colibri.Model, stdlib: Path, heldout_pct: int) -> npt.ND
     return encode_stream(model.tokenizer, read_texts(code))
 
 
+def heldout_windows(
+    model: colibri.Model, args: argparse.Namespace
+) -> tuple[npt.NDArray[np.int32], list[list[int]], list[list[int]]]:
+    """The held-out stream, ``args.windows`` evenly spaced windows of ``args.seq`` tokens
+    over it, and ``args.prompts`` greedy prompts of ``PROMPT_TOKENS`` between them."""
+    stream = heldout_code(model, args.stdlib, args.heldout_pct)
+    span = len(stream) - args.seq
+    starts = np.linspace(0, span, args.windows, dtype=np.int64)
+    windows = [[int(t) for t in stream[s : s + args.seq]] for s in starts]
+    offsets = np.linspace(0, span, args.prompts, endpoint=False, dtype=np.int64) + span // (
+        2 * args.prompts
+    )
+    prompts = [[int(t) for t in stream[s : s + PROMPT_TOKENS]] for s in offsets]
+    return stream, windows, prompts
+
+
 def _log_softmax(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
     y = x.astype(np.float64)
     m = y.max(axis=-1, keepdims=True)
@@ -104,14 +120,7 @@ def quality(path: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         info["config"]["first_k_dense_replace"]
     )
     expert = bench_disk._expert_bytes(full.path, full.config)
-    stream = heldout_code(full, args.stdlib, args.heldout_pct)
-    span = len(stream) - args.seq
-    starts = np.linspace(0, span, args.windows, dtype=np.int64)
-    windows = [[int(t) for t in stream[s : s + args.seq]] for s in starts]
-    offsets = np.linspace(0, span, args.prompts, endpoint=False, dtype=np.int64) + span // (
-        2 * args.prompts
-    )
-    prompts = [[int(t) for t in stream[s : s + PROMPT_TOKENS]] for s in offsets]
+    stream, windows, prompts = heldout_windows(full, args)
     print(
         f"{path}: k = {k}, {moe_layers} MoE layers, expert {expert} B; held-out code "
         f"{len(stream)} tokens, {args.windows} windows x {args.seq}, {args.prompts} prompts",

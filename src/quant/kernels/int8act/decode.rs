@@ -249,15 +249,10 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, 
             let data = w.row_data(o);
             let mut t0 = 0;
             while t0 < x.rows {
-                let na = (x.rows - t0).min(4);
-                // SAFETY: the features are enabled here; `t0 + na <= x.rows`.
-                unsafe {
-                    match na {
-                        4 => put(&mut lanes, t0, i, row_tile::<4>(data, ws, x, t0, shift)),
-                        3 => put(&mut lanes, t0, i, row_tile::<3>(data, ws, x, t0, shift)),
-                        2 => put(&mut lanes, t0, i, row_tile::<2>(data, ws, x, t0, shift)),
-                        _ => put(&mut lanes, t0, i, row_tile::<1>(data, ws, x, t0, shift)),
-                    }
+                // SAFETY: the features are enabled here; `t0 < x.rows`.
+                let (na, v) = unsafe { tile_of_rows(data, ws, x, t0, shift) };
+                for (l, v) in lanes[t0..t0 + na].iter_mut().zip(v) {
+                    l[i] = v;
                 }
                 t0 += na;
             }
@@ -358,17 +353,8 @@ unsafe fn rows_packed(
         };
         let mut t0 = 0;
         while t0 < packed.rows {
-            let na = (packed.rows - t0).min(4);
-            let mut v = [_mm512_setzero_ps(); 4];
-            // SAFETY: the features are enabled here; `t0 + na <= packed.rows`.
-            unsafe {
-                match na {
-                    4 => v = row_tile::<4>(bytes, ws, packed, t0, shift),
-                    3 => v[..3].copy_from_slice(&row_tile::<3>(bytes, ws, packed, t0, shift)),
-                    2 => v[..2].copy_from_slice(&row_tile::<2>(bytes, ws, packed, t0, shift)),
-                    _ => v[..1].copy_from_slice(&row_tile::<1>(bytes, ws, packed, t0, shift)),
-                }
-            }
+            // SAFETY: the features are enabled here; `t0 < packed.rows`.
+            let (na, v) = unsafe { tile_of_rows(bytes, ws, packed, t0, shift) };
             for (a, mut l) in v.into_iter().take(na).enumerate() {
                 // SAFETY: the features are enabled here; `steps` hold 16 indices each; the
                 // store writes `count` columns o.. of row t0 + a, which are this task's.
@@ -390,11 +376,30 @@ unsafe fn rows_packed(
     }
 }
 
-/// A tile's lane vectors into `lanes[t0 + a][i]`.
+/// [`row_tile`] for the next up to 4 activation rows from `t0`: how many, and their lane
+/// vectors (the first that many of the 4).
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `t0 < x.rows`.
 #[inline(always)]
-fn put<const NA: usize>(lanes: &mut [[__m512; LANES]], t0: usize, i: usize, v: [__m512; NA]) {
-    for (a, v) in v.into_iter().enumerate() {
-        lanes[t0 + a][i] = v;
+unsafe fn tile_of_rows(
+    data: &[u8],
+    ws: RowScales<'_>,
+    x: &DecodeActs,
+    t0: usize,
+    shift: u32,
+) -> (usize, [__m512; 4]) {
+    let na = (x.rows - t0).min(4);
+    // SAFETY: the caller's contract; `t0 + na <= x.rows`.
+    unsafe {
+        let mut v = [_mm512_setzero_ps(); 4];
+        match na {
+            4 => v = row_tile::<4>(data, ws, x, t0, shift),
+            3 => v[..3].copy_from_slice(&row_tile::<3>(data, ws, x, t0, shift)),
+            2 => v[..2].copy_from_slice(&row_tile::<2>(data, ws, x, t0, shift)),
+            _ => v[..1].copy_from_slice(&row_tile::<1>(data, ws, x, t0, shift)),
+        }
+        (na, v)
     }
 }
 

@@ -191,12 +191,17 @@ impl EngineOptions {
         })
     }
 
-    /// What "auto" means for `decode`: exact for now. The int8 decode kernel is 1.9× the exact
-    /// one on a GLM-5.2-shaped matrix in L2 (AVX-512 VNNI, 2026-12-07); on the shipped models
-    /// (hidden size 256) int8 decode measured 1.11× exact end to end on the tiny one and 0.93×
-    /// on the GLM-like one (docs/architecture.md, "Decode arithmetic"); int8 becomes the
-    /// default once it measures faster on every shipped model.
+    /// What "auto" means for `decode`: int8 activations where the int8 decode kernel runs
+    /// (AVX-512 VNNI), exact elsewhere. Measured end to end on the shipped models (hidden size
+    /// 256), greedy, `draft="off"`, on an Intel Xeon with AMX (2026-12-07): int8 1.07–1.13×
+    /// exact on the GLM-like one and 1.14–1.20× on the tiny one at 2 threads, 1.35× and 1.39×
+    /// at one (docs/benchmarks.md, "Int8 decode on the shipped models"). AVX2 hosts have no
+    /// int8 decode kernel yet: their int8 rows would run the prefill tiles, slower than exact.
     pub fn default_decode() -> Arithmetic {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(kernels::int8_kernel(), Ok(int8act::Int8Kernel::Vnni)) {
+            return Arithmetic::Int8;
+        }
         Arithmetic::Exact
     }
 

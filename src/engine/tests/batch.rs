@@ -124,7 +124,8 @@ fn prompts_prefilled_together_in_int8_give_what_each_gets_alone() {
             usage_file: false,
             threads: 2,
             spill_dir: Some(tmp.path().to_path_buf()),
-            prefill: Some(crate::quant::kernels::Arithmetic::Int8),
+            prefill: Some(Arithmetic::Int8),
+            decode: Some(Arithmetic::Exact),
             ..EngineOptions::default()
         };
         Engine::open(&model_dir("python/colibri/models/tiny"), &opts).expect("the model opens")
@@ -158,10 +159,11 @@ fn prompts_prefilled_together_in_int8_give_what_each_gets_alone() {
         .generate_batch(requests, &mut |_, _| true, &AtomicBool::new(false))
         .unwrap();
     let alone = open_int8();
-    let exact = open(
+    let exact = open_in(
         "python/colibri/models/tiny",
         &tmp.path().join("exact"),
         None,
+        Arithmetic::Exact,
     );
     let mut differs_from_exact = 0;
     for (k, r) in out.into_iter().enumerate() {

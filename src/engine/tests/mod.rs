@@ -15,21 +15,28 @@ use std::sync::Arc;
 
 use super::*;
 use crate::decode::{DraftDepth, DraftSource, SamplingParams};
+use crate::quant::kernels::Arithmetic;
 
 fn model_dir(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
 }
 
 fn open(rel: &str, spill: &Path, idle: Option<u64>) -> Engine {
+    open_in(rel, spill, idle, EngineOptions::default_decode())
+}
+
+/// [`open`] with `arith` for prompts and decode alike. These tests compare a reused prefix, a
+/// batch lane and a restored context with a fresh prefill bit for bit, which one arithmetic for
+/// both gives (each row computed from its own tokens alone); [`open`] takes the default decode
+/// arithmetic (int8 where its decode kernel runs), so the defaults are what is tested.
+fn open_in(rel: &str, spill: &Path, idle: Option<u64>, arith: Arithmetic) -> Engine {
     let opts = EngineOptions {
         usage_file: false,
         threads: 2,
         idle_session_bytes: idle,
         spill_dir: Some(spill.to_path_buf()),
-        // These tests compare a reused prefix, a batch lane and a restored context with a
-        // fresh prefill bit for bit; the int8 prefill arithmetic rounds each chunk of
-        // activations by its own scales, so only the exact one is chunking-invariant.
-        prefill: Some(crate::quant::kernels::Arithmetic::Exact),
+        decode: Some(arith),
+        prefill: Some(arith),
         ..EngineOptions::default()
     };
     Engine::open(&model_dir(rel), &opts).expect("the model opens")

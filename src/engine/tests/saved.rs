@@ -130,7 +130,8 @@ fn open_without_mtp(rel: &str, spill: &Path) -> Engine {
         threads: 2,
         spill_dir: Some(spill.to_path_buf()),
         load_mtp: false,
-        prefill: Some(crate::quant::kernels::Arithmetic::Exact),
+        decode: Some(EngineOptions::default_decode()),
+        prefill: Some(EngineOptions::default_decode()),
         ..EngineOptions::default()
     };
     Engine::open(&model_dir(rel), &opts).expect("the model opens")

@@ -201,60 +201,99 @@ fn experts_int8_decode(
     for (c, out) in calls.iter().zip(outs.iter()) {
         check_expert(c, out.len())?;
     }
-    // At a decode step every routed expert and the shared one see the same row: quantise
-    // each distinct input once (quantisation is per row, so sharing changes no value).
-    let mut xs: Vec<DecodeActs> = Vec::new();
-    let mut x_of: Vec<usize> = Vec::with_capacity(calls.len());
-    for (i, c) in calls.iter().enumerate() {
-        let same = calls[..i].iter().zip(&x_of).find(|(d, _)| {
-            d.s == c.s
-                && d.gate.format() == c.gate.format()
-                && d.gate.cols() == c.gate.cols()
-                && d.x == c.x
-        });
-        match same {
-            Some((_, &k)) => x_of.push(k),
-            None => {
-                xs.push(DecodeActs::new(c.x, c.s, c.gate.cols(), c.gate.format())?);
-                x_of.push(xs.len() - 1);
+    DECODE_SCRATCH.with(|cell| {
+        // A call made while this thread's scratch is in use (none today) gets its own.
+        let mut own = None;
+        let mut held = cell.try_borrow_mut();
+        let scratch = match held.as_deref_mut() {
+            Ok(s) => s,
+            Err(_) => own.get_or_insert_with(DecodeScratch::default),
+        };
+        let DecodeScratch { xs, hs, gu } = scratch;
+        // At a decode step every routed expert and the shared one see the same row: quantise
+        // each distinct input once (quantisation is per row, so sharing changes no value).
+        let mut x_of: Vec<usize> = Vec::with_capacity(calls.len());
+        let mut distinct = 0;
+        for (i, c) in calls.iter().enumerate() {
+            let same = calls[..i].iter().zip(&x_of).find(|(d, _)| {
+                d.s == c.s
+                    && d.gate.format() == c.gate.format()
+                    && d.gate.cols() == c.gate.cols()
+                    && d.x == c.x
+            });
+            match same {
+                Some((_, &k)) => x_of.push(k),
+                None => {
+                    if xs.len() == distinct {
+                        xs.push(DecodeActs::empty());
+                    }
+                    xs[distinct].fill(c.x, c.s, c.gate.cols(), c.gate.format())?;
+                    x_of.push(distinct);
+                    distinct += 1;
+                }
             }
         }
-    }
-    let mut gs: Vec<Vec<f32>> = calls
-        .iter()
-        .map(|c| vec![0.0; c.s * c.gate.rows()])
-        .collect();
-    let mut us: Vec<Vec<f32>> = gs.clone();
-    {
-        let mut jobs: Vec<DecodeJob<'_>> = Vec::with_capacity(2 * calls.len());
-        for (((c, &k), g), u) in calls.iter().zip(&x_of).zip(&mut gs).zip(&mut us) {
-            let x = &xs[k];
-            jobs.push(DecodeJob { w: c.gate, x, y: g });
-            jobs.push(DecodeJob { w: c.up, x, y: u });
+        // Every call's gate then up outputs, end to end in one buffer.
+        let total: usize = calls.iter().map(|c| 2 * c.s * c.gate.rows()).sum();
+        gu.clear();
+        gu.resize(total, 0.0);
+        let mut halves: Vec<(&mut [f32], &mut [f32])> = Vec::with_capacity(calls.len());
+        let mut rest = &mut gu[..];
+        for c in calls {
+            let (this, tail) = rest.split_at_mut(2 * c.s * c.gate.rows());
+            halves.push(this.split_at_mut(c.s * c.gate.rows()));
+            rest = tail;
         }
-        int8act::matmuls_decode(&mut jobs, pool)?;
-    }
-    for (g, u) in gs.iter_mut().zip(&us) {
-        for (g, u) in g.iter_mut().zip(u) {
-            *g = silu(*g) * u;
+        {
+            let mut jobs: Vec<DecodeJob<'_>> = Vec::with_capacity(2 * calls.len());
+            for ((c, &k), (g, u)) in calls.iter().zip(&x_of).zip(&mut halves) {
+                let x = &xs[k];
+                jobs.push(DecodeJob { w: c.gate, x, y: g });
+                jobs.push(DecodeJob { w: c.up, x, y: u });
+            }
+            int8act::matmuls_decode(&mut jobs, pool)?;
         }
-    }
-    let hs = calls
-        .iter()
-        .zip(&gs)
-        .map(|(c, g)| DecodeActs::new(g, c.s, c.down.cols(), c.down.format()))
-        .collect::<Result<Vec<_>>>()?;
-    let mut jobs: Vec<DecodeJob<'_>> = calls
-        .iter()
-        .zip(&hs)
-        .zip(outs.iter_mut())
-        .map(|((c, x), out)| DecodeJob {
-            w: c.down,
-            x,
-            y: out,
-        })
-        .collect();
-    int8act::matmuls_decode(&mut jobs, pool)
+        for (g, u) in &mut halves {
+            for (g, u) in g.iter_mut().zip(u.iter()) {
+                *g = silu(*g) * u;
+            }
+        }
+        while hs.len() < calls.len() {
+            hs.push(DecodeActs::empty());
+        }
+        for ((c, (g, _)), h) in calls.iter().zip(&halves).zip(hs.iter_mut()) {
+            h.fill(g, c.s, c.down.cols(), c.down.format())?;
+        }
+        let mut jobs: Vec<DecodeJob<'_>> = calls
+            .iter()
+            .zip(hs.iter())
+            .zip(outs.iter_mut())
+            .map(|((c, x), out)| DecodeJob {
+                w: c.down,
+                x,
+                y: out,
+            })
+            .collect();
+        int8act::matmuls_decode(&mut jobs, pool)
+    })
+}
+
+/// Buffers of [`experts_int8_decode`], kept per thread between calls (a decode step makes
+/// one call per MoE layer, each with a few rows per expert).
+#[cfg(target_arch = "x86_64")]
+#[derive(Default)]
+struct DecodeScratch {
+    /// The distinct inputs' quantised rows.
+    xs: Vec<int8act::DecodeActs>,
+    /// Each call's hidden rows quantised for down.
+    hs: Vec<int8act::DecodeActs>,
+    /// Each call's gate and up outputs.
+    gu: Vec<f32>,
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    static DECODE_SCRATCH: std::cell::RefCell<DecodeScratch> = Default::default();
 }
 
 /// One expert in int8 activations (the formats were checked to have that form).

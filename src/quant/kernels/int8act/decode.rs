@@ -45,14 +45,39 @@ pub struct DecodeActs {
     /// [rows][chunks · 16]: `Σ xq` of each block (0 past the last block).
     pub(super) sums: Vec<i32>,
     /// For rows of nb = 1, 2, 4 or 8 whole blocks: each row repeated 16 / nb times, so that one
-    /// 16-block chunk of weights holds 16 / nb weight rows ([`rows_packed`]).
+    /// 16-block chunk of weights holds 16 / nb weight rows ([`rows_packed`]). Kept when a
+    /// refill has no packed form (`has_packed` false), so that its buffers serve the next one.
     packed: Option<Box<DecodeActs>>,
+    has_packed: bool,
 }
 
 impl DecodeActs {
     /// Quantise `x` ([rows, cols] row-major) for weights of `format` (one that has an int8
     /// form). An error on CPUs without AVX-512 VNNI, or if `x` is not [rows, cols].
     pub fn new(x: &[f32], rows: usize, cols: usize, format: QuantFormat) -> Result<Self> {
+        let mut acts = DecodeActs::empty();
+        acts.fill(x, rows, cols, format)?;
+        Ok(acts)
+    }
+
+    /// No rows (buffers for [`DecodeActs::fill`]).
+    pub fn empty() -> Self {
+        DecodeActs {
+            rows: 0,
+            cols: 0,
+            chunks: 1,
+            int8: false,
+            lines: Vec::new(),
+            scales: Vec::new(),
+            sums: Vec::new(),
+            packed: None,
+            has_packed: false,
+        }
+    }
+
+    /// [`DecodeActs::new`] into these buffers: a decode step quantises a few rows per expert
+    /// and layer, and allocating them each time cost more than quantising.
+    pub fn fill(&mut self, x: &[f32], rows: usize, cols: usize, format: QuantFormat) -> Result<()> {
         if !Int8Kernel::Vnni.available() {
             return Err(Error::invalid(
                 "int8 decode activations",
@@ -67,84 +92,79 @@ impl DecodeActs {
         }
         let chunks = super::chunks_for(cols);
         let blocks = chunks * LANES;
-        let mut acts = DecodeActs {
-            rows,
-            cols,
-            chunks,
-            int8: format == QuantFormat::Int8PerRow,
-            lines: vec![Line([0; 64]); rows * blocks],
-            scales: vec![0.0; rows * blocks],
-            sums: vec![0; rows * blocks],
-            packed: None,
-        };
+        (self.rows, self.cols, self.chunks) = (rows, cols, chunks);
+        self.int8 = format == QuantFormat::Int8PerRow;
+        // Every line, scale and sum is written below (zero past the last block).
+        self.lines.resize(rows * blocks, Line([0; 64]));
+        self.scales.resize(rows * blocks, 0.0);
+        self.sums.resize(rows * blocks, 0);
         for r in 0..rows {
             let src = &x[r * cols..(r + 1) * cols];
             let (lines, scales, sums) = (
-                &mut acts.lines[r * blocks..(r + 1) * blocks],
-                &mut acts.scales[r * blocks..(r + 1) * blocks],
-                &mut acts.sums[r * blocks..(r + 1) * blocks],
+                &mut self.lines[r * blocks..(r + 1) * blocks],
+                &mut self.scales[r * blocks..(r + 1) * blocks],
+                &mut self.sums[r * blocks..(r + 1) * blocks],
             );
-            // SAFETY: the caller checked the CPU runs the VNNI kernel; each row's slices hold
+            // SAFETY: the CPU runs the VNNI kernel (checked above); each row's slices hold
             // `blocks` elements.
-            unsafe { quantize_row(src, acts.int8, lines, scales, sums) };
+            unsafe { quantize_row(src, self.int8, lines, scales, sums) };
         }
         let nb = cols / BLOCK;
-        if cols.is_multiple_of(BLOCK) && matches!(nb, 1 | 2 | 4 | 8) {
-            acts.packed = Some(Box::new(acts.tiled(x, nb)));
+        self.has_packed = cols.is_multiple_of(BLOCK) && matches!(nb, 1 | 2 | 4 | 8);
+        if self.has_packed {
+            let mut packed = self
+                .packed
+                .take()
+                .unwrap_or_else(|| Box::new(DecodeActs::empty()));
+            self.tile_into(x, nb, &mut packed);
+            self.packed = Some(packed);
         }
-        Ok(acts)
+        Ok(())
     }
 
-    /// These rows (of `nb` whole blocks, `x` their values) repeated 16 / nb times, as
-    /// [`DecodeActs::new`] of the repeated values would quantise and lay them out: quantisation
-    /// is per block, so the lines, scales and sums are copies of the row's own. Only an int4
-    /// row of one block quantises again, as two copies, because an int4 line holds a pair of
-    /// blocks.
-    fn tiled(&self, x: &[f32], nb: usize) -> DecodeActs {
+    /// The packed form of these rows, when they have one.
+    fn packed(&self) -> Option<&DecodeActs> {
+        self.packed.as_deref().filter(|_| self.has_packed)
+    }
+
+    /// These rows (of `nb` whole blocks, `x` their values) repeated 16 / nb times into `tiled`,
+    /// as [`DecodeActs::new`] of the repeated values would quantise and lay them out:
+    /// quantisation is per block, so the lines, scales and sums are copies of the row's own.
+    /// Only an int4 row of one block quantises again, as two copies, because an int4 line
+    /// holds a pair of blocks.
+    fn tile_into(&self, x: &[f32], nb: usize, tiled: &mut DecodeActs) {
         let blocks = self.chunks * LANES;
-        // Blocks per repeated unit, and the unit's lines, scales and sums per row.
-        let unit = if !self.int8 && nb == 1 { 2 } else { nb };
-        let mut units: Vec<(Vec<Line>, Vec<f32>, Vec<i32>)> = Vec::with_capacity(self.rows);
+        (tiled.rows, tiled.cols, tiled.chunks) = (self.rows, LANES * BLOCK, 1);
+        tiled.int8 = self.int8;
+        tiled.has_packed = false;
+        tiled.lines.clear();
+        tiled.scales.clear();
+        tiled.sums.clear();
         for r in 0..self.rows {
-            if unit == nb {
+            if self.int8 || nb > 1 {
                 let at = r * blocks..r * blocks + nb;
-                units.push((
-                    self.lines[at.clone()].to_vec(),
-                    self.scales[at.clone()].to_vec(),
-                    self.sums[at].to_vec(),
-                ));
+                for _ in 0..LANES / nb {
+                    tiled.lines.extend_from_slice(&self.lines[at.clone()]);
+                    tiled.scales.extend_from_slice(&self.scales[at.clone()]);
+                    tiled.sums.extend_from_slice(&self.sums[at.clone()]);
+                }
             } else {
                 let row = &x[r * self.cols..(r + 1) * self.cols];
-                let pair: Vec<f32> = row.iter().chain(row).copied().collect();
+                let mut pair = [0.0f32; 2 * BLOCK];
+                pair[..BLOCK].copy_from_slice(row);
+                pair[BLOCK..].copy_from_slice(row);
                 // The pair is quantised into one 16-block chunk, of which 2 blocks are used.
                 let (mut lines, mut scales, mut sums) =
-                    (vec![Line([0; 64]); LANES], vec![0.0; LANES], vec![0; LANES]);
-                // SAFETY: `new` checked the CPU runs the VNNI kernel; 16 elements each.
+                    ([Line([0; 64]); LANES], [0.0; LANES], [0; LANES]);
+                // SAFETY: `fill` checked the CPU runs the VNNI kernel; 16 elements each.
                 unsafe { quantize_row(&pair, false, &mut lines, &mut scales, &mut sums) };
-                lines.truncate(2);
-                scales.truncate(2);
-                sums.truncate(2);
-                units.push((lines, scales, sums));
+                for _ in 0..LANES / 2 {
+                    tiled.lines.extend_from_slice(&lines[..2]);
+                    tiled.scales.extend_from_slice(&scales[..2]);
+                    tiled.sums.extend_from_slice(&sums[..2]);
+                }
             }
         }
-        let mut tiled = DecodeActs {
-            rows: self.rows,
-            cols: LANES * BLOCK,
-            chunks: 1,
-            int8: self.int8,
-            lines: Vec::with_capacity(self.rows * LANES),
-            scales: Vec::with_capacity(self.rows * LANES),
-            sums: Vec::with_capacity(self.rows * LANES),
-            packed: None,
-        };
-        for (lines, scales, sums) in &units {
-            for _ in 0..LANES / unit {
-                tiled.lines.extend_from_slice(lines);
-                tiled.scales.extend_from_slice(scales);
-                tiled.sums.extend_from_slice(sums);
-            }
-        }
-        tiled
     }
 
     /// Whether these activations are laid out for weights of `format`.
@@ -208,7 +228,7 @@ unsafe fn quantize_row(
 pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, out: OutColumns) {
     debug_assert_eq!(x.int8, w.format() == QuantFormat::Int8PerRow);
     let shift = offset_shift(w.format());
-    if let Some(packed) = x.packed.as_deref() {
+    if let Some(packed) = x.packed() {
         if let Some(scales) = PackedScales::of(w.format()) {
             // SAFETY: the caller's contract; `packed` is `x`'s rows tiled for `w`'s format.
             return unsafe { rows_packed(w, o0, n, x.cols / BLOCK, packed, scales, out) };
@@ -225,7 +245,16 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, 
     // lanes[t][i]: activation row t's 16 lane sums against weight row g + i of the group,
     // summed 16 at once by `sum_lanes16` (one scalar tree per output cost more than a
     // hidden-256 row's products).
-    let mut lanes = vec![[_mm512_setzero_ps(); LANES]; x.rows];
+    // (On the stack for calls of up to DECODE_MAX_ROWS rows: a task's allocation cost as much
+    // as a narrow row's products.)
+    let (mut on_stack, mut on_heap);
+    let lanes: &mut [[__m512; LANES]] = if x.rows <= super::DECODE_MAX_ROWS {
+        on_stack = [[_mm512_setzero_ps(); LANES]; super::DECODE_MAX_ROWS];
+        &mut on_stack[..x.rows]
+    } else {
+        on_heap = vec![[_mm512_setzero_ps(); LANES]; x.rows];
+        &mut on_heap
+    };
     // The tree leaves weight row i's sum in lane `sum_lanes16_index(i)`: this gathers them
     // back into order.
     let order: [i32; LANES] = std::array::from_fn(|i| sum_lanes16_index(i) as i32);
@@ -320,9 +349,11 @@ unsafe fn rows_packed(
     let row_of: [i32; LANES] = std::array::from_fn(|j| (j / nb) as i32);
     // The tree's steps inside a row: lane i + lane i + d for d = nb / 2 … 1.
     let step = |d: usize| -> [i32; LANES] { std::array::from_fn(|i| ((i + d) % LANES) as i32) };
-    let steps: Vec<[i32; LANES]> = (0..nb.trailing_zeros())
-        .map(|k| step(nb >> (k + 1)))
-        .collect();
+    let mut steps = [[0i32; LANES]; 3];
+    for (k, s) in steps.iter_mut().enumerate() {
+        *s = step((nb >> (k + 1)).max(1));
+    }
+    let steps = &steps[..nb.trailing_zeros() as usize];
     // The lanes that hold a row's sum: 0, nb, 2nb, …
     let firsts: u16 = (0..per).fold(0, |m, r| m | 1 << (r * nb));
     let mut o = o0;
@@ -359,7 +390,7 @@ unsafe fn rows_packed(
                 // SAFETY: the features are enabled here; `steps` hold 16 indices each; the
                 // store writes `count` columns o.. of row t0 + a, which are this task's.
                 unsafe {
-                    for s in &steps {
+                    for s in steps {
                         let idx = _mm512_loadu_si512(s.as_ptr().cast());
                         l = _mm512_add_ps(l, _mm512_permutexvar_ps(idx, l));
                     }

@@ -414,6 +414,7 @@ fn decode_kernel_equals_the_reference_bit_for_bit() {
         .build()
         .unwrap();
     for format in formats() {
+        let mut reused = decode::DecodeActs::empty();
         for &i in &[
             1usize,
             63,
@@ -448,6 +449,24 @@ fn decode_kernel_equals_the_reference_bit_for_bit() {
                 assert_eq!((&q.scales, &q.sums), (&d.scales, &d.sums), "{format} I={i}");
                 let mut want = vec![0.0f32; s * o];
                 reference_matmul(&p.view(), &q, &mut want).unwrap();
+                // The same buffers refilled across every shape (packed and not, more rows and
+                // fewer) give what fresh ones give.
+                reused.fill(&x, s, i, format).unwrap();
+                assert_eq!((&d.scales, &d.sums), (&reused.scales, &reused.sums));
+                let mut got = vec![0.0f32; s * o];
+                let w = p.view();
+                let mut jobs = [DecodeJob {
+                    w,
+                    x: &reused,
+                    y: &mut got,
+                }];
+                matmuls_decode(&mut jobs, Some(&pool)).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&want),
+                    bits(&got),
+                    "refilled: {format} I={i} O={o} S={s}"
+                );
                 for pool in [None, Some(&pool)] {
                     let mut got = vec![0.0f32; s * o];
                     matmul_decode(&p.view(), &x, s, &mut got, pool).unwrap();

@@ -1,6 +1,7 @@
 //! Speculative decoding on real models (the transformers fixtures): drafting never changes
 //! greedy output, a fixed seed reproduces sampled output, and KV rollback leaves the model
-//! consistent.
+//! consistent. The models run the engine's default arithmetic (int8 where the int8 decode
+//! kernel runs), and greedy drafting is checked in exact f32 too.
 
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
@@ -10,17 +11,25 @@ use colibri::container::Container;
 use colibri::decode::{
     generate, DraftDepth, DraftSource, GenerateOptions, GuardConfig, SamplingParams, Target,
 };
+use colibri::engine::EngineOptions;
 use colibri::model::{Model, ModelOptions, Sequence};
+use colibri::quant::kernels::Arithmetic;
 
 fn load(name: &str) -> Model {
+    load_in(name, EngineOptions::default_decode())
+}
+
+/// `name` with `arith` for prompts and decode alike.
+fn load_in(name: &str, arith: Arithmetic) -> Model {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
         .join(name);
-    Model::load(
-        Arc::new(Container::open(&dir).unwrap()),
-        &ModelOptions::default(),
-    )
-    .unwrap()
+    let opts = ModelOptions {
+        decode_arithmetic: arith,
+        prefill_arithmetic: arith,
+        ..ModelOptions::default()
+    };
+    Model::load(Arc::new(Container::open(&dir).unwrap()), &opts).unwrap()
 }
 
 /// 20 prompts: random ones and repetitive ones (so the n-gram drafter finds matches).
@@ -56,8 +65,13 @@ fn run(m: &mut dyn Target, prompt: &[u32], opts: &GenerateOptions) -> Vec<u32> {
 
 #[test]
 fn drafting_never_changes_greedy_output() {
-    for name in ["dsv3_a", "glm_b", "glm_dsa"] {
-        let model = load(name);
+    let mut arithmetics = vec![EngineOptions::default_decode(), Arithmetic::Exact];
+    arithmetics.dedup();
+    for (name, arith) in ["dsv3_a", "glm_b", "glm_dsa"]
+        .into_iter()
+        .flat_map(|n| arithmetics.iter().map(move |&a| (n, a)))
+    {
+        let model = load_in(name, arith);
         let mut m = Sequence::owned(&model);
         let vocab = model.config().vocab_size as u32;
         for prompt in prompts(vocab) {
@@ -80,7 +94,10 @@ fn drafting_never_changes_greedy_output() {
                         ..base.clone()
                     };
                     let got = run(&mut m, &prompt, &opts);
-                    assert_eq!(got, plain, "{name} {draft:?} G={g} prompt {prompt:?}");
+                    assert_eq!(
+                        got, plain,
+                        "{name} {arith:?} {draft:?} G={g} prompt {prompt:?}"
+                    );
                 }
             }
         }

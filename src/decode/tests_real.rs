@@ -1,6 +1,7 @@
 //! The sampling guarantee on the real (trained) embedded model: with MTP drafting, the
 //! emitted tokens at output positions 1..3 follow plain sampling's exact distribution, and a
-//! flawed rule (accept every draft) fails the same bound.
+//! flawed rule (accept every draft) fails the same bound. The models run the default
+//! arithmetic (int8 decode and prefill where the int8 decode kernel runs, else exact).
 
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
@@ -24,10 +25,20 @@ const TOP_K: usize = 4;
 /// t = √(ln 1e6 / 2N) = 0.0481.
 const TV_BOUND: f64 = 0.122;
 
+/// The engine's default arithmetic, for prompts and decode alike.
+fn default_arithmetic() -> ModelOptions {
+    let arith = crate::engine::EngineOptions::default_decode();
+    ModelOptions {
+        decode_arithmetic: arith,
+        prefill_arithmetic: arith,
+        ..ModelOptions::default()
+    }
+}
+
 fn tiny() -> Option<Model> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/colibri/models/tiny");
     let c = Container::open(&dir).ok()?;
-    Some(Model::load(Arc::new(c), &ModelOptions::default()).expect("the embedded model loads"))
+    Some(Model::load(Arc::new(c), &default_arithmetic()).expect("the embedded model loads"))
 }
 
 fn params() -> SamplingParams {
@@ -161,7 +172,7 @@ fn mtp_sampling_on_the_trained_model_matches_plain_sampling() {
 fn mtp_sampling_with_dsa_matches_plain_sampling() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/glm_dsa");
     let c = Container::open(&dir).expect("the glm_dsa fixture");
-    let model = Model::load(Arc::new(c), &ModelOptions::default()).expect("glm_dsa loads");
+    let model = Model::load(Arc::new(c), &default_arithmetic()).expect("glm_dsa loads");
     assert!(model.uses_dsa());
     let prompt: Vec<u32> = (0..20).map(|i| 2 + (i * 37 % 250)).collect();
     assert!(prompt.len() > model.config().index_topk.unwrap());

@@ -49,6 +49,14 @@ def standin_padded_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dst
 
 
+@pytest.fixture(scope="module")
+def standin_wide_shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared experts padded to 3 routed experts' width (n_shared_experts 3)."""
+    dst = tmp_path_factory.mktemp("standin") / "tiny-shared"
+    build(dst, "--shared-experts", "3")
+    return dst
+
+
 def test_expert_size_formula_matches_glm52() -> None:
     tool = load_tool("make_standin")
     # GLM-5.2: hidden 6144, moe_intermediate 2048, int4 groups of 64 with f32 scales.
@@ -78,7 +86,24 @@ def test_standin_is_bigger_and_readonly_source(standin: Path, standin_padded_mtp
     assert not (standin / "colibri-usage.json").exists()
 
 
-@pytest.mark.parametrize("variant", ["standin", "standin_padded_mtp"])
+def test_wide_shared_experts_are_that_many_routed_ones(standin_wide_shared: Path) -> None:
+    cfg = json.loads((standin_wide_shared / "config.json").read_text())
+    assert cfg["n_shared_experts"] == 3
+    assert json.loads((TINY / "config.json").read_text())["n_shared_experts"] == 1
+    # Every shared projection (main layers and the MTP layer's) is 3 widths of its layer's.
+    tool = load_tool("make_standin")
+    names = {t.name: t for t in tool.list_tensors(standin_wide_shared)}
+    src = {t.name: t for t in tool.list_tensors(TINY)}
+    gates = [n for n in names if n.endswith("mlp.shared_experts.gate_proj.weight")]
+    assert len(gates) == cfg["num_hidden_layers"] - cfg["first_k_dense_replace"] + 1
+    for n in gates:
+        mtp = int(n.split(".")[2]) >= cfg["num_hidden_layers"]
+        width = 128 if mtp else 1024
+        grown = names[n].end - names[n].start
+        assert grown == (src[n].end - src[n].start) * 3 * width // 128, n
+
+
+@pytest.mark.parametrize("variant", ["standin", "standin_padded_mtp", "standin_wide_shared"])
 def test_standin_logits_and_tokens_equal_original(
     variant: str, request: pytest.FixtureRequest
 ) -> None:

@@ -29,6 +29,13 @@ read-only; nothing but the container files is written.
     python tools/make_standin.py python/colibri/models/tiny /work/standin/tiny
     python tools/make_standin.py /work/glmlike/container /work/standin/glmlike
     python tools/make_standin.py SRC DST --intermediate 1024    # small, for tests
+    python tools/make_standin.py benches/models/glmlike DST --intermediate 8192 \
+        --shared-experts 3                  # dense : routed bytes per token 48 : 52
+
+``--shared-experts N`` pads the shared experts to ``N`` times a routed one (zeros again, and
+``n_shared_experts`` = N in config.json, which only sets their width), so that a token's
+bytes split between the resident part and the routed experts as in a real model (GLM-5.2:
+about 45 : 55); the MTP layer's shared expert grows with it, its routed ones keep their size.
 """
 
 from __future__ import annotations
@@ -225,6 +232,13 @@ def _parser() -> argparse.ArgumentParser:
         "layers' (moe_intermediate_size is one config value; each draft step then costs "
         "one layer of this shallow model: the naive stand-in)",
     )
+    ap.add_argument(
+        "--shared-experts",
+        type=int,
+        default=0,
+        help="pad the shared experts to N routed experts' width (n_shared_experts = N; "
+        "default: the source's count)",
+    )
     ap.add_argument("-q", "--quiet", action="store_true")
     return ap
 
@@ -237,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
     tensors = list_tensors(args.src)
     probe_fmt, new_inter = _padded_intermediate(args, cfg, tensors)
+    if args.shared_experts < 0 or (args.shared_experts and not cfg.get("n_shared_experts")):
+        raise SystemExit(
+            "error: --shared-experts needs a positive count and a model with shared experts"
+        )
     if args.dst.exists():
         raise SystemExit(f"error: {args.dst} exists; choose a new directory")
     args.dst.mkdir(parents=True)
@@ -247,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             "colibri_mtp_moe_intermediate_size", inter
         )
     cfg["moe_intermediate_size"] = new_inter
+    if args.shared_experts:
+        cfg["n_shared_experts"] = args.shared_experts
     (args.dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name in SIDECARS:
         if (args.src / name).exists():
@@ -316,7 +336,9 @@ def _write_shards(
     total = 0
     names = sorted(groups)
     for k, key in enumerate(names):
-        items, meta = _shard_items(groups[key], by_name, cfg, args.mtp, new_inter)
+        items, meta = _shard_items(
+            groups[key], by_name, cfg, args.mtp, new_inter, args.shared_experts
+        )
         path = args.dst / f"model-{k + 1:05d}-of-{len(names):05d}.safetensors"
         write_shard(path, items, meta)
         total += path.stat().st_size
@@ -331,12 +353,15 @@ def _shard_items(
     cfg: dict[str, Any],
     mtp: str,
     new_inter: int,
+    shared_experts: int = 0,
 ) -> tuple[list[tuple[str, str, list[int], int, object]], dict[str, str]]:
     """The tensors of one output shard, as :func:`write_shard` takes them (the experts'
-    padded to ``new_inter``, the rest copied; each with its ``.qs`` scales), and the
-    shard's metadata."""
+    padded to ``new_inter``, the shared ones to ``shared_experts`` times it when given, the
+    rest copied; each with its ``.qs`` scales), and the shard's metadata."""
     hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
     main_layers = cfg["num_hidden_layers"]
+    shared_old = cfg.get("n_shared_experts", 1)
+    shared_new = shared_experts or shared_old
     items: list[tuple[str, str, list[int], int, object]] = []
     meta: dict[str, str] = {"colibri_format_version": "1"}
     for t in group:
@@ -345,30 +370,31 @@ def _shard_items(
         if t.fmt:
             meta[t.name] = t.fmt
         mtp_layer = m is not None and int(m.group(1)) >= main_layers
+        shared = ".shared_experts." in t.name
+        # (old, new) intermediate width of this projection.
+        width = (inter * shared_old, new_inter * shared_new) if shared else (inter, new_inter)
         if m and mtp_layer and mtp == "keep":
-            m = None  # copied as it is, below
+            if shared and shared_new != shared_old:
+                # n_shared_experts is one config value: the MTP layer's shared expert grows
+                # to its count at the layer's kept width.
+                width = (inter * shared_old, inter * shared_new)
+            else:
+                m = None  # copied as it is, below
         if m and qs is not None and t.fmt:
-            factor = cfg.get("n_shared_experts", 1) if ".shared_experts." in t.name else 1
             proj, fmt = m.group(2), t.fmt
             padded: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
-            def weight(t=t, qs=qs, proj=proj, fmt=fmt, factor=factor, padded=padded):
+            def weight(t=t, qs=qs, proj=proj, fmt=fmt, width=width, padded=padded):
                 padded["w"] = pad_weight(
-                    load(t),
-                    load(qs).view(np.float32),
-                    fmt,
-                    proj,
-                    hidden,
-                    inter * factor,
-                    new_inter * factor,
+                    load(t), load(qs).view(np.float32), fmt, proj, hidden, *width
                 )
                 return padded["w"][0]
 
             def scales(padded=padded):
                 return padded.pop("w")[1].view(np.uint8)
 
-            n_w = padded_size(t, fmt, proj, False, inter, new_inter)
-            n_s = padded_size(qs, fmt, proj, True, inter, new_inter)
+            n_w = padded_size(t, fmt, proj, False, *width)
+            n_s = padded_size(qs, fmt, proj, True, *width)
             items.append((t.name, t.dtype, [n_w], n_w, weight))
             items.append((qs.name, qs.dtype, [n_s // 4], n_s, scales))
         elif m:

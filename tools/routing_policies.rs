@@ -1,0 +1,213 @@
+//! The GLM-5.2-calibrated routing workload's statistics and the cache policies replayed on it
+//! without I/O (docs/expert-store.md, "The routing workload"):
+//!
+//! ```text
+//! cargo run --release --example routing_policies -- [--calibrate] [--layers 16]
+//!     [--conversations 8] [--topics 4] [--budgets 0.13,0.5]
+//! ```
+//!
+//! `--calibrate` refits the generator's knobs to GLM-5.2's published figures and prints them
+//! (minutes). Otherwise it prints the public-sample statistics on the test seeds (7, 8), then
+//! per budget the hit rate of each policy on a test trace (seed 1), with pins learned on
+//! another trace (seed 101) of the same topic pool.
+
+use colibri::routing::histogram::Histogram;
+use colibri::routing::sim::{self, calls, history, top_pins};
+use colibri::routing::workload::{calibrate, measure, GLM52_TARGETS};
+use colibri::routing::{Knobs, TraceStats, Workload, WorkloadSpec};
+
+fn arg<T: std::str::FromStr>(args: &[String], flag: &str, default: T) -> T {
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let hist = Histogram::glm52();
+    if args.iter().any(|a| a == "--calibrate") {
+        let k = calibrate(&hist, GLM52_TARGETS, Knobs::default(), 8, 2);
+        println!("{k:?}");
+        println!("{:?}", measure(&hist, k, 8, 2));
+        return;
+    }
+    if args.iter().any(|a| a == "--sweep") {
+        sweep(&hist);
+        return;
+    }
+    let knobs = Knobs::default();
+    for seed in [7u64, 8] {
+        let spec = WorkloadSpec {
+            seed,
+            layers: 8,
+            conversations: 10,
+            prompt_tokens: 0,
+            decode_tokens: 127,
+            knobs,
+            ..WorkloadSpec::default()
+        };
+        let t = Workload::new(&hist, spec).expect("workload").generate();
+        println!("public sample, seed {seed}:\n{}", TraceStats::of(&t));
+    }
+    let layers: usize = arg(&args, "--layers", 16);
+    let conversations: usize = arg(&args, "--conversations", 8);
+    let topics: usize = arg(&args, "--topics", 4);
+    let budgets: String = arg(&args, "--budgets", "0.13,0.5".to_string());
+    let gen = |seed: u64| {
+        let spec = WorkloadSpec {
+            seed,
+            layers,
+            conversations,
+            topics,
+            prompt_tokens: 0,
+            decode_tokens: 256,
+            knobs,
+            ..WorkloadSpec::default()
+        };
+        Workload::new(&hist, spec).expect("workload").generate()
+    };
+    let (learn, test) = (gen(101), gen(1));
+    let c = calls(&test);
+    let n = hist.experts;
+    let h = history(&learn);
+    println!(
+        "policies: {layers} layers, {conversations} conversations x 256 decode tokens, topic pool {topics}"
+    );
+    for b in budgets.split(',').filter_map(|x| x.parse::<f64>().ok()) {
+        let slots = (b * (layers * n) as f64).floor() as usize;
+        let per = vec![slots / layers; layers];
+        let row = |name: &str, r: sim::SimResult| {
+            println!("  budget {b:.2}  {name:<44} {:.3}", r.hit_rate());
+        };
+        row("original, fresh (LRU only)", sim::original(&c, layers, n, &[], slots / layers));
+        for share in [0.5, 0.75, 0.9] {
+            let pins = top_pins(&h, (slots as f64 * share) as usize);
+            let lru = (slots - pins.len()) / layers;
+            row(
+                &format!("original, learned pins {share}"),
+                sim::original(&c, layers, n, &pins, lru),
+            );
+        }
+        let prior: Vec<Vec<f64>> = h
+            .iter()
+            .map(|v| {
+                let t = v.iter().sum::<u64>().max(1) as f64;
+                v.iter().map(|&x| x as f64 / t * 8.0).collect()
+            })
+            .collect();
+        for (hl, rec) in [(32.0, 1u64), (64.0, 1), (128.0, 2)] {
+            let p = sim::Scored {
+                prior: 1.0,
+                half_life: hl,
+                recent: rec,
+                bonus: 1.0,
+            };
+            row(
+                &format!("scored per layer hl {hl} recent {rec}"),
+                sim::scored(&c, layers, n, &prior, &per, p),
+            );
+        }
+        let trans = sim::transitions(&calls(&learn), layers, n);
+        for (w, hl, af) in [
+            (1.0, 16.0, 0.0),
+            (1.0, 32.0, 0.0),
+            (0.5, 16.0, 0.0),
+            (1.0, 16.0, 1.0),
+            (1.0, 16.0, 3.0),
+            (1.0, 32.0, 3.0),
+            (0.5, 16.0, 3.0),
+        ] {
+            let p = sim::Pooled {
+                prior: w,
+                half_life: hl,
+                affinity: af,
+            };
+            row(
+                &format!("pooled prior {w} hl {hl} affinity {af}"),
+                sim::pooled(&c, layers, n, &prior, Some(&trans), slots, p),
+            );
+        }
+        row("belady per layer", sim::belady(&c, layers, n, &per, None));
+        row("belady global", sim::belady(&c, layers, n, &per, Some(slots)));
+    }
+}
+
+/// One line per knob set read from stdin (`stickiness topic noise coactivation persistence
+/// flatten [topics]`): the public-sample statistics (the fitting seeds 1, 2) and the original engine's
+/// fresh and learned hit rates at 13% on 16 layers.
+fn sweep(hist: &Histogram) {
+    use std::io::BufRead;
+    for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+        let v: Vec<f64> = line
+            .split_whitespace()
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        if v.len() < 6 {
+            continue;
+        }
+        let knobs = Knobs {
+            stickiness: v[0],
+            topic: v[1],
+            lookahead_noise: v[2],
+            coactivation: v[3],
+            persistence: v[4],
+            flatten: v[5],
+        };
+        let topics = v.get(6).map_or(4, |&x| x as usize);
+        let mut acc = [0.0f64; 6];
+        for seed in [1u64, 2] {
+            let spec = WorkloadSpec {
+                seed,
+                layers: 8,
+                conversations: 10,
+                prompt_tokens: 0,
+                decode_tokens: 127,
+                knobs,
+                ..WorkloadSpec::default()
+            };
+            let Ok(w) = Workload::new(hist, spec) else {
+                continue;
+            };
+            let s = TraceStats::of(&w.generate());
+            for (a, x) in acc.iter_mut().zip([
+                s.consecutive_overlap,
+                s.lookahead_recall,
+                s.half_share,
+                s.top10_share,
+                s.gini,
+                s.pair_lift,
+            ]) {
+                *a += x / 2.0;
+            }
+        }
+        let gen = |seed: u64| {
+            let spec = WorkloadSpec {
+                seed,
+                layers: 16,
+                conversations: 8,
+                topics,
+                prompt_tokens: 0,
+                decode_tokens: 256,
+                knobs,
+                ..WorkloadSpec::default()
+            };
+            Workload::new(hist, spec).map(|w| w.generate())
+        };
+        let (Ok(learn), Ok(test)) = (gen(101), gen(1)) else {
+            continue;
+        };
+        let c = calls(&test);
+        let slots = (0.13 * (16 * 256) as f64) as usize;
+        let fresh = sim::original(&c, 16, 256, &[], slots / 16).hit_rate();
+        let pins = top_pins(&history(&learn), slots / 2);
+        let learned = sim::original(&c, 16, 256, &pins, (slots - pins.len()) / 16).hit_rate();
+        let per = vec![slots / 16; 16];
+        let bel = sim::belady(&c, 16, 256, &per, None).hit_rate();
+        println!(
+            "{line} | ov {:.3} rec {:.3} half {:.3} top10 {:.3} gini {:.3} lift {:.2} | fresh {fresh:.3} learned {learned:.3} belady {bel:.3}",
+            acc[0], acc[1], acc[2], acc[3], acc[4], acc[5]
+        );
+    }
+}

@@ -97,19 +97,29 @@ fn main() {
                 v.iter().map(|&x| x as f64 / t * 8.0).collect()
             })
             .collect();
-        for (hl, rec) in [(32.0, 1u64), (64.0, 1), (128.0, 2)] {
+        let trans = sim::transitions(&calls(&learn), layers, n);
+        for (w, hl, rec, af) in [
+            (1.0, 32.0, 1u64, 0.0),
+            (0.0, 32.0, 1, 0.0),
+            (2.0, 32.0, 1, 0.0),
+            (1.0, 16.0, 1, 0.0),
+            (1.0, 32.0, 0, 0.0),
+            (1.0, 32.0, 1, 1.0),
+            (1.0, 32.0, 1, 3.0),
+            (1.0, 32.0, 0, 3.0),
+        ] {
             let p = sim::Scored {
-                prior: 1.0,
+                prior: w,
                 half_life: hl,
                 recent: rec,
                 bonus: 1.0,
+                affinity: af,
             };
             row(
-                &format!("scored per layer hl {hl} recent {rec}"),
-                sim::scored(&c, layers, n, &prior, &per, p),
+                &format!("scored prior {w} hl {hl} recent {rec} affinity {af}"),
+                sim::scored(&c, layers, n, &prior, Some(&trans), &per, p),
             );
         }
-        let trans = sim::transitions(&calls(&learn), layers, n);
         for (w, hl, af) in [
             (1.0, 16.0, 0.0),
             (1.0, 32.0, 0.0),

@@ -176,6 +176,8 @@ pub struct Scored {
     pub recent: u64,
     /// The recency bonus (in selections per call; 1 outranks any popularity).
     pub bonus: f64,
+    /// Weight of the learned next-call affinity of the layer's last call ([`transitions`]).
+    pub affinity: f64,
 }
 
 pub fn scored(
@@ -183,9 +185,12 @@ pub fn scored(
     layers: usize,
     experts: usize,
     prior: &[Vec<f64>],
+    trans: Option<&[Vec<f32>]>,
     slots: &[usize],
     p: Scored,
 ) -> SimResult {
+    let mut aff = vec![0.0f64; experts];
+    let mut prev_call: Vec<Option<&Vec<u16>>> = vec![None; layers];
     let mut tick = vec![0u64; layers];
     let mut freq = vec![vec![(0.0f64, 0u64); experts]; layers];
     let mut last = vec![vec![0u64; experts]; layers];
@@ -208,10 +213,26 @@ pub fn scored(
         let l = *l;
         tick[l] += 1;
         let now = tick[l];
+        // The affinity of this call's experts to the layer's previous call (known before the
+        // router runs).
+        aff.fill(0.0);
+        if let (Some(t), Some(prev)) = (trans.and_then(|t| t.get(l)), prev_call[l]) {
+            for &j in prev {
+                let row = &t[j as usize * experts..(j as usize + 1) * experts];
+                for (x, &v) in aff.iter_mut().zip(row) {
+                    *x += v as f64;
+                }
+            }
+        }
+        prev_call[l] = Some(ids);
+        let aff = &aff;
         let score = |e: usize, freq: &[(f64, u64)], last: &[u64]| {
             let pr = prior.get(l).and_then(|v| v.get(e)).copied().unwrap_or(0.0);
             let recent = last[e] > 0 && now - last[e] <= p.recent;
-            p.prior * pr + rate * decay(freq[e], now) + if recent { p.bonus } else { 0.0 }
+            p.prior * pr
+                + rate * decay(freq[e], now)
+                + if recent { p.bonus } else { 0.0 }
+                + p.affinity * aff[e]
         };
         for &e in ids {
             let eu = e as usize;

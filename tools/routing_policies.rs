@@ -12,6 +12,7 @@
 //! another trace (seed 101) of the same topic pool.
 
 use colibri::routing::histogram::Histogram;
+use colibri::routing::plan::{ModelShape, PlanInput};
 use colibri::routing::sim::{self, calls, history, top_pins};
 use colibri::routing::workload::{calibrate, measure, GLM52_TARGETS};
 use colibri::routing::{Knobs, TraceStats, Workload, WorkloadSpec};
@@ -35,6 +36,10 @@ fn main() {
     }
     if args.iter().any(|a| a == "--sweep") {
         sweep(&hist);
+        return;
+    }
+    if args.iter().any(|a| a == "--mtp") {
+        mtp(&hist);
         return;
     }
     let knobs = Knobs::default();
@@ -81,7 +86,10 @@ fn main() {
         let row = |name: &str, r: sim::SimResult| {
             println!("  budget {b:.2}  {name:<44} {:.3}", r.hit_rate());
         };
-        row("original, fresh (LRU only)", sim::original(&c, layers, n, &[], slots / layers));
+        row(
+            "original, fresh (LRU only)",
+            sim::original(&c, layers, n, &[], slots / layers),
+        );
         for share in [0.5, 0.75, 0.9] {
             let pins = top_pins(&h, (slots as f64 * share) as usize);
             let lru = (slots - pins.len()) / layers;
@@ -140,7 +148,10 @@ fn main() {
             );
         }
         row("belady per layer", sim::belady(&c, layers, n, &per, None));
-        row("belady global", sim::belady(&c, layers, n, &per, Some(slots)));
+        row(
+            "belady global",
+            sim::belady(&c, layers, n, &per, Some(slots)),
+        );
     }
 }
 
@@ -219,5 +230,47 @@ fn sweep(hist: &Histogram) {
             "{line} | ov {:.3} rec {:.3} half {:.3} top10 {:.3} gini {:.3} lift {:.2} | fresh {fresh:.3} learned {learned:.3} belady {bel:.3}",
             acc[0], acc[1], acc[2], acc[3], acc[4], acc[5]
         );
+    }
+}
+
+/// MTP drafting in the plan's model on GLM-5.2's shape (8 layers simulated, pins at half the
+/// budget, prefetch off, disk 2.0 GB/s, int4 compute 19.4 GB/s): per budget share and draft
+/// depth, tokens per forward, expert bytes read per generated token and predicted tok/s.
+fn mtp(hist: &Histogram) {
+    let Ok(shape) = ModelShape::known("glm-5.2") else {
+        return;
+    };
+    let input = PlanInput {
+        shape,
+        ram_bytes: u64::MAX / 4,
+        reserve_bytes: 0,
+        disk_bytes_per_second: 2.0e9,
+        compute_bytes_per_second: 19.4e9,
+        history: None,
+        seed: 1,
+        sample_layers: 8,
+    };
+    for share in [0.0, 0.13, 0.5, 1.0] {
+        let mut base = None;
+        for depth in 0..=3usize {
+            let Ok((learn, test)) = input.traces(hist, depth) else {
+                continue;
+            };
+            let Ok(sc) = input.scenarios(&learn, &test, share, depth) else {
+                continue;
+            };
+            let Some(x) = sc.iter().find(|x| x.pin_share == 0.5 && !x.prefetch) else {
+                continue;
+            };
+            let b0 = *base.get_or_insert(x.bytes_per_token);
+            println!(
+                "budget {share:.2} depth {depth}: tokens/forward {:.2}  MB/token {:.0} ({:+.0}% vs depth 0)  hit {:.3}  tok/s {:.3}",
+                x.tokens_per_forward,
+                x.bytes_per_token / 1e6,
+                100.0 * (x.bytes_per_token / b0.max(1.0) - 1.0),
+                x.hit_rate,
+                x.tokens_per_second
+            );
+        }
     }
 }

@@ -167,7 +167,8 @@ impl WorkloadSpec {
                 "topic, stickiness, coactivation and lookahead_noise must be in [0, 16]",
             ));
         }
-        if !(0.0..1.0).contains(&k.persistence) || !(k.flatten > 0.0 && k.flatten <= 1.0) {
+        let flatten_ok = k.flatten > 0.0 && k.flatten <= 1.0;
+        if !((0.0..1.0).contains(&k.persistence) && flatten_ok) {
             return Err(Error::invalid(
                 "knobs",
                 "persistence must be in [0, 1) and flatten in (0, 1]",
@@ -610,8 +611,8 @@ impl Workload {
                     0x7091_C000_0000 + ((conv as u64) << 16) + layer_stream,
                 ))
             } else {
-                let pick = Rng::new(spec.seed, 0x7091_CB00 + conv as u64).next_u64()
-                    % spec.topics as u64;
+                let pick =
+                    Rng::new(spec.seed, 0x7091_CB00 + conv as u64).next_u64() % spec.topics as u64;
                 normal_vec(&mut Rng::new(
                     spec.topic_seed,
                     0x7091_C000_0000 + (pick << 16) + layer_stream,

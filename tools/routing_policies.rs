@@ -2,12 +2,13 @@
 //! without I/O (docs/expert-store.md, "The routing workload"):
 //!
 //! ```text
-//! cargo run --release --example routing_policies -- [--calibrate] [--layers 16]
-//!     [--conversations 8] [--topics 4] [--budgets 0.13,0.5]
+//! cargo run --release --example routing_policies -- [--calibrate | --sweep | --mtp]
+//!     [--layers 16] [--conversations 8] [--topics 4] [--budgets 0.13,0.5]
 //! ```
 //!
 //! `--calibrate` refits the generator's knobs to GLM-5.2's published figures and prints them
-//! (minutes). Otherwise it prints the public-sample statistics on the test seeds (7, 8), then
+//! (minutes); `--sweep` reads knob sets from stdin and prints each one's fit and the
+//! original engine's hit rates; `--mtp` prints drafting in the plan's time model. Otherwise it prints the public-sample statistics on the test seeds (7, 8), then
 //! per budget the hit rate of each policy on a test trace (seed 1), with pins learned on
 //! another trace (seed 101) of the same topic pool.
 
@@ -105,6 +106,40 @@ fn main() {
                 v.iter().map(|&x| x as f64 / t * 8.0).collect()
             })
             .collect();
+        // A budget split by each layer's spread in the history (effective experts, e^entropy,
+        // raised to `pow`): flat layers get more slots than peaked ones.
+        let split = |pow: f64| -> Vec<usize> {
+            let eff: Vec<f64> = h
+                .iter()
+                .take(layers)
+                .map(|v| {
+                    let t = v.iter().sum::<u64>().max(1) as f64;
+                    let ent: f64 = v
+                        .iter()
+                        .filter(|&&x| x > 0)
+                        .map(|&x| -(x as f64 / t) * (x as f64 / t).ln())
+                        .sum();
+                    ent.exp().powf(pow)
+                })
+                .collect();
+            let tot: f64 = eff.iter().sum();
+            eff.iter()
+                .map(|e| (e / tot * slots as f64).floor() as usize)
+                .collect()
+        };
+        for pow in [1.0, 2.0, -1.0] {
+            let p = sim::Scored {
+                prior: 0.0,
+                half_life: 32.0,
+                recent: 1,
+                bonus: 1.0,
+                affinity: 0.0,
+            };
+            row(
+                &format!("scored, budget split by layer spread^{pow}"),
+                sim::scored(&c, layers, n, &prior, None, &split(pow), p),
+            );
+        }
         let trans = sim::transitions(&calls(&learn), layers, n);
         for (w, hl, rec, af) in [
             (1.0, 32.0, 1u64, 0.0),

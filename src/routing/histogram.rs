@@ -32,6 +32,10 @@ pub struct Histogram {
     pub layers: Vec<LayerHistogram>,
     /// Where the counts come from, for reports.
     pub source: String,
+    /// Whether the counts are a short sample of a few topics (the shipped file: 10 topics ×
+    /// 127 tokens), whose skew the topics inflate over the population's; a user's history,
+    /// counted over their whole workload, is taken as the population.
+    pub topic_sample: bool,
 }
 
 #[derive(Deserialize)]
@@ -71,6 +75,7 @@ impl Histogram {
                 })
                 .collect(),
             source: "GLM-5.2 public decode histogram (1,270 tokens, 10 topics)".into(),
+            topic_sample: true,
         }
     }
 
@@ -136,6 +141,7 @@ impl Histogram {
             rows: self.rows,
             layers,
             source: format!("{}, resized to top-{top_k} of {experts}", self.source),
+            topic_sample: self.topic_sample,
         })
     }
 
@@ -179,6 +185,7 @@ impl Histogram {
             rows,
             layers,
             source: "the model's routing history".into(),
+            topic_sample: false,
         })
     }
 

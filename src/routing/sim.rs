@@ -176,6 +176,8 @@ pub struct Scored {
     pub recent: u64,
     /// The recency bonus (in selections per call; 1 outranks any popularity).
     pub bonus: f64,
+    /// Weight of the learned next-call affinity of the layer's last call ([`transitions`]).
+    pub affinity: f64,
 }
 
 pub fn scored(
@@ -183,9 +185,12 @@ pub fn scored(
     layers: usize,
     experts: usize,
     prior: &[Vec<f64>],
+    trans: Option<&[Vec<f32>]>,
     slots: &[usize],
     p: Scored,
 ) -> SimResult {
+    let mut aff = vec![0.0f64; experts];
+    let mut prev_call: Vec<Option<&Vec<u16>>> = vec![None; layers];
     let mut tick = vec![0u64; layers];
     let mut freq = vec![vec![(0.0f64, 0u64); experts]; layers];
     let mut last = vec![vec![0u64; experts]; layers];
@@ -208,10 +213,26 @@ pub fn scored(
         let l = *l;
         tick[l] += 1;
         let now = tick[l];
+        // The affinity of this call's experts to the layer's previous call (known before the
+        // router runs).
+        aff.fill(0.0);
+        if let (Some(t), Some(prev)) = (trans.and_then(|t| t.get(l)), prev_call[l]) {
+            for &j in prev {
+                let row = &t[j as usize * experts..(j as usize + 1) * experts];
+                for (x, &v) in aff.iter_mut().zip(row) {
+                    *x += v as f64;
+                }
+            }
+        }
+        prev_call[l] = Some(ids);
+        let aff = &aff;
         let score = |e: usize, freq: &[(f64, u64)], last: &[u64]| {
             let pr = prior.get(l).and_then(|v| v.get(e)).copied().unwrap_or(0.0);
             let recent = last[e] > 0 && now - last[e] <= p.recent;
-            p.prior * pr + rate * decay(freq[e], now) + if recent { p.bonus } else { 0.0 }
+            p.prior * pr
+                + rate * decay(freq[e], now)
+                + if recent { p.bonus } else { 0.0 }
+                + p.affinity * aff[e]
         };
         for &e in ids {
             let eu = e as usize;
@@ -300,6 +321,143 @@ pub fn belady(
         }
         when[l][eu] = nx;
         sets[p].insert((nx, l, e));
+    }
+    r
+}
+
+/// A frequency cache over one pool shared by every layer (hot layers hold more): each
+/// (layer, expert) scores `prior·history + decayed frequency` (selections per call of its
+/// layer, half-life `half_life` calls), and a miss is admitted in place of the lowest-scored
+/// resident the call does not use, only when it scores higher after this use (a frequency
+/// admission filter: a one-off cold expert does not evict a recurring one).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pooled {
+    /// Weight of the history's popularity (selections per call).
+    pub prior: f64,
+    /// Half-life of the online frequency, in calls of the layer.
+    pub half_life: f64,
+    /// Weight of the learned next-call affinity of the layer's last call (0: none).
+    pub affinity: f64,
+}
+
+/// Per layer, how much more likely each expert is in a layer's next call given one expert of
+/// its last call: `P(e next | j now) − P(e)`, row-major `j · experts + e`, learned from a
+/// history's calls (the routing is a process; its transitions are as learnable as its
+/// popularity).
+pub fn transitions(calls: &[(usize, Vec<u16>)], layers: usize, experts: usize) -> Vec<Vec<f32>> {
+    let mut joint = vec![vec![0u32; experts * experts]; layers];
+    let mut seen = vec![vec![0u32; experts]; layers];
+    let mut next = vec![vec![0u32; experts]; layers];
+    let mut n = vec![0u32; layers];
+    let mut last: Vec<Option<&Vec<u16>>> = vec![None; layers];
+    for (l, ids) in calls {
+        let l = *l;
+        if let Some(prev) = last[l] {
+            n[l] += 1;
+            for &j in prev {
+                seen[l][j as usize] += 1;
+                for &e in ids {
+                    joint[l][j as usize * experts + e as usize] += 1;
+                }
+            }
+            for &e in ids {
+                next[l][e as usize] += 1;
+            }
+        }
+        last[l] = Some(ids);
+    }
+    (0..layers)
+        .map(|l| {
+            let total = n[l].max(1) as f32;
+            let mut t = vec![0.0f32; experts * experts];
+            for j in 0..experts {
+                let sj = seen[l][j] as f32;
+                for e in 0..experts {
+                    let base = next[l][e] as f32 / total;
+                    // Shrunk toward no affinity when j was seen rarely.
+                    let cond = (joint[l][j * experts + e] as f32 + base) / (sj + 1.0);
+                    t[j * experts + e] = cond - base;
+                }
+            }
+            t
+        })
+        .collect()
+}
+
+pub fn pooled(
+    calls: &[(usize, Vec<u16>)],
+    layers: usize,
+    experts: usize,
+    prior: &[Vec<f64>],
+    trans: Option<&[Vec<f32>]>,
+    slots: usize,
+    p: Pooled,
+) -> SimResult {
+    let mut aff = vec![vec![0.0f64; experts]; layers];
+    let rate = std::f64::consts::LN_2 / p.half_life.max(1e-9);
+    let mut tick = vec![0u64; layers];
+    // (frequency, at tick) per (layer, expert).
+    let mut freq = vec![vec![(0.0f64, 0u64); experts]; layers];
+    let mut is_res = vec![vec![false; experts]; layers];
+    let mut resident: Vec<(usize, u16)> = Vec::new();
+    let mut r = SimResult::new();
+    let score = |l: usize, e: usize, f: (f64, u64), now: &[u64], aff: &[Vec<f64>]| {
+        let pr = prior.get(l).and_then(|v| v.get(e)).copied().unwrap_or(0.0);
+        let age = now[l].saturating_sub(f.1) as f64;
+        p.prior * pr + rate * f.0 * (-age * rate).exp() + p.affinity * aff[l][e]
+    };
+    let mut last: Vec<Option<&Vec<u16>>> = vec![None; layers];
+    for (l, ids) in calls {
+        let l = *l;
+        tick[l] += 1;
+        let now = tick[l];
+        // This call's affinity: from the layer's previous call (known before the router
+        // runs), for choosing what this call's misses evict.
+        if let (Some(t), Some(prev)) = (trans.and_then(|t| t.get(l)), last[l]) {
+            let a = &mut aff[l];
+            a.fill(0.0);
+            for &j in prev {
+                let row = &t[j as usize * experts..(j as usize + 1) * experts];
+                for (x, &v) in a.iter_mut().zip(row) {
+                    *x += v as f64;
+                }
+            }
+        }
+        last[l] = Some(ids);
+        for &e in ids {
+            let eu = e as usize;
+            let hit = is_res[l][eu];
+            r.record(hit);
+            let f = freq[l][eu];
+            let age = now.saturating_sub(f.1) as f64;
+            freq[l][eu] = (f.0 * (-age * rate).exp() + 1.0, now);
+            if hit || slots == 0 {
+                continue;
+            }
+            if resident.len() < slots {
+                resident.push((l, e));
+                is_res[l][eu] = true;
+                continue;
+            }
+            let mine = score(l, eu, freq[l][eu], &tick, &aff);
+            let victim = resident
+                .iter()
+                .enumerate()
+                .filter(|(_, &(rl, re))| !(rl == l && ids.contains(&re)))
+                .map(|(i, &(rl, re))| {
+                    let f = freq[rl][re as usize];
+                    (i, score(rl, re as usize, f, &tick, &aff))
+                })
+                .min_by(|a, b| a.1.total_cmp(&b.1));
+            if let Some((i, s)) = victim {
+                if s < mine {
+                    let (vl, ve) = resident[i];
+                    is_res[vl][ve as usize] = false;
+                    resident[i] = (l, e);
+                    is_res[l][eu] = true;
+                }
+            }
+        }
     }
     r
 }

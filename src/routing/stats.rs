@@ -149,8 +149,9 @@ impl TraceStats {
     }
 }
 
-/// Median lift and topic support of each layer's 300 most co-activated pairs, as the public
-/// file computed them: count = rows where both fired, lift = count / expected if independent,
+/// Median lift and topic support of each layer's 300 most co-activated pairs (of those that
+/// co-fired at least 5 times), as the public file selected and computed them: count = rows
+/// where both fired, lift = count / expected if independent,
 /// support = conversations (topics) in which the pair co-fired at least twice.
 fn pair_figures(t: &Trace, convs: &[Vec<usize>]) -> (f64, f64) {
     let nl = t.header.layers.len();
@@ -181,7 +182,8 @@ fn pair_figures(t: &Trace, convs: &[Vec<usize>]) -> (f64, f64) {
         }
         let mut top: Vec<_> = pairs.into_iter().collect();
         top.sort_unstable_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.0.cmp(&b.0)));
-        for ((x, y), (count, per_conv)) in top.into_iter().take(300) {
+        // The file kept pairs that co-fired at least 5 times, then the 300 most frequent.
+        for ((x, y), (count, per_conv)) in top.into_iter().filter(|p| p.1 .0 >= 5).take(300) {
             let expect = heat[x as usize] as f64 * heat[y as usize] as f64 / rows.max(1.0);
             lifts.push(count as f64 / expect.max(1e-9));
             supports.push(per_conv.iter().filter(|&&c| c >= 2).count() as f64);

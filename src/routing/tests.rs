@@ -3,6 +3,7 @@
 
 use super::histogram::median;
 use super::sim;
+use super::workload::GLM52_TARGETS;
 use super::*;
 
 fn workload(spec: WorkloadSpec) -> Trace {
@@ -36,6 +37,21 @@ fn persistence_and_lookahead_meet_the_published_figures() {
     let s = TraceStats::of(&workload(public_sample(7, Knobs::default())));
     within("consecutive overlap", s.consecutive_overlap, 0.413, 0.03);
     within("lookahead recall", s.lookahead_recall, 0.716, 0.03);
+}
+
+#[test]
+fn co_activated_pairs_have_the_published_lift() {
+    // The file's estimator on the file's sample: per layer the 300 most frequent pairs of
+    // those co-firing at least 5 times in 10 conversations (topics) × 127 decode tokens.
+    let s = TraceStats::of(&workload(public_sample(7, Knobs::default())));
+    within("pair lift", s.pair_lift, GLM52_TARGETS.pair_lift, 0.3);
+    // Negative control: routers without a shared hidden state co-fire about at random.
+    let flat = Knobs {
+        coactivation: 0.0,
+        ..Knobs::default()
+    };
+    let s = TraceStats::of(&workload(public_sample(7, flat)));
+    assert!(s.pair_lift < 2.94 - 1.0, "lift {:.2}", s.pair_lift);
 }
 
 #[test]
@@ -207,4 +223,40 @@ fn bad_specs_get_errors() {
     ] {
         assert!(Workload::new(&h, spec).is_err());
     }
+}
+
+#[test]
+fn an_online_frequency_cache_beats_the_lru_and_belady_bounds_both() {
+    // 13% of 4 layers × 256 experts; pins and priors learned on another seed of the same
+    // topic pool (docs/expert-store.md, "Policies at a 13% budget").
+    let spec = |seed| WorkloadSpec {
+        seed,
+        layers: 4,
+        conversations: 4,
+        topics: 2,
+        prompt_tokens: 0,
+        decode_tokens: 200,
+        ..WorkloadSpec::default()
+    };
+    let (learn, test) = (workload(spec(101)), workload(spec(3)));
+    let c = sim::calls(&test);
+    let slots = (0.13 * 1024.0) as usize;
+    let lru = sim::original(&c, 4, 256, &[], slots / 4).hit_rate();
+    let per = vec![slots / 4; 4];
+    let p = sim::Scored {
+        prior: 0.0,
+        half_life: 32.0,
+        recent: 1,
+        bonus: 1.0,
+        affinity: 0.0,
+    };
+    let scored = sim::scored(&c, 4, 256, &[], None, &per, p).hit_rate();
+    let opt = sim::belady(&c, 4, 256, &per, None).hit_rate();
+    assert!(scored > lru + 0.02, "scored {scored:.3}, LRU {lru:.3}");
+    assert!(opt > scored + 0.05, "Belady {opt:.3}, scored {scored:.3}");
+    // The learned transitions are deviations from the base rate: a row of them sums to
+    // about zero times the experts per call.
+    let t = sim::transitions(&sim::calls(&learn), 4, 256);
+    let row: f32 = t[0][..256].iter().sum();
+    assert!(row.abs() < 2.0, "row sum {row}");
 }

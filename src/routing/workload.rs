@@ -4,16 +4,23 @@
 //! Each layer is a router over latent scores, as a real router is (scores = h·Wᵀ + bias):
 //!
 //! ```text
-//! score_t(e) = bias(e) + τ·u_c(e) + κ·[e ∈ row_{t−1}] + ε_t(e),   row_t = top-k(score_t)
+//! score_t(e) = bias(e) + a·⟨w_e, z_t⟩ + κ·[e ∈ row_{t−1}] + ε_t(e),   row_t = top-k(score_t)
+//! z_t = τ·m_c + y_t,   y_t = ρ·y_{t−1} + √(1−ρ²)·ξ_t        (D = 6 dimensions)
 //! ```
 //!
 //! - `bias` is fitted per layer so each expert's share of rows equals its share in the
-//!   histogram (the shipped GLM-5.2 one, or a user's own history): the skew.
-//! - `κ` (stickiness) favours the experts the previous token routed to: it sets how many
-//!   experts consecutive tokens share (GLM-5.2: 41.3%).
-//! - `u_c` is drawn per conversation and layer: each conversation (topic) has its own hot
-//!   set, `τ` its strength. `τ` is held small (0.1): at 0.2 a fresh per-layer LRU of 65
-//!   slots already hits 66% on 16 layers, above the field's 57% ± 5 (docs/expert-store.md).
+//!   histogram (the shipped GLM-5.2 one, or a user's own history) raised to `γ` (the
+//!   histogram is itself a 10-topic sample, whose skew the topics inflate: `γ` < 1 is the
+//!   flatter population a 10-topic sample of which has the histogram's skew).
+//! - `z_t` is the token's hidden state seen by this layer's router (a unit direction `w_e`
+//!   per expert, drawn once per layer: the router's weights). Experts whose directions are
+//!   close fire together on the same tokens, `a` the strength: it sets the co-activation
+//!   lift of the public pairs (GLM-5.2: median 2.94).
+//! - `y_t` drifts slowly (`ρ` per token) around the conversation's topic `m_c` (strength
+//!   `τ`): a working set that lasts for many tokens, and a hot set per topic. Topics are
+//!   drawn from a pool (`WorkloadSpec::topics`), so a user's workload can repeat them.
+//! - `κ` (stickiness) favours the experts the previous token routed to: with `ρ` it sets
+//!   how many experts consecutive tokens share (GLM-5.2: 41.3%).
 //! - The router lookahead sees the next layer's scores through noise `η·ξ` (a fresh normal
 //!   per expert): `η` sets its recall (GLM-5.2: 71.6% at top-k).
 //! - Speculation: a forward verifies a decode row and `draft_depth` drafts; the first `A` are
@@ -23,8 +30,9 @@
 //!   step also runs the MTP layer (its own router; the histogram has no MTP layer, so it gets
 //!   the median layer's popularity).
 //!
-//! `κ` and `η` were fitted by [`calibrate`] and are the defaults of [`Knobs`]; the tests hold
-//! a generated workload's statistics to the published targets (±3 points).
+//! `κ`, `a`, `γ` and `η` were fitted by [`calibrate`] and are the defaults of [`Knobs`]; `ρ`,
+//! `τ` and `D` are assumed (docs/expert-store.md says why). The tests hold a generated
+//! workload's statistics to the published targets (±3 points).
 
 use rayon::prelude::*;
 
@@ -38,20 +46,35 @@ pub struct Knobs {
     /// Score bonus of the experts the previous token routed to (consecutive tokens sharing
     /// experts, without the slow drift that would also make tokens ten apart share them).
     pub stickiness: f64,
-    /// Strength of each conversation's own hot set.
+    /// Strength of each conversation's topic in the hidden state (relative to its drift).
     pub topic: f64,
     /// Noise of the router lookahead's view of the next layer's scores.
     pub lookahead_noise: f64,
+    /// Strength of the hidden state in the router's scores (co-activation).
+    pub coactivation: f64,
+    /// Per-token persistence of the hidden state's drift, in [0, 1).
+    pub persistence: f64,
+    /// Exponent on the histogram's popularity, in (0, 1] (1: the histogram as it is), when
+    /// the histogram is a few-topic sample (`Histogram::topic_sample`): the population whose
+    /// 10-topic samples have the sample's skew.
+    pub flatten: f64,
 }
+
+/// Dimensions of the hidden state the routers see.
+pub const LATENT_DIMS: usize = 6;
 
 impl Default for Knobs {
     /// Fitted by [`calibrate`] to GLM-5.2's published figures (overlap 41.3%, lookahead recall
-    /// 71.6%) on the shipped histogram, 8 layers, 2 seeds.
+    /// 71.6%, pair lift 2.94, half-share 0.19) on the shipped histogram, 8 layers, 2 seeds;
+    /// `topic` and `persistence` assumed.
     fn default() -> Self {
         Knobs {
-            stickiness: 1.65,
-            topic: 0.10,
-            lookahead_noise: 0.41,
+            stickiness: 1.25,
+            topic: 0.8,
+            lookahead_noise: 0.66,
+            coactivation: 1.45,
+            persistence: 0.5,
+            flatten: 0.80,
         }
     }
 }
@@ -63,6 +86,11 @@ pub struct WorkloadSpec {
     /// MoE layers, evenly spaced over the histogram's (0: all of them).
     pub layers: usize,
     pub conversations: usize,
+    /// Topics the conversations draw from (0: each conversation a topic of its own; n: a
+    /// pool of n topics, drawn per conversation, shared by every seed with the same
+    /// `topic_seed`, as a user's repeated workload repeats them).
+    pub topics: usize,
+    pub topic_seed: u64,
     /// Prompt tokens per conversation (prefill rows).
     pub prompt_tokens: usize,
     /// Tokens generated per conversation.
@@ -89,6 +117,8 @@ impl Default for WorkloadSpec {
             seed: 1,
             layers: 0,
             conversations: 12,
+            topics: 0,
+            topic_seed: 0,
             prompt_tokens: 256,
             decode_tokens: 256,
             prefill_chunk: 512,
@@ -128,13 +158,20 @@ impl WorkloadSpec {
             ));
         }
         let k = self.knobs;
-        if [k.topic, k.lookahead_noise, k.stickiness]
+        if [k.topic, k.lookahead_noise, k.stickiness, k.coactivation]
             .iter()
             .any(|&x| !(0.0..=16.0).contains(&x))
         {
             return Err(Error::invalid(
                 "knobs",
-                "topic, stickiness and lookahead_noise must be in [0, 16]",
+                "topic, stickiness, coactivation and lookahead_noise must be in [0, 16]",
+            ));
+        }
+        let flatten_ok = k.flatten > 0.0 && k.flatten <= 1.0;
+        if !((0.0..1.0).contains(&k.persistence) && flatten_ok) {
+            return Err(Error::invalid(
+                "knobs",
+                "persistence must be in [0, 1) and flatten in (0, 1]",
             ));
         }
         Ok(())
@@ -207,10 +244,51 @@ pub fn fit_biases(target: &[f64], k: usize, spread: f64, seed: u64) -> Vec<f64> 
     bias
 }
 
-/// One layer's router: each expert's fitted bias.
+/// One layer's router: each expert's fitted bias and its unit direction in the hidden state
+/// (`LATENT_DIMS` per expert, row-major).
 #[derive(Debug, Clone)]
 struct LayerModel {
     bias: Vec<f64>,
+    dirs: Vec<f64>,
+}
+
+/// The router directions of one layer: fixed by the layer (a model's weights), not by the seed.
+fn directions(n: usize, layer_stream: u64) -> Vec<f64> {
+    let mut rng = Rng::new(0xD1_2EC7, layer_stream);
+    let mut w = vec![0.0f64; n * LATENT_DIMS];
+    for row in w.chunks_mut(LATENT_DIMS) {
+        for x in row.iter_mut() {
+            *x = rng.normal();
+        }
+        let norm = row.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
+        for x in row.iter_mut() {
+            *x /= norm;
+        }
+    }
+    w
+}
+
+/// `p` (inclusion probabilities summing to `k`) raised to `gamma`, rescaled to sum to `k`,
+/// capped below 1 (the excess spread over the rest).
+fn flattened(p: &[f64], k: usize, gamma: f64) -> Vec<f64> {
+    let raw: Vec<f64> = p.iter().map(|&x| x.max(1e-12).powf(gamma)).collect();
+    let total: f64 = raw.iter().sum::<f64>().max(1e-12);
+    let mut q: Vec<f64> = raw.iter().map(|&x| x / total * k as f64).collect();
+    for _ in 0..8 {
+        let over: f64 = q.iter().filter(|&&x| x > 0.99).map(|&x| x - 0.99).sum();
+        if over <= 0.0 {
+            break;
+        }
+        let under: f64 = q.iter().filter(|&&x| x <= 0.99).sum();
+        for x in q.iter_mut() {
+            *x = if *x > 0.99 {
+                0.99
+            } else {
+                *x * (1.0 + over / under)
+            };
+        }
+    }
+    q
 }
 
 /// A calibrated generator for one histogram.
@@ -247,37 +325,47 @@ struct Slot {
 #[derive(Clone)]
 struct Chain {
     prev: Vec<bool>,
+    /// The hidden state's drift around the topic.
+    drift: [f64; LATENT_DIMS],
 }
 
 struct LayerState {
     real: Chain,
     fork: Chain,
-    /// This conversation's hot set (a standard normal per expert).
-    u: Vec<f64>,
+    /// This conversation's topic in the hidden state.
+    topic: [f64; LATENT_DIMS],
     rng: Rng,
     scores: Vec<f64>,
+    /// The deterministic part of the last step's scores (all but the fresh noise).
+    means: Vec<f64>,
     idx: Vec<u16>,
 }
 
+/// A standard normal vector of the hidden state's size.
+fn normal_vec(rng: &mut Rng) -> [f64; LATENT_DIMS] {
+    let mut v = [0.0; LATENT_DIMS];
+    for x in v.iter_mut() {
+        *x = rng.normal();
+    }
+    v
+}
+
 impl LayerState {
-    fn new(n: usize, mut rng: Rng) -> Self {
-        let u: Vec<f64> = (0..n).map(|_| rng.normal()).collect();
+    /// A conversation's start on one layer: `topic` its topic vector, `rng` its own numbers.
+    fn new(n: usize, topic: [f64; LATENT_DIMS], mut rng: Rng) -> Self {
         let real = Chain {
             prev: vec![false; n],
+            drift: normal_vec(&mut rng),
         };
         LayerState {
             fork: real.clone(),
             real,
-            u,
+            topic,
             rng,
             scores: vec![0.0; n],
+            means: vec![0.0; n],
             idx: (0..n as u16).collect(),
         }
-    }
-
-    /// The deterministic part of expert `i`'s next score on `chain`.
-    fn mean(&self, model: &LayerModel, knobs: &Knobs, chain: &Chain, i: usize) -> f64 {
-        model.bias[i] + knobs.topic * self.u[i] + if chain.prev[i] { knobs.stickiness } else { 0.0 }
     }
 
     /// The next row of the real stream (or of the fork): score, take the top-k, and (with
@@ -290,9 +378,23 @@ impl LayerState {
         k: usize,
         noise: Option<f64>,
     ) -> RoutedRow {
+        let rho = knobs.persistence;
+        let fresh = (1.0 - rho * rho).sqrt();
+        let mut z = [0.0; LATENT_DIMS];
+        {
+            let chain = if fork { &mut self.fork } else { &mut self.real };
+            for (d, zd) in z.iter_mut().enumerate() {
+                chain.drift[d] = rho * chain.drift[d] + fresh * self.rng.normal();
+                *zd = knobs.coactivation * (knobs.topic * self.topic[d] + chain.drift[d]);
+            }
+        }
+        let chain = if fork { &self.fork } else { &self.real };
         for i in 0..self.scores.len() {
-            let chain = if fork { &self.fork } else { &self.real };
-            self.scores[i] = self.mean(model, knobs, chain, i) + self.rng.normal();
+            let w = &model.dirs[i * LATENT_DIMS..(i + 1) * LATENT_DIMS];
+            let latent: f64 = w.iter().zip(&z).map(|(a, b)| a * b).sum();
+            let m = model.bias[i] + latent + if chain.prev[i] { knobs.stickiness } else { 0.0 };
+            self.means[i] = m;
+            self.scores[i] = m + self.rng.normal();
         }
         let ids = top_k_of(&self.scores, &mut self.idx, k);
         let pred = noise.map(|eta| {
@@ -334,26 +436,33 @@ fn top_k_of(scores: &[f64], idx: &mut [u16], k: usize) -> Vec<u16> {
 /// normal-quantile gap between its target share and its smoothed share (each row's
 /// probability of including the expert given the row's threshold and everything but the
 /// row's fresh noise).
-fn refit_on_process(bias: &mut [f64], target: &[f64], k: usize, knobs: &Knobs, seed: u64) {
+fn refit_on_process(
+    bias: &mut [f64],
+    dirs: &[f64],
+    target: &[f64],
+    k: usize,
+    knobs: &Knobs,
+    seed: u64,
+) {
     let n = bias.len();
-    let spread = (1.0 + knobs.topic * knobs.topic).sqrt();
+    let spread = latent_spread(knobs);
     for iter in 0..4u64 {
         let model = LayerModel {
             bias: bias.to_vec(),
+            dirs: dirs.to_vec(),
         };
         let mut est = vec![0.0f64; n];
-        for conv in 0..8u64 {
-            let mut st = LayerState::new(n, Rng::new(seed, 0xF17 + iter * 64 + conv));
-            for _ in 0..250 {
-                let mean: Vec<f64> = (0..n)
-                    .map(|i| st.mean(&model, knobs, &st.real, i))
-                    .collect();
+        for conv in 0..16u64 {
+            let mut rng = Rng::new(seed, 0xF17 + iter * 64 + conv);
+            let topic = normal_vec(&mut rng);
+            let mut st = LayerState::new(n, topic, rng);
+            for _ in 0..150 {
                 st.step(&model, knobs, false, k, None);
                 let mut sorted = st.scores.clone();
                 sorted.select_nth_unstable_by(k, |x, y| y.total_cmp(x));
                 let kth = sorted[..k].iter().copied().fold(f64::INFINITY, f64::min);
                 let theta = 0.5 * (kth + sorted[k]);
-                for (e, m) in est.iter_mut().zip(&mean) {
+                for (e, m) in est.iter_mut().zip(&st.means) {
                     *e += upper_tail(theta - m);
                 }
             }
@@ -367,29 +476,40 @@ fn refit_on_process(bias: &mut [f64], target: &[f64], k: usize, knobs: &Knobs, s
     }
 }
 
+/// The spread of a score's stationary law: the fresh noise and the hidden state's part.
+fn latent_spread(k: &Knobs) -> f64 {
+    (1.0 + k.coactivation * k.coactivation * (1.0 + k.topic * k.topic)).sqrt()
+}
+
 impl Workload {
     /// A generator for `spec` over `hist` (its layers evenly spaced to `spec.layers`).
     pub fn new(hist: &Histogram, spec: WorkloadSpec) -> crate::Result<Self> {
         spec.validate()?;
         let chosen: Vec<&LayerHistogram> = hist.spaced_layers(spec.layers);
         let kn = spec.knobs;
-        let spread = (1.0 + kn.topic * kn.topic).sqrt();
-        let fit = |l: &LayerHistogram, seed: u64| {
-            let target = hist.inclusion(l);
+        let spread = latent_spread(&kn);
+        let fit = |l: &LayerHistogram, seed: u64, stream: u64| {
+            // Only a few-topic sample is flattened to its population (see `Knobs::flatten`).
+            let gamma = if hist.topic_sample { kn.flatten } else { 1.0 };
+            let target = flattened(&hist.inclusion(l), hist.top_k, gamma);
+            let dirs = directions(hist.experts, stream);
             let mut bias = fit_biases(&target, hist.top_k, spread, seed);
-            refit_on_process(&mut bias, &target, hist.top_k, &spec.knobs, seed);
-            LayerModel { bias }
+            refit_on_process(&mut bias, &dirs, &target, hist.top_k, &spec.knobs, seed);
+            LayerModel { bias, dirs }
         };
         let models = chosen
             .par_iter()
-            .map(|l| fit(l, spec.seed ^ l.layer as u64))
+            .map(|l| fit(l, spec.seed ^ l.layer as u64, l.layer as u64))
             .collect();
         let layers: Vec<usize> = chosen.iter().map(|l| l.layer).collect();
         let (mtp_layer, mtp_model) = if spec.mtp && spec.draft_depth > 0 {
             // The MTP layer is not in the histogram: give it the median layer's popularity.
             let mid = &hist.layers[hist.layers.len() / 2];
             let last = hist.layers.iter().map(|l| l.layer).max().unwrap_or(0);
-            (Some(last + 1), Some(fit(mid, spec.seed ^ 0x3750)))
+            (
+                Some(last + 1),
+                Some(fit(mid, spec.seed ^ 0x3750, (last + 1) as u64)),
+            )
         } else {
             (None, None)
         };
@@ -483,13 +603,30 @@ impl Workload {
         }
         let k = self.top_k;
         let knobs = spec.knobs;
+        // The conversation's topic: its own, or one of the pool's (same pool for every seed).
+        let topic_of = |layer_stream: u64| -> [f64; LATENT_DIMS] {
+            if spec.topics == 0 {
+                normal_vec(&mut Rng::new(
+                    spec.seed,
+                    0x7091_C000_0000 + ((conv as u64) << 16) + layer_stream,
+                ))
+            } else {
+                let pick =
+                    Rng::new(spec.seed, 0x7091_CB00 + conv as u64).next_u64() % spec.topics as u64;
+                normal_vec(&mut Rng::new(
+                    spec.topic_seed,
+                    0x7091_C000_0000 + (pick << 16) + layer_stream,
+                ))
+            }
+        };
         let columns: Vec<Vec<RoutedRow>> = self
             .models
             .par_iter()
             .enumerate()
             .map(|(li, model)| {
                 let stream = ((conv as u64) << 20) | li as u64;
-                let mut st = LayerState::new(self.experts, Rng::new(spec.seed, stream));
+                let topic = topic_of(self.layers[li] as u64);
+                let mut st = LayerState::new(self.experts, topic, Rng::new(spec.seed, stream));
                 let mut forked = false;
                 slots
                     .iter()
@@ -516,7 +653,8 @@ impl Workload {
         }
         if let Some(model) = &self.mtp_model {
             let stream = ((conv as u64) << 20) | 0xFFFFF;
-            let mut st = LayerState::new(self.experts, Rng::new(spec.seed, stream));
+            let topic = topic_of(self.mtp_layer.unwrap_or(0) as u64);
+            let mut st = LayerState::new(self.experts, topic, Rng::new(spec.seed, stream));
             for &row in &mtp_rows {
                 let (ids, _) = st.step(model, &knobs, false, k, None);
                 trace.rows[row].experts.push(ids);
@@ -532,29 +670,36 @@ pub struct Targets {
     pub consecutive_overlap: f64,
     pub lookahead_recall: f64,
     pub pair_lift: f64,
+    /// Median share of a layer's experts holding half its selections.
+    pub half_share: f64,
 }
 
 /// GLM-5.2's (../shared/routing/README.md): 41.3% overlap, 71.6% one-layer lookahead recall,
-/// median lift 2.94 of the shipped file's co-activated pairs.
+/// median lift 2.94 of the shipped file's co-activated pairs, 49 of 256 experts holding half
+/// of a layer's selections.
 pub const GLM52_TARGETS: Targets = Targets {
     consecutive_overlap: 0.413,
     lookahead_recall: 0.716,
     pair_lift: 2.94,
+    half_share: 49.0 / 256.0,
 };
 
 /// The statistics [`calibrate`] matches, measured on the sample the public file was counted
-/// on (10 conversations × 127 decode tokens), averaged over `seeds` seeds.
+/// on (10 conversations of 10 topics × 127 decode tokens, pairs as the file selected them),
+/// averaged over `seeds` seeds.
 pub fn measure(hist: &Histogram, knobs: Knobs, layers: usize, seeds: u64) -> Targets {
     let mut acc = Targets {
         consecutive_overlap: 0.0,
         lookahead_recall: 0.0,
         pair_lift: 0.0,
+        half_share: 0.0,
     };
     for seed in 1..=seeds {
         let spec = WorkloadSpec {
             seed,
             layers,
             conversations: 10,
+            topics: 0,
             prompt_tokens: 0,
             decode_tokens: 127,
             knobs,
@@ -567,14 +712,16 @@ pub fn measure(hist: &Histogram, knobs: Knobs, layers: usize, seeds: u64) -> Tar
         acc.consecutive_overlap += s.consecutive_overlap / seeds as f64;
         acc.lookahead_recall += s.lookahead_recall / seeds as f64;
         acc.pair_lift += s.pair_lift / seeds as f64;
+        acc.half_share += s.half_share / seeds as f64;
     }
     acc
 }
 
-/// Fit [`Knobs`] to `targets` on `hist`, starting from `start` (whose `topic` is kept: it is
-/// bounded by the fresh-cache hit rate, not fitted): stickiness by bisection on the overlap,
+/// Fit [`Knobs`] to `targets` on `hist`, starting from `start` (whose `topic` and
+/// `persistence` are kept: assumptions, see docs/expert-store.md): two rounds of stickiness by
+/// bisection on the overlap, coactivation on the pair lift and flatten on the half-share,
 /// then lookahead noise on the recall (the noise does not change the routed rows). Takes a
-/// minute; the defaults were fitted with it.
+/// few minutes; the defaults were fitted with it.
 pub fn calibrate(
     hist: &Histogram,
     targets: Targets,
@@ -584,7 +731,7 @@ pub fn calibrate(
 ) -> Knobs {
     let bisect = |lo: f64, hi: f64, rising: bool, target: f64, f: &dyn Fn(f64) -> f64| {
         let (mut lo, mut hi) = (lo, hi);
-        for _ in 0..10 {
+        for _ in 0..8 {
             let mid = 0.5 * (lo + hi);
             if (f(mid) < target) == rising {
                 lo = mid;
@@ -594,31 +741,36 @@ pub fn calibrate(
         }
         0.5 * (lo + hi)
     };
+    let m = |k: Knobs| measure(hist, k, layers, seeds);
     let mut k = start;
-    let kk = k;
-    k.stickiness = bisect(0.0, 6.0, true, targets.consecutive_overlap, &|a| {
-        measure(
-            hist,
-            Knobs {
+    for _ in 0..2 {
+        let kk = k;
+        k.coactivation = bisect(0.0, 4.0, true, targets.pair_lift, &|a| {
+            m(Knobs {
+                coactivation: a,
+                ..kk
+            })
+            .pair_lift
+        });
+        let kk = k;
+        k.flatten = bisect(0.4, 1.0, false, targets.half_share, &|g| {
+            m(Knobs { flatten: g, ..kk }).half_share
+        });
+        let kk = k;
+        k.stickiness = bisect(0.0, 4.0, true, targets.consecutive_overlap, &|a| {
+            m(Knobs {
                 stickiness: a,
                 ..kk
-            },
-            layers,
-            seeds,
-        )
-        .consecutive_overlap
-    });
+            })
+            .consecutive_overlap
+        });
+    }
     let kk = k;
     k.lookahead_noise = bisect(0.0, 4.0, false, targets.lookahead_recall, &|n| {
-        measure(
-            hist,
-            Knobs {
-                lookahead_noise: n,
-                ..kk
-            },
-            layers,
-            seeds,
-        )
+        m(Knobs {
+            lookahead_noise: n,
+            ..kk
+        })
         .lookahead_recall
     });
     k

@@ -13,6 +13,7 @@ mod layer;
 pub mod linear;
 mod mla_decompressed;
 pub mod moe;
+pub mod remote;
 pub mod norm;
 pub mod rope;
 pub mod routing_sink;

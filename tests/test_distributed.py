@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "python" / "colibri" / "models" / "tiny"
 PROMPT = "def add(a, b):"
 
+# Without this Ray swaps 127.0.0.1 for the machine's own address (services.py,
+# resolve_ip_for_localhost); with it every Ray process binds and talks on loopback only.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 try:
     import ray
 except ImportError:  # pragma: no cover - depends on the environment
@@ -165,6 +168,7 @@ def test_two_workers_hold_every_routed_expert_once(workers: list[Any], head: Any
     facts = [ray.get(w.describe.remote()) for w in workers]
     assert [f["name"] for f in facts] == [actor_name(1, 2), actor_name(2, 2)]
     assert len({f["pid"] for f in facts} | {os.getpid()}) == 3  # separate processes
+    assert {f["node_ip"] for f in facts} == {"127.0.0.1"}
     held = [{tuple(x) for x in f["experts"]} for f in facts]
     assert not held[0] & held[1]
     assert held[0] | held[1] == set(model_experts(TINY))
@@ -185,8 +189,8 @@ def test_greedy_tokens_are_the_local_models(local: Any, head: Any, draft: str) -
     got = head.generate(PROMPT, max_new_tokens=24, draft=draft)
     assert got.token_ids == want.token_ids
     assert _calls(head) > before  # the experts did run on the workers
-    if draft == "mtp":
-        assert got.stats.drafts_proposed == want.stats.drafts_proposed
+    if draft == "mtp":  # drafts were verified (how many depends on timings: not compared)
+        assert sum(got.stats.drafts_proposed) > 0
 
 
 @needs_ray
@@ -217,24 +221,50 @@ def test_int8_decode_tokens_are_the_local_models(workers: list[Any]) -> None:
 
 @needs_ray
 def test_a_worker_killed_mid_generation_loses_nothing(local: Any, workers: list[Any]) -> None:
-    """Runs last: it kills worker 2 of the module's pair."""
+    """Runs last: it kills worker 2 of the module's pair, then starts it again."""
+    from colibri.distributed import start_worker
+
     m = colibri.Model(TINY, threads=1, experts="ray://auto?timeout=5&probe=0.2")
-    kw: dict[str, Any] = {"max_new_tokens": 32, "temperature": 0.8, "seed": 5, "draft": "mtp"}
+    kw: dict[str, Any] = {"max_new_tokens": 48, "temperature": 0.8, "seed": 5, "draft": "mtp"}
     want = local.generate(PROMPT, **kw).token_ids
+    two = actor_name(2, 2)
+
+    def worker(name: str) -> dict[str, Any]:
+        return next(w for w in m.experts_workers() if w["name"] == name)
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stream = m.generate(PROMPT, stream=True, **kw)
         for i, _ in enumerate(stream):
-            if i == 3:
+            if i == 2:
+                served = worker(two)["calls"]
                 ray.kill(workers[1])
         assert stream.result is not None
         got = stream.result.token_ids
-        after = m.generate(PROMPT, **kw).token_ids  # with worker 2 gone from the start
+        # Worker 2 served part of this generation, then failed during it.
+        assert served > 0
+        assert worker(two)["failures"] == 1 and worker(two)["up"] is False
+        after = m.generate(PROMPT, **kw).token_ids  # worker 2 gone from the start
     assert got == want
     assert after == want
     assert caught, "the failure was not reported"
     assert {w.category for w in caught} == {ExpertWorkerWarning}, [str(w.message) for w in caught]
-    info = {w["name"]: w for w in m.experts_workers()}
-    assert info[actor_name(2, 2)]["up"] is False
-    assert info[actor_name(2, 2)]["failures"] >= 1
-    assert info[actor_name(1, 2)]["up"] is True and info[actor_name(1, 2)]["failures"] == 0
+    assert worker(actor_name(1, 2))["up"] is True
+    assert worker(actor_name(1, 2))["failures"] == 0
+
+    # Started again (as Ray restarts an actor with max_restarts), it is probed and used.
+    import time
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again_two = start_worker(TINY, 2, 2, threads=1)  # lives while this handle does
+        deadline = time.monotonic() + 20
+        while not worker(two)["up"] and time.monotonic() < deadline:
+            time.sleep(0.1)  # the health thread probes every 0.2 s
+        calls = worker(two)["calls"]
+        again = m.generate(PROMPT, **kw).token_ids
+    assert again == want
+    assert worker(two)["up"] is True and worker(two)["calls"] > calls, worker(two)["last_error"]
+    assert [w.category for w in caught] == [ExpertWorkerWarning]
+    assert "answers again" in str(caught[0].message)
+    ray.kill(again_two)

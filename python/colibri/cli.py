@@ -427,10 +427,12 @@ def _cmd_experts_worker(args: argparse.Namespace) -> int:
     path = resolve_model_dir(args.model, revision=args.revision)
     ray = _import_ray()
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
-    start_worker(path, i, n, threads=args.threads, max_restarts=args.max_restarts)
+    # The actor lives as long as this handle (it is not detached): Ctrl-C ends both.
+    actor = start_worker(path, i, n, threads=args.threads, max_restarts=args.max_restarts)
     print(f"{actor_name(i, n)}: holding its experts of {path}; Ctrl-C stops it", flush=True)
-    while True:
+    while actor is not None:
         time.sleep(3600)
+    return 0
 
 
 def _add_experts_worker(sub: Any) -> None:

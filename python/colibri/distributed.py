@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -151,6 +152,15 @@ def parse_address(experts: str) -> tuple[str, dict[str, float]]:
     return address, options
 
 
+def _node_ip() -> str | None:
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # noqa: BLE001 - informative only
+        return None
+
+
 class _Worker:
     """The actor's body: a shard of experts resident in this process."""
 
@@ -167,6 +177,7 @@ class _Worker:
             "hidden_size": int(self._shard.hidden_size),
             "pid": os.getpid(),
             "host": os.uname().nodename,
+            "node_ip": _node_ip(),
             "model": path,
         }
 
@@ -244,8 +255,6 @@ class _Remote:
     last_ms: float = 0.0
     max_ms: float = 0.0
     last_error: str | None = None
-    probe: Any = None
-    probed_at: float = 0.0
 
     def info(self) -> dict[str, Any]:
         return {
@@ -329,6 +338,9 @@ class RayExperts:
                 f"(actors named colibri-experts-I-of-N in namespace {NAMESPACE!r}: start "
                 "them with `colibri experts-worker MODEL --address ADDR --shard I/N`)"
             )
+        self._closed = threading.Event()
+        self._probe_lock = threading.Lock()
+        self._probing: threading.Thread | None = None
         self._owners: dict[Expert, list[_Remote]] = {}
         for w in self.workers:
             for x in w.experts:
@@ -345,7 +357,6 @@ class RayExperts:
     ) -> tuple[list[tuple[_Remote, Any, float]], list[int]] | None:
         """Send every live worker its share of ``want``; (ticket, the experts taken)."""
         try:
-            self._probe_down()
             groups: dict[str, tuple[_Remote, list[tuple[int, list[int]]]]] = {}
             for e, rows in want:
                 for w in self._owners.get((layer, e), ()):
@@ -391,38 +402,47 @@ class RayExperts:
         w.up = False
         w.failures += 1
         w.last_error = f"{type(e).__name__}: {e}"
-        w.probe = None
-        w.probed_at = time.perf_counter()
+        self._watch()
         _warn(
             f"expert worker {w.name} failed ({type(e).__name__}); its {len(w.experts)} "
             "experts come from the local store until it answers again"
         )
 
-    def _probe_down(self) -> None:
-        """Bring back a down worker that answers its probe (Ray may have restarted it)."""
-        now = time.perf_counter()
-        for w in self.workers:
-            if w.up:
+    def _prober(self) -> None:
+        """The health thread: while a worker is down, every ``probe_s`` look it up again by
+        name (Ray may have restarted it, or it was started again) and ping it; one that
+        answers is up again. Off the forward's thread, so a probe never delays a token."""
+        while not self._closed.wait(self.probe_s):
+            down = [w for w in self.workers if not w.up]
+            if not down:
+                with self._probe_lock:
+                    if all(w.up for w in self.workers):
+                        self._probing = None
+                        return
                 continue
-            if w.probe is not None:
-                ready, _ = self._ray.wait([w.probe], timeout=0)
-                if not ready:
-                    continue
-                probe, w.probe = w.probe, None
+            for w in down:
                 try:
-                    self._ray.get(probe, timeout=0)
-                except Exception:  # noqa: BLE001 - still down
-                    w.probed_at = now
+                    handle = self._ray.get_actor(w.name, namespace=NAMESPACE)
+                    self._ray.get(handle.ping.remote(), timeout=self.timeout_s)
+                except Exception as e:  # noqa: BLE001 - still down
+                    w.last_error = f"probe: {type(e).__name__}: {e}"
                     continue
+                w.handle = handle
                 w.up = True
                 _warn(f"expert worker {w.name} answers again; its experts run there")
-            elif now - w.probed_at >= self.probe_s:
-                w.probed_at = now
-                try:
-                    w.handle = self._ray.get_actor(w.name, namespace=NAMESPACE)
-                    w.probe = w.handle.ping.remote()
-                except Exception:  # noqa: BLE001 - gone for now
-                    w.probe = None
+
+    def _watch(self) -> None:
+        """Start the health thread unless it runs."""
+        with self._probe_lock:
+            if self._probing is None and not self._closed.is_set():
+                self._probing = threading.Thread(
+                    target=self._prober, name="colibri-experts-probe", daemon=True
+                )
+                self._probing.start()
+
+    def close(self) -> None:
+        """Stop the health thread (the workers keep running)."""
+        self._closed.set()
 
     def info(self) -> list[dict[str, Any]]:
         """Per worker: name, host, pid, up, experts and bytes held, calls, failures,

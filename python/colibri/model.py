@@ -562,6 +562,7 @@ class Model(ChatMixin):
         with self._lock:
             if self._live_engine is not None and self._remote is not None:
                 self._live_engine.set_remote_experts(None)
+                self._remote.close()
             self._live_engine = None
 
     @property

@@ -96,3 +96,7 @@ impl ExpertProvider for WithRemote<'_> {
         Some(self.remote)
     }
 }
+
+#[cfg(test)]
+#[path = "remote_tests.rs"]
+mod tests;

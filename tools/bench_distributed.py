@@ -32,9 +32,9 @@ from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
 
-import colibri  # noqa: E402
-from colibri import _core  # noqa: E402
-from colibri.distributed import model_experts, start_worker  # noqa: E402
+import colibri
+from colibri import _core
+from colibri.distributed import model_experts, start_worker
 
 PROMPT = "def fibonacci(n):"
 
@@ -87,9 +87,7 @@ def main() -> None:
     layers = moe_layers(args.model)
     ram = colibri.Model(args.model, threads=args.threads, ram_budget=int(total * 1.5) + (64 << 20))
     _, want = run(ram, args)  # warm: every expert read once
-    head = colibri.Model(
-        args.model, threads=args.threads, ram_budget=budget, experts="ray://auto"
-    )
+    head = colibri.Model(args.model, threads=args.threads, ram_budget=budget, experts="ray://auto")
     run(head, args)
     tps: dict[str, list[float]] = {"ram": [], "disk": [], "ray": []}
     for r in range(args.rounds):

@@ -292,9 +292,7 @@ class Engine:
         it); ``on_done(id, result)`` its result dict or its error. Returns once
         nothing runs and ``admit`` gives nothing; an exception raised by a callback cancels
         every running request and is raised here."""
-    def set_remote_experts(
-        self, remote: Any | None, held: list[tuple[int, int]] = ...
-    ) -> None:
+    def set_remote_experts(self, remote: Any | None, held: list[tuple[int, int]] = ...) -> None:
         """Compute routed experts on ``remote`` (``colibri.distributed.RayExperts``:
         ``submit`` and ``collect``) where it holds them, ``held`` the ``(layer, expert)``
         pairs it holds; None puts every expert back on the local store."""

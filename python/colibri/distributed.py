@@ -20,6 +20,7 @@ Ray is an optional dependency: ``pip install "colibri[distributed]"``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -157,7 +158,7 @@ def _node_ip() -> str | None:
         import ray
 
         return str(ray.util.get_node_ip_address())
-    except Exception:  # noqa: BLE001 - informative only
+    except Exception:
         return None
 
 
@@ -278,10 +279,8 @@ class _Remote:
 def _warn(message: str) -> None:
     """Warn without ever raising into the forward (a filter may turn warnings into errors:
     the forward must finish all the same)."""
-    try:
+    with contextlib.suppress(Exception):  # a warning filter set to "error"
         warnings.warn(message, ExpertWorkerWarning, stacklevel=2)
-    except Exception:  # noqa: BLE001 - a warning filter set to "error"
-        pass
 
 
 class RayExperts:
@@ -321,7 +320,7 @@ class RayExperts:
             try:
                 handle = ray.get_actor(name, namespace=NAMESPACE)
                 facts = ray.get(handle.describe.remote(), timeout=self.timeout_s)
-            except Exception as e:  # noqa: BLE001 - a dead or unreachable actor: skip it
+            except Exception as e:
                 _warn(f"expert worker {name} does not answer ({e}); skipped")
                 continue
             if hidden_size is not None and facts.get("hidden_size") != hidden_size:
@@ -374,18 +373,29 @@ class RayExperts:
                 ticket.append((w, ref, t0))
                 taken.extend(e for e, _ in share)
             return ticket, taken
-        except Exception as e:  # noqa: BLE001 - never into the forward: all run locally
+        except Exception as e:
             _warn(f"remote experts: cannot submit layer {layer} ({e}); it runs locally")
             return None
 
     def collect(self, ticket: list[tuple[_Remote, Any, float]]) -> list[tuple[int, np.ndarray]]:
         """Every answered expert's output; a worker that fails or is late is marked down."""
         out: list[tuple[int, np.ndarray]] = []
-        for w, ref, t0 in ticket:
+        answers: list[Any] | None = None
+        if ticket:
+            # One wait for all (the usual case); one by one only when some failed.
+            left = max(0.0, self.timeout_s - (time.perf_counter() - ticket[0][2]))
             try:
-                left = max(0.0, self.timeout_s - (time.perf_counter() - t0))
-                got = self._ray.get(ref, timeout=left)
-            except Exception as e:  # noqa: BLE001 - RayActorError, GetTimeoutError, ...
+                answers = self._ray.get([ref for _, ref, _ in ticket], timeout=left)
+            except Exception:  # a worker failed or is late: sorted out below
+                answers = None
+        for k, (w, ref, t0) in enumerate(ticket):
+            try:
+                if answers is not None:
+                    got = answers[k]
+                else:
+                    left = max(0.0, self.timeout_s - (time.perf_counter() - t0))
+                    got = self._ray.get(ref, timeout=left)
+            except Exception as e:
                 self._mark_down(w, e)
                 continue
             dt = time.perf_counter() - t0
@@ -424,7 +434,7 @@ class RayExperts:
                 try:
                     handle = self._ray.get_actor(w.name, namespace=NAMESPACE)
                     self._ray.get(handle.ping.remote(), timeout=self.timeout_s)
-                except Exception as e:  # noqa: BLE001 - still down
+                except Exception as e:
                     w.last_error = f"probe: {type(e).__name__}: {e}"
                     continue
                 w.handle = handle

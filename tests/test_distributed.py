@@ -220,6 +220,26 @@ def test_int8_decode_tokens_are_the_local_models(workers: list[Any]) -> None:
 
 
 @needs_ray
+def test_metrics_show_the_workers(head: Any) -> None:
+    from colibri.serve.metrics import ServerStats
+    from prometheus_client import generate_latest
+
+    head.generate(PROMPT, max_new_tokens=4)
+    text = generate_latest(ServerStats(head).registry).decode()
+    for i in (1, 2):
+        assert f'colibri_expert_worker_up{{worker="{actor_name(i, 2)}"}} 1.0' in text
+    assert "colibri_expert_worker_latency_ms" in text
+    assert 'colibri_expert_worker_failures{worker="colibri-experts-1-of-2"} 0.0' in text
+
+
+def test_experts_worker_cli_refuses_a_bad_shard(capsys: pytest.CaptureFixture[str]) -> None:
+    from colibri.cli import main
+
+    assert main(["experts-worker", str(TINY), "--address", "auto", "--shard", "3"]) == 1
+    assert "--shard" in capsys.readouterr().err
+
+
+@needs_ray
 def test_a_worker_killed_mid_generation_loses_nothing(local: Any, workers: list[Any]) -> None:
     """Runs last: it kills worker 2 of the module's pair, then starts it again."""
     from colibri.distributed import start_worker

@@ -68,6 +68,25 @@ def test_placement_spreads_hot_experts() -> None:
     assert placement(experts, 2, usage) == shards  # deterministic
 
 
+def test_placement_from_the_shipped_routing_history_balances_each_layers_load() -> None:
+    from colibri.distributed import read_usage
+
+    usage = read_usage(TINY / "colibri-usage.json")
+    experts = model_experts(TINY)
+    shards = placement(experts, 2, usage)
+    naive = [[x for x in experts if x[1] % 2 == i] for i in range(2)]
+    for layer in (1, 2, 3):
+
+        def spread(ss: list[list[tuple[int, int]]], layer: int = layer) -> float:
+            loads = [sum(usage.get(x, 0.0) for x in s if x[0] == layer) for s in ss]
+            return abs(loads[0] - loads[1])
+
+        assert spread(shards) <= spread(naive)
+        assert spread(shards) <= 0.1 * sum(usage.get((layer, e), 0.0) for e in range(16))
+    with pytest.raises(InvalidArgumentError, match="usage"):
+        read_usage(TINY / "config.json")
+
+
 def test_model_experts_lists_the_containers_routed_experts() -> None:
     cfg = colibri._core.model_config(TINY)
     experts = model_experts(TINY)

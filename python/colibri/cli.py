@@ -415,7 +415,13 @@ def _cmd_experts_worker(args: argparse.Namespace) -> int:
     import time
 
     from colibri._hub import resolve_model_dir
-    from colibri.distributed import NAMESPACE, _import_ray, actor_name, start_worker
+    from colibri.distributed import (
+        NAMESPACE,
+        _import_ray,
+        actor_name,
+        read_usage,
+        start_worker,
+    )
     from colibri.errors import InvalidArgumentError
 
     try:
@@ -425,10 +431,15 @@ def _cmd_experts_worker(args: argparse.Namespace) -> int:
             f"invalid value for '--shard': {args.shard!r}; expected I/N, e.g. 1/3"
         ) from None
     path = resolve_model_dir(args.model, revision=args.revision)
+    shipped = path / "colibri-usage.json"
+    usage_file = args.usage if args.usage is not None else (shipped if shipped.is_file() else None)
+    usage = None if usage_file is None else read_usage(usage_file)
     ray = _import_ray()
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
     # The actor lives as long as this handle (it is not detached): Ctrl-C ends both.
-    actor = start_worker(path, i, n, threads=args.threads, max_restarts=args.max_restarts)
+    actor = start_worker(
+        path, i, n, usage=usage, threads=args.threads, max_restarts=args.max_restarts
+    )
     print(f"{actor_name(i, n)}: holding its experts of {path}; Ctrl-C stops it", flush=True)
     while actor is not None:
         time.sleep(3600)
@@ -451,6 +462,12 @@ def _add_experts_worker(sub: Any) -> None:
     )
     p.add_argument("--shard", required=True, help="I/N: this worker's shard, 1 <= I <= N")
     p.add_argument("--threads", type=int, default=0, help="compute threads, 0 = all cores")
+    p.add_argument(
+        "--usage",
+        default=None,
+        help="a colibri-usage.json routing history that spreads the hot experts over the "
+        "workers (default: the model directory's, if it ships one; give every worker the same)",
+    )
     p.add_argument(
         "--max-restarts",
         type=int,

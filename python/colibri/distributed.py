@@ -46,6 +46,7 @@ __all__ = [
     "model_experts",
     "parse_address",
     "placement",
+    "read_usage",
     "start_worker",
 ]
 
@@ -116,6 +117,26 @@ def placement(
             count[w] += 1
             totals[w] += 1
     return [sorted(s) for s in shards]
+
+
+def read_usage(path: str | os.PathLike[str]) -> dict[Expert, float]:
+    """The routing history of a ``colibri-usage.json`` (how often each expert of each layer
+    was chosen; the expert store writes it, a model directory may ship one) as
+    :func:`placement`'s ``usage``."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        layers = data["layers"]
+        return {
+            (int(layer), e): float(n)
+            for layer, counts in layers.items()
+            for e, n in enumerate(counts)
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise InvalidArgumentError(
+            f"invalid value for 'usage': {os.fspath(path)} is not a colibri-usage.json ({e})"
+        ) from e
 
 
 def parse_address(experts: str) -> tuple[str, dict[str, float]]:

@@ -18,8 +18,8 @@ use crate::model::indexer::Selection;
 use crate::model::layer::Layer;
 use crate::model::linear;
 use crate::model::moe::{ExpertProvider, Routing};
-use crate::model::remote::WithRemote;
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
+use crate::model::remote::WithRemote;
 use crate::model::routing_sink::{ForwardKind, RoutedRows};
 use crate::quant::kernels::int8act::PREFILL_MIN_ROWS;
 

@@ -27,8 +27,8 @@ use crate::model::layer::{Layer, MtpHead};
 use crate::model::linear;
 use crate::model::moe::{self, ExpertProvider, ResidentExperts};
 use crate::model::norm::rmsnorm;
-use crate::model::rope::Rope;
 use crate::model::remote::RemoteExperts;
+use crate::model::rope::Rope;
 use crate::model::routing_sink::RoutingSink;
 use crate::quant::kernels::Arithmetic;
 use crate::quant::pack::reference_dequantize_row;
@@ -260,7 +260,10 @@ impl Model {
 
     /// The installed remote experts, if any.
     pub(super) fn remote_experts(&self) -> Option<Arc<dyn RemoteExperts>> {
-        self.remote.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.remote
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The installed routing observer, if any.

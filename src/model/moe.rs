@@ -437,7 +437,9 @@ impl Moe {
                 experts.with_expert_batches(self.layer, &missing, &mut run_batch)?;
             }
             for (id, y) in answered {
-                let fresh = !remote_rows.iter().any(|(e, _): &(usize, Vec<f32>)| *e == id);
+                let fresh = !remote_rows
+                    .iter()
+                    .any(|(e, _): &(usize, Vec<f32>)| *e == id);
                 if fresh && taken.contains(&id) && !missing.contains(&id) {
                     remote_rows.push((id, y));
                 }

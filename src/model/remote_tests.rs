@@ -126,7 +126,11 @@ fn logits(model: &Model) -> Vec<f32> {
     let n = PROMPT.len();
     let mut all = seq.step(&PROMPT, 0, true).expect("prefill").logits;
     all.extend(seq.step(&[5], n, true).expect("one row").logits);
-    all.extend(seq.step(&[6, 7, 8], n + 1, true).expect("three rows").logits);
+    all.extend(
+        seq.step(&[6, 7, 8], n + 1, true)
+            .expect("three rows")
+            .logits,
+    );
     all
 }
 
@@ -145,8 +149,15 @@ fn experts_computed_remotely_give_the_local_logits_bit_for_bit() {
             let got = logits(&model);
             assert!(worker.submitted.load(Ordering::Relaxed) > 0);
             let same = got.len() == want.len()
-                && got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "{} arithmetic, a worker answering {answer:?}", arith.name());
+                && got
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{} arithmetic, a worker answering {answer:?}",
+                arith.name()
+            );
             model.set_remote_experts(None);
         }
     }

@@ -201,7 +201,10 @@ impl PyExpertShard {
         let mut xs = Vec::with_capacity(want.len());
         for (e, rows) in want {
             let w = self.experts.get(&(layer, *e)).ok_or_else(|| {
-                Error::invalid("want", format!("expert {e} of layer {layer} is not held here"))
+                Error::invalid(
+                    "want",
+                    format!("expert {e} of layer {layer} is not held here"),
+                )
             })?;
             let mut x = Vec::with_capacity(rows.len() * hidden);
             for &r in rows {

@@ -375,6 +375,9 @@ impl Moe {
             None => union.clone(),
         };
         let mut run_batch = |batch: &ExpertBatch<'_>| -> Result<()> {
+            if batch.is_empty() && shared.is_none() {
+                return Ok(());
+            }
             // rows[i] = (row, weight) of each row that chose batch[i]'s expert.
             let rows: Vec<Vec<(usize, f32)>> = batch.iter().map(|(id, _)| rows_of(*id)).collect();
             let xs: Vec<Vec<f32>> = rows
@@ -419,6 +422,11 @@ impl Moe {
         experts.with_expert_batches(self.layer, &local, &mut run_batch)?;
         let mut remote_rows = Vec::new();
         if let Some(p) = pending {
+            // Every routed expert is remote: the shared ones (in a batch of their own) still
+            // run while the workers do.
+            if local.is_empty() {
+                run_batch(&[])?;
+            }
             let taken = p.taken().to_vec();
             let answered = p.collect().done;
             // An answer of the wrong size counts as none: that expert runs here.

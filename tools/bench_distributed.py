@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.1, help="disk and ray cells' budget")
     ap.add_argument("--threads", type=int, default=0, help="the head's compute threads")
     ap.add_argument("--worker-threads", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=2, help="expert workers (default 2)")
     ap.add_argument("--draft", default="off")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -81,7 +82,8 @@ def main() -> None:
         log_to_driver=False,
         configure_logging=False,
     )
-    workers = [start_worker(args.model, i, 2, threads=args.worker_threads) for i in (1, 2)]
+    n = args.workers
+    workers = [start_worker(args.model, i, n, threads=args.worker_threads) for i in range(1, n + 1)]
     total = expert_bytes(args.model)
     budget = max(1, int(total * args.budget))
     layers = moe_layers(args.model)
@@ -115,6 +117,7 @@ def main() -> None:
         "moe_layers": layers,
         "tokens": args.tokens,
         "draft": args.draft,
+        "workers": n,
         "rounds": args.rounds,
         "tok_s": med,
         "tok_s_all": tps,

@@ -259,6 +259,37 @@ def test_experts_worker_cli_refuses_a_bad_shard(capsys: pytest.CaptureFixture[st
 
 
 @needs_ray
+def test_a_late_worker_times_out_and_comes_back(local: Any, workers: list[Any]) -> None:
+    import time
+
+    m = colibri.Model(TINY, threads=1, experts="ray://auto?timeout=0.3&probe=0.2")
+    kw: dict[str, Any] = {"max_new_tokens": 24, "temperature": 0.8, "seed": 9, "draft": "mtp"}
+    want = local.generate(PROMPT, **kw).token_ids
+    one = actor_name(1, 2)
+
+    def worker() -> dict[str, Any]:
+        return next(w for w in m.experts_workers() if w["name"] == one)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stall = workers[0].busy.remote(1.5)  # its requests queue behind this
+        got = m.generate(PROMPT, **kw).token_ids
+        assert worker()["up"] is False and "GetTimeoutError" in str(worker()["last_error"])
+        ray.get(stall)
+        deadline = time.monotonic() + 20
+        while not worker()["up"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        calls = worker()["calls"]
+        again = m.generate(PROMPT, **kw).token_ids
+    assert got == want and again == want
+    assert worker()["up"] is True and worker()["calls"] > calls
+    assert worker()["failures"] == 1
+    assert {w.category for w in caught} == {ExpertWorkerWarning}
+    assert any("answers again" in str(w.message) for w in caught)
+    m.close()
+
+
+@needs_ray
 def test_a_worker_killed_mid_generation_loses_nothing(local: Any, workers: list[Any]) -> None:
     """Runs last: it kills worker 2 of the module's pair, then starts it again."""
     from colibri.distributed import start_worker

@@ -209,6 +209,11 @@ class _Worker:
     def ping(self) -> bool:
         return True
 
+    def busy(self, seconds: float) -> None:
+        """Hold the actor for ``seconds`` (requests queue behind it): a late worker, for
+        tests and drills."""
+        time.sleep(seconds)
+
     def run(
         self, layer: int, arithmetic: str, h: np.ndarray, want: list[tuple[int, list[int]]]
     ) -> list[tuple[int, np.ndarray]]:
@@ -323,12 +328,15 @@ class RayExperts:
         ray = _import_ray()
         self._ray = ray
         if not ray.is_initialized():
-            ray.init(
-                address=address,
-                namespace=NAMESPACE,
-                log_to_driver=False,
-                configure_logging=False,
-            )
+            try:
+                ray.init(
+                    address=address,
+                    namespace=NAMESPACE,
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
+            except Exception as e:
+                raise ColibriError(f"cannot join the Ray cluster at {address!r}: {e}") from e
         self.timeout_s = float(timeout_s)
         self.probe_s = float(probe_s)
         self.workers: list[_Remote] = []

@@ -427,7 +427,12 @@ impl Moe {
             if local.is_empty() {
                 run_batch(&[])?;
             }
-            let taken = p.taken().to_vec();
+            let taken: Vec<usize> = p
+                .taken()
+                .iter()
+                .copied()
+                .filter(|id| union.contains(id))
+                .collect();
             let answered = p.collect().done;
             // An answer of the wrong size counts as none: that expert runs here.
             let mut missing: Vec<usize> = taken

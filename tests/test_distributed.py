@@ -259,6 +259,49 @@ def test_experts_worker_cli_refuses_a_bad_shard(capsys: pytest.CaptureFixture[st
 
 
 @needs_ray
+def test_the_experts_worker_command_serves_a_head(
+    local: Any, workers: list[Any], tmp_path: Path
+) -> None:
+    """`colibri experts-worker` in its own process joins the cluster, holds shard 1/1 (every
+    expert), serves a head, and takes its actor away when it stops."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    address = ray.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "colibri.cli", "experts-worker", str(TINY)]
+    cmd += ["--address", address, "--shard", "1/1", "--threads", "1", "--max-restarts", "0"]
+    log = tmp_path / "worker.log"
+    with (
+        log.open("w") as err,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True) as proc,
+    ):
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert "colibri-experts-1-of-1: holding its experts" in line, log.read_text()
+            m = colibri.Model(TINY, threads=1, experts="ray://auto")
+            names = [w["name"] for w in m.experts_workers()]
+            assert actor_name(1, 1) in names
+            kw: dict[str, Any] = {"max_new_tokens": 16, "draft": "off"}
+            assert m.generate(PROMPT, **kw).token_ids == local.generate(PROMPT, **kw).token_ids
+            served = next(w for w in m.experts_workers() if w["name"] == actor_name(1, 1))
+            assert served["up"] and served["calls"] > 0  # it holds every expert, listed first
+            m.close()
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        alive = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        if actor_name(1, 1) not in alive:
+            break
+        time.sleep(0.2)
+    assert actor_name(1, 1) not in alive
+
+
+@needs_ray
 def test_a_late_worker_times_out_and_comes_back(local: Any, workers: list[Any]) -> None:
     import time
 

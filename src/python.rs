@@ -10,6 +10,7 @@ mod engine;
 mod errors;
 mod kernels;
 mod plan;
+pub(crate) mod remote;
 mod request;
 
 use pyo3::prelude::*;
@@ -85,6 +86,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     container::register(m)?;
     kernels::register(m)?;
     plan::register(m)?;
+    remote::register(m)?;
     Ok(())
 }
 

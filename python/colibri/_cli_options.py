@@ -115,6 +115,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "num_experts_per_tok (1..k): fewer bytes read per token, and a different (lossy) "
         "model; see docs/expert-store.md (default: the model's k)",
     )
+    g.add_argument(
+        "--experts",
+        default=None,
+        metavar="ray://ADDRESS",
+        help="run the routed experts that Ray expert workers hold (colibri experts-worker) "
+        "there; ADDRESS is auto or the Ray head's host:port (docs/distributed.md)",
+    )
     g.add_argument("--no-mtp", action="store_true", help="do not load the MTP head")
     g.add_argument(
         "--pin-mtp",
@@ -261,6 +268,7 @@ def _load(args: argparse.Namespace) -> Any:
         load_progress=_load_bar(),
         trace_routing=args.trace_routing,
         experts_per_token=args.experts_per_token,
+        experts=getattr(args, "experts", None),
     )
 
 

@@ -293,6 +293,10 @@ class Engine:
         it); ``on_done(id, result)`` its result dict or its error. Returns once
         nothing runs and ``admit`` gives nothing; an exception raised by a callback cancels
         every running request and is raised here."""
+    def set_remote_experts(self, remote: Any | None, held: list[tuple[int, int]] = ...) -> None:
+        """Compute routed experts on ``remote`` (``colibri.distributed.RayExperts``:
+        ``submit`` and ``collect``) where it holds them, ``held`` the ``(layer, expert)``
+        pairs it holds; None puts every expert back on the local store."""
     def drop_page_cache(self) -> None:
         """Evict the model's expert bytes from the OS page cache (cold-start benchmarks)."""
     def expert_stats(self) -> dict[str, Any]:
@@ -345,3 +349,32 @@ def kernel_paths() -> list[str]:
 def set_kernel_path(path: str | None) -> None:
     """Force every later call onto ``path`` (None: ``COLIBRI_KERNEL`` or auto-detection);
     a path this CPU cannot run raises InvalidArgumentError."""
+
+class ExpertShard:
+    """Part of a container's routed experts, resident in this process's RAM, run on request
+    with the engine's kernels (a worker's side of ``colibri.distributed``)."""
+
+    def __init__(
+        self, path: str | PathLike[str], experts: list[tuple[int, int]], *, threads: int = 0
+    ) -> None:
+        """Load routed experts ``experts`` (``(layer, expert)`` pairs) of the container at
+        ``path``; they run on ``threads`` threads (0: one per core)."""
+    def run(
+        self,
+        layer: int,
+        arithmetic: str,
+        h: npt.NDArray[np.float32],
+        want: list[tuple[int, list[int]]],
+    ) -> list[tuple[int, npt.NDArray[np.float32]]]:
+        """Run experts of ``layer`` on rows of ``h`` (float32 ``[s, hidden]``): ``want`` is a
+        list of ``(expert, rows)``; returns ``[(expert, y)]``, y float32
+        ``[len(rows) * hidden]`` (unweighted), in ``arithmetic`` ("exact" or "int8")."""
+    @property
+    def experts(self) -> list[tuple[int, int]]:
+        """The ``(layer, expert)`` pairs held, sorted."""
+    @property
+    def nbytes(self) -> int:
+        """Bytes of expert weights held."""
+    @property
+    def hidden_size(self) -> int:
+        """The model's hidden size (the width of every row)."""

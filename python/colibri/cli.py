@@ -411,6 +411,72 @@ def _add_model_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
     p.set_defaults(func=_cmd_bench)
 
 
+def _cmd_experts_worker(args: argparse.Namespace) -> int:
+    import time
+
+    from colibri._hub import resolve_model_dir
+    from colibri.distributed import (
+        NAMESPACE,
+        _import_ray,
+        actor_name,
+        read_usage,
+        start_worker,
+    )
+    from colibri.errors import InvalidArgumentError
+
+    try:
+        i, n = (int(v) for v in args.shard.split("/"))
+    except ValueError:
+        raise InvalidArgumentError(
+            f"invalid value for '--shard': {args.shard!r}; expected I/N, e.g. 1/3"
+        ) from None
+    path = resolve_model_dir(args.model, revision=args.revision)
+    shipped = path / "colibri-usage.json"
+    usage_file = args.usage if args.usage is not None else (shipped if shipped.is_file() else None)
+    usage = None if usage_file is None else read_usage(usage_file)
+    ray = _import_ray()
+    ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+    # The actor lives as long as this handle (it is not detached): Ctrl-C ends both.
+    actor = start_worker(
+        path, i, n, usage=usage, threads=args.threads, max_restarts=args.max_restarts
+    )
+    print(f"{actor_name(i, n)}: holding its experts of {path}; Ctrl-C stops it", flush=True)
+    while actor is not None:
+        time.sleep(3600)
+    return 0
+
+
+def _add_experts_worker(sub: Any) -> None:
+    p = sub.add_parser(
+        "experts-worker",
+        help="hold a shard of a model's routed experts in RAM for a head on Ray",
+        description="Start the Ray actor colibri-experts-I-of-N (namespace colibri) on this "
+        "machine: it holds shard I of N of the model's routed experts in its RAM and runs them "
+        "for a head opened with --experts ray://ADDRESS (docs/distributed.md). Waits until "
+        "Ctrl-C, which stops the actor.",
+    )
+    p.add_argument("model", help="model directory, Hugging Face repo id, or embedded model name")
+    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    p.add_argument(
+        "--address", required=True, help="the Ray cluster: auto or the Ray head's host:port"
+    )
+    p.add_argument("--shard", required=True, help="I/N: this worker's shard, 1 <= I <= N")
+    p.add_argument("--threads", type=int, default=0, help="compute threads, 0 = all cores")
+    p.add_argument(
+        "--usage",
+        default=None,
+        help="a colibri-usage.json routing history that spreads the hot experts over the "
+        "workers (default: the model directory's, if it ships one; give every worker the same)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=-1,
+        help="how often Ray restarts the actor after it dies (-1, the default: always)",
+    )
+    p.set_defaults(func=_cmd_experts_worker)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="colibri",
@@ -424,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_convert(sub)
     _add_plan(sub)
+    _add_experts_worker(sub)
     return parser
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "ColibriPermissionError",
     "ConfigError",
     "ContainerError",
+    "ExpertWorkerWarning",
     "ForkedProcessError",
     "InternalError",
     "InvalidArgumentError",
@@ -127,3 +128,9 @@ class ForkedProcessError(ColibriError, RuntimeError):
 
 class InternalError(ColibriError, RuntimeError):
     """A bug in colibri (a caught panic included). Please report it with the message."""
+
+
+class ExpertWorkerWarning(UserWarning):
+    """An expert worker (``Model(..., experts="ray://...")``, docs/distributed.md) failed or
+    did not answer in time, so its experts come from the local store until it answers again
+    (the tokens are the same), or it answers again."""

@@ -223,6 +223,14 @@ class Model(ChatMixin):
             trained models. Outside 1..k it is an :class:`InvalidArgumentError`;
             ``info()["routing"]`` reports the value in effect. Speculation stays lossless
             against the model with the same value.
+        experts: ``"ray://ADDRESS"`` (``auto`` or the Ray head's ``host:port``, optionally
+            ``?timeout=S&probe=S``) runs the routed experts that Ray worker actors hold in
+            their RAM there (``colibri experts-worker``; docs/distributed.md), the others
+            from the local store; ``None`` (the default): all local. The tokens are the same
+            either way; a worker that fails or is late gives an
+            :class:`~colibri.errors.ExpertWorkerWarning` and its experts run locally until it
+            answers again. ``info()["experts_workers"]`` reports the workers. Needs
+            ``pip install "colibri[distributed]"``.
 
     Example:
         >>> import colibri
@@ -255,7 +263,12 @@ class Model(ChatMixin):
         load_progress: Callable[[int, int], object] | None = None,
         trace_routing: str | os.PathLike[str] | None = None,
         experts_per_token: int | None = None,
+        experts: str | None = None,
     ) -> None:
+        if experts is not None:
+            from colibri.distributed import parse_address
+
+            parse_address(experts)
         if load_progress is not None and not callable(load_progress):
             raise InvalidArgumentError(
                 f"invalid value for 'load_progress': {load_progress!r}; expected a callable "
@@ -329,6 +342,13 @@ class Model(ChatMixin):
             experts_per_token=routed,
         )
         self.config: dict[str, Any] = json.loads(self._engine.config_json())
+        self._remote: Any = None
+        if experts is not None:
+            from colibri.distributed import connect
+
+            self._remote = connect(experts, hidden_size=int(self.config["hidden_size"]))
+            self._experts_source = experts
+            self._engine.set_remote_experts(self._remote, self._remote.held)
         facts = self._engine.info()
         self._has_mtp = bool(facts["has_mtp"])
         self._max_context = int(facts["max_context"])
@@ -507,7 +527,15 @@ class Model(ChatMixin):
             "experts_per_token": decided["experts_per_token"],
             "num_experts_per_tok": decided["model_experts_per_token"],
         }
+        info["experts_workers"] = None if self._remote is None else self._remote.info()
         return info
+
+    def experts_workers(self) -> list[dict[str, Any]] | None:
+        """The expert workers in use (``experts="ray://..."``), or ``None``: per worker its
+        name, host, pid, ``up``, the experts and bytes it holds, its calls, failures and
+        latency (``mean_ms``, ``last_ms``, ``max_ms`` per layer round trip), bytes sent and
+        received, and ``last_error``."""
+        return None if self._remote is None else self._remote.info()
 
     def __repr__(self) -> str:
         state = ", closed" if self._live_engine is None else ""
@@ -533,6 +561,9 @@ class Model(ChatMixin):
         for a running generation to finish). Later calls raise :class:`ColibriError`;
         closing twice is harmless. ``with colibri.Model(...) as m:`` closes at the end."""
         with self._lock:
+            if self._live_engine is not None and self._remote is not None:
+                self._live_engine.set_remote_experts(None)
+                self._remote.close()
             self._live_engine = None
 
     @property

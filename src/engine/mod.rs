@@ -227,6 +227,12 @@ impl Engine {
         &self.info
     }
 
+    /// Compute routed experts on `remote` where it holds them (`model::remote`); None: all
+    /// from the store again.
+    pub fn set_remote_experts(&self, remote: Option<Arc<dyn crate::model::remote::RemoteExperts>>) {
+        self.model.set_remote_experts(remote);
+    }
+
     pub fn store(&self) -> &Arc<ExpertStore> {
         &self.store
     }

@@ -17,8 +17,9 @@ use crate::model::forward::Model;
 use crate::model::indexer::Selection;
 use crate::model::layer::Layer;
 use crate::model::linear;
-use crate::model::moe::Routing;
+use crate::model::moe::{ExpertProvider, Routing};
 use crate::model::norm::{rmsnorm, rmsnorm_inplace};
+use crate::model::remote::WithRemote;
 use crate::model::routing_sink::{ForwardKind, RoutedRows};
 use crate::quant::kernels::int8act::PREFILL_MIN_ROWS;
 
@@ -319,6 +320,15 @@ impl Model {
                 shared.as_ref(),
             )?);
         }
+        let remote = self.remote_experts();
+        let with_remote = remote.as_deref().map(|remote| WithRemote {
+            local: &*self.experts,
+            remote,
+        });
+        let experts: &dyn ExpertProvider = match &with_remote {
+            Some(w) => w,
+            None => &*self.experts,
+        };
         let mut resident_out = None;
         if let Some((index, next)) = next {
             let resident = layer.resident_ffn(x, rows, eps, pool)?;
@@ -330,11 +340,11 @@ impl Model {
                 None => next.predict(x, rows, self.prefetch_top_k, eps, pool)?,
             };
             if !ids.is_empty() {
-                self.experts.prefetch(index, &ids);
+                experts.prefetch(index, &ids);
             }
             resident_out = resident;
         }
-        let routing = layer.feed_forward(x, rows, eps, &*self.experts, pool, resident_out)?;
+        let routing = layer.feed_forward(x, rows, eps, experts, pool, resident_out)?;
         Ok((selected, routing))
     }
 

@@ -27,6 +27,7 @@ use crate::model::layer::{Layer, MtpHead};
 use crate::model::linear;
 use crate::model::moe::{self, ExpertProvider, ResidentExperts};
 use crate::model::norm::rmsnorm;
+use crate::model::remote::RemoteExperts;
 use crate::model::rope::Rope;
 use crate::model::routing_sink::RoutingSink;
 use crate::quant::kernels::Arithmetic;
@@ -111,6 +112,8 @@ pub struct Model {
     trace_selections: AtomicBool,
     /// Told of every forward's routing (the engine's `trace_routing`); usually none.
     routing_sink: Mutex<Option<Arc<dyn RoutingSink>>>,
+    /// Where routed experts are also computed (`model::remote`); usually none.
+    remote: Mutex<Option<Arc<dyn RemoteExperts>>>,
 }
 
 impl Model {
@@ -189,6 +192,7 @@ impl Model {
             dsa,
             trace_selections: AtomicBool::new(false),
             routing_sink: Mutex::new(None),
+            remote: Mutex::new(None),
         })
     }
 
@@ -247,6 +251,19 @@ impl Model {
     /// Tell `sink` every forward's routing from now on (`None`: stop).
     pub fn set_routing_sink(&self, sink: Option<Arc<dyn RoutingSink>>) {
         *self.routing_sink.lock().unwrap_or_else(|e| e.into_inner()) = sink;
+    }
+
+    /// Compute routed experts on `remote` where it holds them (None: all local again).
+    pub fn set_remote_experts(&self, remote: Option<Arc<dyn RemoteExperts>>) {
+        *self.remote.lock().unwrap_or_else(|e| e.into_inner()) = remote;
+    }
+
+    /// The installed remote experts, if any.
+    pub(super) fn remote_experts(&self) -> Option<Arc<dyn RemoteExperts>> {
+        self.remote
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The installed routing observer, if any.

@@ -14,6 +14,7 @@ pub mod linear;
 mod mla_decompressed;
 pub mod moe;
 pub mod norm;
+pub mod remote;
 pub mod rope;
 pub mod routing_sink;
 mod sequence;

@@ -6,6 +6,7 @@ use crate::container::{Container, Weight};
 use crate::error::{Error, Result};
 use crate::experts::{ExpertBatch, ExpertView, ReadPrice};
 use crate::model::linear;
+use crate::model::remote::{ExpertRows, RemoteExperts};
 use crate::quant::kernels;
 use crate::quant::QMatrix;
 
@@ -87,6 +88,11 @@ pub trait ExpertProvider: Send + Sync {
     /// What the reads of a draft cost, for `k` routed experts per token with the MTP layer at
     /// `mtp_layer` (`experts::read_costs`); `None` when nothing is read (all resident).
     fn read_price(&self, _k: usize, _mtp_layer: Option<usize>) -> Option<ReadPrice> {
+        None
+    }
+
+    /// Where experts may also be computed (`model::remote`); none by default.
+    fn remote(&self) -> Option<&dyn RemoteExperts> {
         None
     }
 }
@@ -336,23 +342,44 @@ impl Moe {
         // The shared experts join the first batch unless the caller computed them.
         let mut shared_out = shared_out;
         let mut shared = self.shared.as_ref().filter(|_| shared_out.is_none());
-        experts.with_expert_batches(self.layer, &union, &mut |batch| {
-            // rows[i] = (row, weight) of each row that chose batch[i]'s expert.
-            let rows: Vec<Vec<(usize, f32)>> = batch
+        // The rows (and their weights) that chose expert `id`, in row order.
+        let rows_of = |id: usize| -> Vec<(usize, f32)> {
+            routing
                 .iter()
-                .map(|(id, _)| {
-                    routing
+                .enumerate()
+                .filter_map(|(r, rt)| {
+                    rt.ids
                         .iter()
-                        .enumerate()
-                        .filter_map(|(r, rt)| {
-                            rt.ids
-                                .iter()
-                                .position(|x| x == id)
-                                .map(|k| (r, rt.weights[k]))
-                        })
-                        .collect()
+                        .position(|&x| x == id)
+                        .map(|k| (r, rt.weights[k]))
+                })
+                .collect()
+        };
+        // Experts a remote worker holds go out first and run there meanwhile.
+        let pending = experts.remote().and_then(|remote| {
+            let want: Vec<ExpertRows> = union
+                .iter()
+                .map(|&expert| ExpertRows {
+                    expert,
+                    rows: rows_of(expert).into_iter().map(|(r, _)| r).collect(),
                 })
                 .collect();
+            remote.submit(self.layer, linear::arithmetic(), h, s, &want)
+        });
+        let local: Vec<usize> = match &pending {
+            Some(p) => union
+                .iter()
+                .copied()
+                .filter(|id| !p.taken().contains(id))
+                .collect(),
+            None => union.clone(),
+        };
+        let mut run_batch = |batch: &ExpertBatch<'_>| -> Result<()> {
+            if batch.is_empty() && shared.is_none() {
+                return Ok(());
+            }
+            // rows[i] = (row, weight) of each row that chose batch[i]'s expert.
+            let rows: Vec<Vec<(usize, f32)>> = batch.iter().map(|(id, _)| rows_of(*id)).collect();
             let xs: Vec<Vec<f32>> = rows
                 .iter()
                 .map(|rows| {
@@ -391,7 +418,55 @@ impl Moe {
                 }
             }
             Ok(())
-        })?;
+        };
+        experts.with_expert_batches(self.layer, &local, &mut run_batch)?;
+        let mut remote_rows = Vec::new();
+        if let Some(p) = pending {
+            // Every routed expert is remote: the shared ones (in a batch of their own) still
+            // run while the workers do.
+            if local.is_empty() {
+                run_batch(&[])?;
+            }
+            let taken: Vec<usize> = p
+                .taken()
+                .iter()
+                .copied()
+                .filter(|id| union.contains(id))
+                .collect();
+            let answered = p.collect().done;
+            // An answer of the wrong size counts as none: that expert runs here.
+            let mut missing: Vec<usize> = taken
+                .iter()
+                .copied()
+                .filter(|&id| {
+                    !answered
+                        .iter()
+                        .any(|(e, y)| *e == id && y.len() == rows_of(id).len() * hidden)
+                })
+                .collect();
+            missing.sort_unstable();
+            missing.dedup();
+            if !missing.is_empty() {
+                experts.with_expert_batches(self.layer, &missing, &mut run_batch)?;
+            }
+            for (id, y) in answered {
+                let fresh = !remote_rows
+                    .iter()
+                    .any(|(e, _): &(usize, Vec<f32>)| *e == id);
+                if fresh && taken.contains(&id) && !missing.contains(&id) {
+                    remote_rows.push((id, y));
+                }
+            }
+        }
+        for (id, y) in remote_rows {
+            for (k, (r, weight)) in rows_of(id).into_iter().enumerate() {
+                let out = y[k * hidden..(k + 1) * hidden]
+                    .iter()
+                    .map(|v| v * weight)
+                    .collect();
+                per_row[r].push((id, out));
+            }
+        }
         let mut out = vec![0.0f32; s * hidden];
         for (r, mut contributions) in per_row.into_iter().enumerate() {
             contributions.sort_by_key(|(id, _)| *id);

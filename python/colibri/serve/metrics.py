@@ -69,6 +69,29 @@ class _Live(Collector):
             if isinstance(v, int):
                 g.add_metric([k], float(v))
         yield g
+        workers = s.model.experts_workers()
+        if workers is not None:
+            yield from _worker_metrics(workers)
+
+
+def _worker_metrics(workers: list[dict[str, Any]]) -> Any:
+    """The expert workers' gauges (``experts="ray://..."``, docs/distributed.md), one
+    series per worker."""
+    fields = [
+        ("up", "colibri_expert_worker_up", "1 while the worker answers, 0 while it is down"),
+        ("experts", "colibri_expert_worker_experts", "Routed experts the worker holds"),
+        ("bytes", "colibri_expert_worker_bytes", "Bytes of expert weights the worker holds"),
+        ("calls", "colibri_expert_worker_calls", "Layer requests the worker answered"),
+        ("failures", "colibri_expert_worker_failures", "Times the worker failed or was late"),
+        ("mean_ms", "colibri_expert_worker_latency_ms", "Mean round trip of a layer request"),
+        ("bytes_sent", "colibri_expert_worker_bytes_sent", "Activation bytes sent to it"),
+        ("bytes_received", "colibri_expert_worker_bytes_received", "Output bytes it returned"),
+    ]
+    for key, name, doc in fields:
+        g = GaugeMetricFamily(name, doc, labels=["worker"])
+        for w in workers:
+            g.add_metric([str(w["name"])], float(w[key]))
+        yield g
 
 
 class ServerStats:

@@ -236,6 +236,18 @@ impl PyEngine {
         self.run_continuous_batch(py, admit, on_tokens, on_done)
     }
 
+    /// Compute routed experts on `remote` (`colibri.distributed.RayExperts`: `submit` and
+    /// `collect`) where it holds them, `held` the `(layer, expert)` pairs it holds; None puts
+    /// every expert back on the local store.
+    #[pyo3(signature = (remote, held=Vec::new()))]
+    fn set_remote_experts(&self, remote: Option<Py<PyAny>>, held: Vec<(usize, usize)>) {
+        let remote = remote.map(|obj| {
+            std::sync::Arc::new(crate::python::remote::PyRemote::new(obj, held))
+                as std::sync::Arc<dyn crate::model::remote::RemoteExperts>
+        });
+        self.engine.set_remote_experts(remote);
+    }
+
     /// Evict the model's expert bytes from the OS page cache (cold-start benchmarks).
     fn drop_page_cache(&self, py: Python<'_>) -> PyResult<()> {
         let e = &self.engine;

@@ -45,15 +45,7 @@ fn main() {
     }
     let knobs = Knobs::default();
     for seed in [7u64, 8] {
-        let spec = WorkloadSpec {
-            seed,
-            layers: 8,
-            conversations: 10,
-            prompt_tokens: 0,
-            decode_tokens: 127,
-            knobs,
-            ..WorkloadSpec::default()
-        };
+        let spec = WorkloadSpec::public_sample(seed, 8, knobs);
         let t = Workload::new(&hist, spec).expect("workload").generate();
         println!("public sample, seed {seed}:\n{}", TraceStats::of(&t));
     }
@@ -214,15 +206,7 @@ fn sweep(hist: &Histogram) {
         let topics = v.get(6).map_or(4, |&x| x as usize);
         let mut acc = [0.0f64; 6];
         for seed in [1u64, 2] {
-            let spec = WorkloadSpec {
-                seed,
-                layers: 8,
-                conversations: 10,
-                prompt_tokens: 0,
-                decode_tokens: 127,
-                knobs,
-                ..WorkloadSpec::default()
-            };
+            let spec = WorkloadSpec::public_sample(seed, 8, knobs);
             let Ok(w) = Workload::new(hist, spec) else {
                 continue;
             };

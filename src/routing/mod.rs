@@ -7,6 +7,7 @@
 //! - [`trace`]: the JSON-lines trace format (generated, exported by the engine, or anyone's);
 //! - [`stats`]: a trace's routing statistics against those figures.
 
+pub mod calibrate;
 pub mod histogram;
 pub mod host;
 pub mod plan;

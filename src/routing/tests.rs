@@ -12,17 +12,9 @@ fn workload(spec: WorkloadSpec) -> Trace {
         .generate()
 }
 
-/// The sample the public file was counted on: 10 conversations × 127 decode tokens.
+/// The sample the public file was counted on, over 8 layers.
 fn public_sample(seed: u64, knobs: Knobs) -> WorkloadSpec {
-    WorkloadSpec {
-        seed,
-        layers: 8,
-        conversations: 10,
-        prompt_tokens: 0,
-        decode_tokens: 127,
-        knobs,
-        ..WorkloadSpec::default()
-    }
+    WorkloadSpec::public_sample(seed, 8, knobs)
 }
 
 fn within(name: &str, got: f64, want: f64, tol: f64) {

@@ -75,6 +75,14 @@ fn finite(x: f64) -> f64 {
 
 /// A draft priced by its bytes must be worth this much more than what it costs.
 pub const BYTE_MARGIN: f64 = 1.05;
+/// With every expert in RAM, the depth controller drafts only where a depth's rate beats a
+/// plain step's by this much. Its estimate of a depth's tokens per cycle carries a few
+/// percent of noise over its memory (~100 cycles: at acceptance 0.66, ±0.05 tokens, 3%), and
+/// drafting at break-even loses to `draft="off"` by what switching costs (the MTP layer
+/// absorbs the rows of the plain steps before it drafts again, the explorations): on the
+/// GLM-like stand-in in RAM, where depth 1 ran at 0.98× off, the controller without a margin
+/// mixed depths 0–2 and ran at 0.96× (Intel Xeon with AMX, 2026-12-07).
+pub const RAM_MARGIN: f64 = 1.03;
 /// The acceptance expected of a first draft before any was measured (the depth controller's
 /// prior): what the bytes of a probe are weighed against.
 pub const PRIOR_ACCEPTANCE: f64 = 0.5;
@@ -152,6 +160,22 @@ impl DraftPricing {
 
     pub fn state(&self) -> Engagement {
         self.state
+    }
+
+    /// This price check for the next generation on the same caches: the probes measured so
+    /// far are kept (what a verify row costs is the model's and the host's, not the prompt's),
+    /// so once they are complete it decides at its first step, on the new backlog, without
+    /// probing again. A verdict of priced out is carried by the caches themselves
+    /// (`CacheState::mtp_priced_out`).
+    pub fn resumed(&self, draft_share: f64) -> DraftPricing {
+        let mut next = DraftPricing::new(draft_share);
+        next.pairs = self.pairs.clone();
+        next
+    }
+
+    /// Stop drafting for the rest of the generation (the depth controller gave up).
+    pub fn price_out(&mut self) {
+        self.state = Engagement::PricedOut;
     }
 
     /// Price drafts by their bytes too (the store's measure, refreshed by the loop).

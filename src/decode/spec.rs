@@ -27,8 +27,8 @@ use super::stats::{DecodeStats, MAX_DEPTH};
 use super::{Drafter, Target};
 use crate::{Error, Result};
 
-use cache_state::reusable_prefix;
 pub use cache_state::CacheState;
+use cache_state::{reusable_prefix, DraftMemory};
 use prefill::check_prompt;
 
 /// What one forward emitted, as a generation's `on_tokens` callback sees it: the tokens
@@ -392,6 +392,9 @@ pub(crate) struct Decoding<'d, 'c> {
     mtp_priced_out: bool,
     /// The price check of the default drafter (`None`: not priced).
     pricing: Option<DraftPricing>,
+    /// What earlier generations on these caches learned about drafting, where this one drafts
+    /// otherwise (or not at all): handed on to the next generation as it came.
+    passed_on_memory: Option<DraftMemory>,
     /// Whether the previous cycle drafted: only then is a draft's time typical (after a
     /// cycle without drafts the MTP drafter also absorbs the rows it skipped).
     drafted_last_cycle: bool,
@@ -458,6 +461,7 @@ impl<'c> Decoding<'static, 'c> {
             }
             s => s,
         };
+        let memory = previous.draft_memory.clone();
         let (keep, mtp_keep, pending) = reusable_prefix(target, previous, prompt, source);
         let drafter: Option<Box<dyn Drafter>> = match source {
             DraftSource::Mtp => Some(Box::new(MtpDrafter::resume(
@@ -469,11 +473,30 @@ impl<'c> Decoding<'static, 'c> {
             _ => None,
         };
         let mut decoding = Decoding::new(target, keep, mtp_keep, prompt, opts, drafter, clock)?;
+        // What earlier generations on these caches learned serves this one where it drafts the
+        // same way; otherwise it is passed on untouched to the next.
+        let drafts_alike = |m: &DraftMemory| {
+            opts.depth == DraftDepth::Auto
+                && source != DraftSource::Off
+                && m.mtp == (source == DraftSource::Mtp)
+        };
+        let (memory, passed_on) = match memory {
+            Some(m) if drafts_alike(&m) => (Some(m), None),
+            other => (None, other),
+        };
         if priced_out {
             decoding.mtp_priced_out = true;
         } else if priced {
-            decoding.pricing = Some(DraftPricing::new(target.mtp_draft_share()));
+            let share = target.mtp_draft_share();
+            decoding.pricing = Some(match memory.as_ref().and_then(|m| m.pricing.as_ref()) {
+                Some(p) => p.resumed(share),
+                None => DraftPricing::new(share),
+            });
         }
+        if let Some(m) = memory {
+            decoding.depth = m.depth;
+        }
+        decoding.passed_on_memory = passed_on;
         Ok(decoding)
     }
 }
@@ -518,6 +541,7 @@ impl<'d, 'c> Decoding<'d, 'c> {
             depth: DepthController::new(MAX_DEPTH),
             mtp_priced_out: false,
             pricing: None,
+            passed_on_memory: None,
             drafted_last_cycle: false,
             byte_costs_age: None,
             started: clock(),

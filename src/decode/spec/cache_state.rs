@@ -2,7 +2,21 @@
 
 use super::DraftSource;
 use crate::carried::Carried;
+use crate::decode::depth::DepthController;
+use crate::decode::pricing::DraftPricing;
 use crate::decode::Target;
+
+/// What the automatic depth and the default drafter's price check learned in the
+/// generations on these caches: the next one starts from it instead of measuring again
+/// (docs/speculative.md, "Guard and automatic depth").
+#[derive(Clone, Debug)]
+pub(crate) struct DraftMemory {
+    /// The drafter it was learned with uses the MTP layer (else it is the n-gram drafter's).
+    pub mtp: bool,
+    pub depth: DepthController,
+    /// The price check (default drafting only).
+    pub pricing: Option<DraftPricing>,
+}
 
 /// What a target's caches hold between generations, for
 /// [`generate_after`](super::generate_after): the tokens of the main KV rows and the main
@@ -19,6 +33,8 @@ pub struct CacheState {
     /// (`DepthController::could_pay`) and dropped the MTP layer's state: later default
     /// generations on these caches start without drafting and keep the whole prefix.
     pub(super) mtp_priced_out: bool,
+    /// What drafting learned in the last generations on these caches (`None`: nothing yet).
+    pub(super) draft_memory: Option<DraftMemory>,
 }
 
 impl CacheState {
@@ -27,6 +43,7 @@ impl CacheState {
         self.tokens.clear();
         self.mtp_pending = Carried::default();
         self.mtp_priced_out = false;
+        self.draft_memory = None;
     }
 
     /// A state restored from what [`mtp_pending`](Self::mtp_pending) and `tokens` were
@@ -37,12 +54,19 @@ impl CacheState {
             tokens,
             mtp_pending,
             mtp_priced_out: false,
+            draft_memory: None,
         }
     }
 
     /// Whether the last default generation priced MTP drafting out on these caches.
     pub fn mtp_priced_out(&self) -> bool {
         self.mtp_priced_out
+    }
+
+    /// What drafting learned in the generations on these caches.
+    #[cfg(test)]
+    pub(crate) fn draft_memory(&self) -> Option<&DraftMemory> {
+        self.draft_memory.as_ref()
     }
 
     /// [rows, hidden]: the main hidden states the MTP layer has not absorbed yet.

@@ -4,7 +4,8 @@
 use std::sync::atomic::AtomicBool;
 
 use super::{
-    CacheState, Decoding, DraftDepth, Emitted, FinishReason, Generation, Planned, BYTE_COSTS_EVERY,
+    CacheState, Decoding, DraftDepth, DraftMemory, Emitted, FinishReason, Generation, Planned,
+    BYTE_COSTS_EVERY,
 };
 use crate::decode::ngram;
 use crate::decode::pricing::{Backlog, Engagement, Step};
@@ -77,12 +78,21 @@ impl<'d, 'c> Decoding<'d, 'c> {
                 .pricing
                 .as_ref()
                 .is_some_and(|p| p.state() == Engagement::PricedOut);
+        let draft_memory = match (&self.drafter, self.opts.depth) {
+            (Some(d), DraftDepth::Auto) => Some(DraftMemory {
+                mtp: d.uses_mtp_layer(),
+                depth: self.depth,
+                pricing: self.pricing,
+            }),
+            _ => self.passed_on_memory.take(),
+        };
         Ok((
             generation,
             CacheState {
                 tokens,
                 mtp_pending,
                 mtp_priced_out,
+                draft_memory,
             },
         ))
     }
@@ -116,7 +126,13 @@ impl<'d, 'c> Decoding<'d, 'c> {
                 let Some(pricing) = self.pricing.as_mut() else {
                     return Cycle::Draft(self.depth.choose(cap));
                 };
-                let step = pricing.next(first, backlog);
+                let mut step = pricing.next(first, backlog);
+                if step == Step::Draft && self.depth.gave_up() {
+                    // Drafting kept not paying: stop for good rather than keep the MTP
+                    // layer's upkeep and explorations.
+                    pricing.price_out();
+                    step = Step::Plain;
+                }
                 if pricing.state() == Engagement::PricedOut {
                     self.release_drafter();
                 }

@@ -4,6 +4,7 @@
 use super::*;
 use crate::decode::pricing::{ByteCosts, DraftPricing};
 use crate::decode::spec::generate_timed;
+use crate::decode::stats::MAX_DEPTH;
 
 /// The defaults on `t` after `prompt`, timed by the mock's virtual clock.
 fn defaults(t: &mut MockTarget, state: &mut CacheState, prompt: &[u32], n: usize) -> Generation {
@@ -206,4 +207,150 @@ fn the_depth_controller_prices_drafts_by_their_bytes() {
     // A small price leaves deep drafts paying.
     let cheap = histogram(disk_bound(0.02));
     assert!(cheap[0] * 4 < cheap.iter().sum::<u64>(), "{cheap:?}");
+}
+
+/// `turns` generations of `n` tokens on one target and its caches, each prompt the
+/// conversation so far plus a new token, under `o`: the virtual seconds each took, the
+/// caches' state after them, and every generation's tokens.
+fn conversation(
+    cfg: &MockConfig,
+    o: &GenerateOptions,
+    turns: usize,
+) -> (Vec<f64>, CacheState, Vec<Vec<u32>>) {
+    let mut t = MockTarget::new(cfg.clone());
+    let mut state = CacheState::default();
+    let mut prompt: Vec<u32> = (0..24).map(|i| (i * 7 % 13) as u32 + 1).collect();
+    let clock = t.clock();
+    let (mut secs, mut outputs) = (Vec::new(), Vec::new());
+    for turn in 0..turns {
+        let start = clock();
+        let g = generate_timed(
+            &mut t,
+            &mut state,
+            &prompt,
+            o,
+            &mut |_| true,
+            &AtomicBool::new(false),
+            &clock,
+        )
+        .unwrap_or_else(|e| panic!("generate failed: {e}"));
+        secs.push(clock() - start);
+        prompt.extend(&g.tokens);
+        prompt.push(1 + turn as u32 % 5);
+        outputs.push(g.tokens);
+    }
+    (secs, state, outputs)
+}
+
+/// Drafting at break-even in RAM, as on the GLM-like stand-in (a 2-row verify costs 1.6
+/// plain steps, a draft 0.07, about 2 in 3 drafts accepted: depth 1 runs at ~0.98x plain):
+/// over a conversation the defaults cost no more than 2% over `draft="off"`, and they stop
+/// drafting on these caches for good.
+#[test]
+fn where_drafting_breaks_even_the_defaults_do_not_lose_a_conversation() {
+    let cfg = MockConfig {
+        cost_base: 0.4,
+        cost_per_row: 0.6,
+        mtp_cost_per_row: 0.07,
+        mtp_draft_share: 0.07,
+        mtp_error: 0.34,
+        ..MockConfig::default()
+    };
+    let n = 128;
+    let total = |o: &GenerateOptions| {
+        let (secs, state, tokens) = conversation(&cfg, o, 6);
+        (secs.iter().sum::<f64>(), state, tokens)
+    };
+    let (off, _, plain) = total(&opts(DraftSource::Off, DraftDepth::Auto, n));
+    let (depth1, _, _) = total(&opts(DraftSource::Mtp, DraftDepth::Fixed(1), n));
+    assert!(
+        depth1 > off,
+        "depth 1 must lose here: {depth1} against {off}"
+    );
+    let (auto, state, tokens) = total(&opts(DraftSource::Auto, DraftDepth::Auto, n));
+    assert_eq!(tokens, plain);
+    assert!(
+        auto <= 1.02 * off,
+        "the defaults {auto:.1} s against off {off:.1} s"
+    );
+    assert!(state.mtp_priced_out());
+}
+
+/// Where drafting pays, the defaults learn their depth in the first turn of a conversation
+/// and carry it to the next turns, which run within 3% of the best fixed depth.
+#[test]
+fn where_drafting_pays_the_defaults_come_within_three_percent_of_the_best_depth() {
+    for (base, row, error) in [(1.0, 0.05, 0.2), (0.5, 0.5, 0.1), (0.7, 0.3, 0.3)] {
+        let cfg = MockConfig {
+            cost_base: base,
+            cost_per_row: row,
+            mtp_cost_per_row: 0.02,
+            mtp_draft_share: 0.02,
+            mtp_error: error,
+            ..MockConfig::default()
+        };
+        let n = 128;
+        // The turns after the first (which learns).
+        let later = |o: &GenerateOptions| -> (f64, CacheState) {
+            let (secs, state, _) = conversation(&cfg, o, 6);
+            (secs[1..].iter().sum(), state)
+        };
+        let (off, _) = later(&opts(DraftSource::Off, DraftDepth::Auto, n));
+        let best = (1..=MAX_DEPTH)
+            .map(|g| later(&opts(DraftSource::Mtp, DraftDepth::Fixed(g), n)).0)
+            .fold(f64::INFINITY, f64::min);
+        let (auto, state) = later(&opts(DraftSource::Auto, DraftDepth::Auto, n));
+        assert!(
+            best < 0.9 * off,
+            "a case where drafting pays: {best} against {off}"
+        );
+        assert!(
+            auto <= best / 0.97,
+            "after the first turn the defaults took {auto:.1} s, the best depth {best:.1} s"
+        );
+        assert!(!state.mtp_priced_out());
+    }
+}
+
+/// What the defaults learned on some caches survives a generation there that does not draft,
+/// and the next default generation starts drafting at once: no probe, no measuring plain step.
+#[test]
+fn what_drafting_learned_survives_a_generation_without_it() {
+    let cfg = cheap_compute(ByteCosts::FREE);
+    let mut t = MockTarget::new(cfg.clone());
+    let mut state = CacheState::default();
+    let mut prompt = vec![1, 2, 3];
+    let g = defaults(&mut t, &mut state, &prompt, 100);
+    let learned = |s: &CacheState| s.draft_memory().map(|m| m.depth.expected_tokens(4));
+    let before = learned(&state).expect("the defaults learned nothing");
+    prompt.extend(&g.tokens);
+    prompt.push(2);
+    let clock = t.clock();
+    let off = generate_timed(
+        &mut t,
+        &mut state,
+        &prompt,
+        &opts(DraftSource::Off, DraftDepth::Auto, 40),
+        &mut |_| true,
+        &AtomicBool::new(false),
+        &clock,
+    )
+    .unwrap_or_else(|e| panic!("generate failed: {e}"));
+    assert_eq!(learned(&state), Some(before));
+    prompt.extend(&off.tokens);
+    prompt.push(4);
+    let g = defaults(&mut t, &mut state, &prompt, 60);
+    assert_eq!(g.tokens, plain(&cfg, &prompt, 60));
+    assert_eq!(
+        g.stats.depth_histogram[0], 0,
+        "{:?}",
+        g.stats.depth_histogram
+    );
+    // A fresh cache state measures first.
+    let g = defaults(&mut t, &mut CacheState::default(), &prompt, 60);
+    assert!(
+        g.stats.depth_histogram[0] > 0,
+        "{:?}",
+        g.stats.depth_histogram
+    );
 }

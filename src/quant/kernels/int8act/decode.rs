@@ -240,6 +240,7 @@ unsafe fn quantize_row(
 pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, out: OutColumns) {
     debug_assert_eq!(x.int8, w.format() == QuantFormat::Int8PerRow);
     let shift = offset_shift(w.format());
+    let rb = w.format().row_bytes(w.cols());
     if let Some(packed) = x.packed() {
         if let Some(scales) = PackedScales::of(w.format()) {
             // SAFETY: the caller's contract; `packed` is `x`'s rows tiled for `w`'s format.
@@ -287,6 +288,7 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, 
                     RowScales::PerBlock(&ws)
                 }
             };
+            prefetch_ahead(w.data(), o * rb, rb);
             let data = w.row_data(o);
             let mut t0 = 0;
             while t0 < x.rows {
@@ -312,6 +314,28 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, 
             }
         }
         g += count;
+    }
+}
+
+/// How far ahead of the weight row being read its matrix is prefetched (into L1), from
+/// paired runs of `verify_rows` on the side-by-side model (Xeon with AMX, 2 threads, host
+/// busy): 2 KiB ahead took 1 / 2 / 4 / 8-row forwards 3–7 / 10–16 / 16–21 / 13–17% below no
+/// prefetch; 1 KiB about the same, 8 and 16 KiB (the exact kernels' distance, `avx512.rs`)
+/// and `prefetcht1` less. Two threads read their own runs of rows; the hardware prefetchers
+/// stop at each 4 KiB page and restart at each task.
+const PREFETCH_BYTES: usize = 2048;
+
+/// Prefetch (into L1) the lines of `data` [`PREFETCH_BYTES`] past `start..start + len`, those
+/// inside `data`.
+#[inline(always)]
+fn prefetch_ahead(data: &[u8], start: usize, len: usize) {
+    let end = (start + len + PREFETCH_BYTES).min(data.len());
+    let mut at = start + PREFETCH_BYTES;
+    while at < end {
+        // SAFETY: `at < data.len()`; a prefetch reads nothing architecturally; SSE is part of
+        // x86-64.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().add(at).cast()) };
+        at += 64;
     }
 }
 
@@ -372,6 +396,7 @@ unsafe fn rows_packed(
     while o < o0 + n {
         let count = (o0 + n - o).min(per);
         let blocks = count * nb;
+        prefetch_ahead(data, o * rb, count * rb);
         let bytes = &data[o * rb..(o + count) * rb];
         let lane_mask: u16 = if blocks >= LANES {
             u16::MAX
@@ -633,7 +658,8 @@ unsafe fn row_tile_int4<const NA: usize>(
                     for (a, acc) in acc.iter_mut().enumerate() {
                         let row = rows.add(a * blocks + line);
                         let even = _mm512_dpbusd_epi32(acc[g], lo, _mm512_load_si512(row.cast()));
-                        acc[g] = _mm512_dpbusd_epi32(even, hi, _mm512_load_si512(row.add(1).cast()));
+                        acc[g] =
+                            _mm512_dpbusd_epi32(even, hi, _mm512_load_si512(row.add(1).cast()));
                     }
                 }
             }

@@ -4,18 +4,21 @@
 //! order, then [`super::sum_lanes`]. Only the data layout differs from the prefill tiles
 //! (`vnni.rs`), because here a weight row serves one row of activations, not many:
 //!
-//! - the **weights stay as stored**. The prefill tiles transpose every weight row into the
-//!   activations' lane layout (64 shuffles per 16 blocks), which pays when 64 activation rows
-//!   share it and costs a decode step more than the bytes do. Here an int4 row's 64 bytes
-//!   (two blocks of packed nibbles) are split into low and high nibbles (two ops), an int8
-//!   row's block is loaded as it is;
+//! - the **weights are not transposed to the lanes**. The prefill tiles transpose every
+//!   weight row into the activations' lane layout (64 shuffles per 16 blocks), which pays
+//!   when 64 activation rows share it and costs a decode step more than the bytes do. Here an
+//!   int4 chunk's 512 bytes are only permuted by qwords (16 permutes) and split into low and
+//!   high nibbles, an int8 row's block is loaded as it is;
 //! - the **activations are laid out to match** (built once per call, [`DecodeActs`]): for
-//!   int4 weights, per pair of blocks, one line of the even elements of both blocks and one of
-//!   the odd ones (the low nibble of byte m is element 2m); for int8 weights, the blocks in
-//!   element order;
-//! - each `vpdpbusd` then leaves 8 (int4) or 16 (int8) partial sums of a block in its lanes,
-//!   and a reduction tree (14 shuffles per 16 blocks and activation row) brings each block's
-//!   sum into lane `b mod 16`, where the prefill tiles' transpose put it.
+//!   int4 weights, whose chunks of 16 blocks the kernel transposes by qwords (each vector
+//!   then holds one qword, 16 elements, of 8 blocks), line 8g + 2j + e of a chunk holds in
+//!   qword i block 8g + i's elements 16j + 2k + e (e = 0: the even ones, which the low
+//!   nibbles meet); for int8 weights, the blocks in element order;
+//! - each int4 `vpdpbusd` then adds to 2 lanes per block of one accumulator per 8 blocks, and
+//!   2 permutes per chunk and activation row bring each block's sum into lane `b mod 16`,
+//!   where the prefill tiles' transpose put it (the transpose, 16 permutes per chunk, is
+//!   shared by every activation row); an int8 `vpdpbusd` leaves 16 partial sums of a block,
+//!   which a reduction tree (14 shuffles per 16 blocks and activation row) brings there.
 //!
 //! Integer sums are exact in any order, and the f32 steps are the reference's, so the result
 //! is the reference's and the prefill tiles' for every row: a row's value never depends on
@@ -35,8 +38,8 @@ pub struct DecodeActs {
     pub(super) cols: usize,
     /// Chunks of 16 blocks per row (the prefill layout's count, at least 1).
     pub(super) chunks: usize,
-    /// Laid out for int8 weights (blocks in element order) rather than int4 (pairs split
-    /// into even and odd elements).
+    /// Laid out for int8 weights (blocks in element order) rather than int4 (qwords of 8
+    /// blocks' even and odd elements, see the module docs).
     int8: bool,
     /// [rows][chunks · 16] lines.
     lines: Vec<Line>,
@@ -319,8 +322,8 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, 
 
 /// How far ahead of the weight row being read its matrix is prefetched (into L1), from
 /// paired runs of `verify_rows` on the side-by-side model (Xeon with AMX, 2 threads, host
-/// busy): 2 KiB ahead took 1 / 2 / 4 / 8-row forwards 3–7 / 10–16 / 16–21 / 13–17% below no
-/// prefetch; 1 KiB about the same, 8 and 16 KiB (the exact kernels' distance, `avx512.rs`)
+/// busy): 2 KiB ahead took 1-row and 8-row forwards 3–9% and 10–12% below the same kernel
+/// without it; 1 KiB about the same, 8 and 16 KiB (the exact kernels' distance, `avx512.rs`)
 /// and `prefetcht1` less. Two threads read their own runs of rows; the hardware prefetchers
 /// stop at each 4 KiB page and restart at each task.
 const PREFETCH_BYTES: usize = 2048;

@@ -4,18 +4,21 @@
 //! order, then [`super::sum_lanes`]. Only the data layout differs from the prefill tiles
 //! (`vnni.rs`), because here a weight row serves one row of activations, not many:
 //!
-//! - the **weights stay as stored**. The prefill tiles transpose every weight row into the
-//!   activations' lane layout (64 shuffles per 16 blocks), which pays when 64 activation rows
-//!   share it and costs a decode step more than the bytes do. Here an int4 row's 64 bytes
-//!   (two blocks of packed nibbles) are split into low and high nibbles (two ops), an int8
-//!   row's block is loaded as it is;
+//! - the **weights are not transposed to the lanes**. The prefill tiles transpose every
+//!   weight row into the activations' lane layout (64 shuffles per 16 blocks), which pays
+//!   when 64 activation rows share it and costs a decode step more than the bytes do. Here an
+//!   int4 chunk's 512 bytes are only permuted by qwords (16 permutes) and split into low and
+//!   high nibbles, an int8 row's block is loaded as it is;
 //! - the **activations are laid out to match** (built once per call, [`DecodeActs`]): for
-//!   int4 weights, per pair of blocks, one line of the even elements of both blocks and one of
-//!   the odd ones (the low nibble of byte m is element 2m); for int8 weights, the blocks in
-//!   element order;
-//! - each `vpdpbusd` then leaves 8 (int4) or 16 (int8) partial sums of a block in its lanes,
-//!   and a reduction tree (14 shuffles per 16 blocks and activation row) brings each block's
-//!   sum into lane `b mod 16`, where the prefill tiles' transpose put it.
+//!   int4 weights, whose chunks of 16 blocks the kernel transposes by qwords (each vector
+//!   then holds one qword, 16 elements, of 8 blocks), line 8g + 2j + e of a chunk holds in
+//!   qword i block 8g + i's elements 16j + 2k + e (e = 0: the even ones, which the low
+//!   nibbles meet); for int8 weights, the blocks in element order;
+//! - each int4 `vpdpbusd` then adds to 2 lanes per block of one accumulator per 8 blocks, and
+//!   2 permutes per chunk and activation row bring each block's sum into lane `b mod 16`,
+//!   where the prefill tiles' transpose put it (the transpose, 16 permutes per chunk, is
+//!   shared by every activation row); an int8 `vpdpbusd` leaves 16 partial sums of a block,
+//!   which a reduction tree (14 shuffles per 16 blocks and activation row) brings there.
 //!
 //! Integer sums are exact in any order, and the f32 steps are the reference's, so the result
 //! is the reference's and the prefill tiles' for every row: a row's value never depends on
@@ -35,8 +38,8 @@ pub struct DecodeActs {
     pub(super) cols: usize,
     /// Chunks of 16 blocks per row (the prefill layout's count, at least 1).
     pub(super) chunks: usize,
-    /// Laid out for int8 weights (blocks in element order) rather than int4 (pairs split
-    /// into even and odd elements).
+    /// Laid out for int8 weights (blocks in element order) rather than int4 (qwords of 8
+    /// blocks' even and odd elements, see the module docs).
     int8: bool,
     /// [rows][chunks · 16] lines.
     lines: Vec<Line>,
@@ -129,9 +132,9 @@ impl DecodeActs {
 
     /// These rows (of `nb` whole blocks, `x` their values) repeated 16 / nb times into `tiled`,
     /// as [`DecodeActs::new`] of the repeated values would quantise and lay them out:
-    /// quantisation is per block, so the lines, scales and sums are copies of the row's own.
-    /// Only an int4 row of one block quantises again, as two copies, because an int4 line
-    /// holds a pair of blocks.
+    /// quantisation is per block, so the scales and sums are copies of the row's own, and so
+    /// are an int8 row's lines (one per block). An int4 line holds parts of 8 blocks, so int4
+    /// rows are quantised again, repeated.
     fn tile_into(&self, x: &[f32], nb: usize, tiled: &mut DecodeActs) {
         let blocks = self.chunks * LANES;
         (tiled.rows, tiled.cols, tiled.chunks) = (self.rows, LANES * BLOCK, 1);
@@ -141,7 +144,7 @@ impl DecodeActs {
         tiled.scales.clear();
         tiled.sums.clear();
         for r in 0..self.rows {
-            if self.int8 || nb > 1 {
+            if self.int8 {
                 let at = r * blocks..r * blocks + nb;
                 for _ in 0..LANES / nb {
                     tiled.lines.extend_from_slice(&self.lines[at.clone()]);
@@ -150,19 +153,17 @@ impl DecodeActs {
                 }
             } else {
                 let row = &x[r * self.cols..(r + 1) * self.cols];
-                let mut pair = [0.0f32; 2 * BLOCK];
-                pair[..BLOCK].copy_from_slice(row);
-                pair[BLOCK..].copy_from_slice(row);
-                // The pair is quantised into one 16-block chunk, of which 2 blocks are used.
+                let mut repeated = [0.0f32; LANES * BLOCK];
+                for part in repeated.chunks_exact_mut(self.cols) {
+                    part.copy_from_slice(row);
+                }
                 let (mut lines, mut scales, mut sums) =
                     ([Line([0; 64]); LANES], [0.0; LANES], [0; LANES]);
                 // SAFETY: `fill` checked the CPU runs the VNNI kernel; 16 elements each.
-                unsafe { quantize_row(&pair, false, &mut lines, &mut scales, &mut sums) };
-                for _ in 0..LANES / 2 {
-                    tiled.lines.extend_from_slice(&lines[..2]);
-                    tiled.scales.extend_from_slice(&scales[..2]);
-                    tiled.sums.extend_from_slice(&sums[..2]);
-                }
+                unsafe { quantize_row(&repeated, false, &mut lines, &mut scales, &mut sums) };
+                tiled.lines.extend_from_slice(&lines);
+                tiled.scales.extend_from_slice(&scales);
+                tiled.sums.extend_from_slice(&sums);
             }
         }
     }
@@ -187,33 +188,47 @@ unsafe fn quantize_row(
     sums: &mut [i32],
 ) {
     let zero = _mm512_setzero_si512();
-    for p in 0..lines.len() / 2 {
-        let mut pair = [zero; 2];
-        for (h, v) in pair.iter_mut().enumerate() {
-            let b = 2 * p + h;
+    if int8 {
+        for (b, line) in lines.iter_mut().enumerate() {
             // SAFETY: the features are enabled here.
-            (*v, scales[b], sums[b]) = match unsafe { quantize_block_vec(src, b * BLOCK) } {
+            let v;
+            (v, scales[b], sums[b]) = match unsafe { quantize_block_vec(src, b * BLOCK) } {
                 Some(block) => block,
                 None => (zero, 0.0, 0),
             };
+            // SAFETY: lines are 64-byte aligned.
+            unsafe { _mm512_store_si512(line.0.as_mut_ptr().cast(), v) };
         }
-        let (first, second) = if int8 {
-            (pair[0], pair[1])
-        } else {
+        return;
+    }
+    for (c, chunk) in lines.chunks_exact_mut(LANES).enumerate() {
+        for bi in 0..LANES {
+            let b = c * LANES + bi;
+            // SAFETY: the features are enabled here.
+            let v;
+            (v, scales[b], sums[b]) = match unsafe { quantize_block_vec(src, b * BLOCK) } {
+                Some(block) => block,
+                None => (zero, 0.0, 0),
+            };
             // The low byte of each 16-bit lane is an even element, the high byte an odd one.
-            let (e0, e1) = (_mm512_cvtepi16_epi8(pair[0]), _mm512_cvtepi16_epi8(pair[1]));
-            let o0 = _mm512_cvtepi16_epi8(_mm512_srli_epi16::<8>(pair[0]));
-            let o1 = _mm512_cvtepi16_epi8(_mm512_srli_epi16::<8>(pair[1]));
-            (
-                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(e0), e1),
-                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(o0), o1),
-            )
-        };
-        // SAFETY: lines `2p` and `2p + 1` exist (`lines.len()` is a multiple of 16) and are
-        // 64-byte aligned.
-        unsafe {
-            _mm512_store_si512(lines[2 * p].0.as_mut_ptr().cast(), first);
-            _mm512_store_si512(lines[2 * p + 1].0.as_mut_ptr().cast(), second);
+            let (mut even, mut odd) = ([0u64; 4], [0u64; 4]);
+            // SAFETY: the features are enabled here; 32 bytes each.
+            unsafe {
+                _mm256_storeu_si256(even.as_mut_ptr().cast(), _mm512_cvtepi16_epi8(v));
+                _mm256_storeu_si256(
+                    odd.as_mut_ptr().cast(),
+                    _mm512_cvtepi16_epi8(_mm512_srli_epi16::<8>(v)),
+                );
+            }
+            // Line 8g + 2j + e, qword i: block 8g + i's elements 16j + 2k + e (k = 0..8),
+            // matching the weights' qword transpose in `row_tile_int4`.
+            let (g, i) = (bi / 8, bi % 8);
+            for j in 0..4 {
+                for (e, half) in [even[j], odd[j]].into_iter().enumerate() {
+                    chunk[8 * g + 2 * j + e].0[8 * i..8 * i + 8]
+                        .copy_from_slice(&half.to_le_bytes());
+                }
+            }
         }
     }
 }
@@ -228,6 +243,7 @@ unsafe fn quantize_row(
 pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, out: OutColumns) {
     debug_assert_eq!(x.int8, w.format() == QuantFormat::Int8PerRow);
     let shift = offset_shift(w.format());
+    let rb = w.format().row_bytes(w.cols());
     if let Some(packed) = x.packed() {
         if let Some(scales) = PackedScales::of(w.format()) {
             // SAFETY: the caller's contract; `packed` is `x`'s rows tiled for `w`'s format.
@@ -275,6 +291,7 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, 
                     RowScales::PerBlock(&ws)
                 }
             };
+            prefetch_ahead(w.data(), o * rb, rb);
             let data = w.row_data(o);
             let mut t0 = 0;
             while t0 < x.rows {
@@ -300,6 +317,28 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, 
             }
         }
         g += count;
+    }
+}
+
+/// How far ahead of the weight row being read its matrix is prefetched (into L1), from
+/// paired runs of `verify_rows` on the side-by-side model (Xeon with AMX, 2 threads, host
+/// busy): 2 KiB ahead took 1-row and 8-row forwards 3–9% and 10–12% below the same kernel
+/// without it; 1 KiB about the same, 8 and 16 KiB (the exact kernels' distance, `avx512.rs`)
+/// and `prefetcht1` less. Two threads read their own runs of rows; the hardware prefetchers
+/// stop at each 4 KiB page and restart at each task.
+const PREFETCH_BYTES: usize = 2048;
+
+/// Prefetch (into L1) the lines of `data` [`PREFETCH_BYTES`] past `start..start + len`, those
+/// inside `data`.
+#[inline(always)]
+fn prefetch_ahead(data: &[u8], start: usize, len: usize) {
+    let end = (start + len + PREFETCH_BYTES).min(data.len());
+    let mut at = start + PREFETCH_BYTES;
+    while at < end {
+        // SAFETY: `at < data.len()`; a prefetch reads nothing architecturally; SSE is part of
+        // x86-64.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().add(at).cast()) };
+        at += 64;
     }
 }
 
@@ -360,6 +399,7 @@ unsafe fn rows_packed(
     while o < o0 + n {
         let count = (o0 + n - o).min(per);
         let blocks = count * nb;
+        prefetch_ahead(data, o * rb, count * rb);
         let bytes = &data[o * rb..(o + count) * rb];
         let lane_mask: u16 = if blocks >= LANES {
             u16::MAX
@@ -502,7 +542,8 @@ unsafe fn weight_bytes(data: &[u8], start: usize, full: bool) -> __m512i {
 const TREE_LANE: [i32; 16] = [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15];
 
 /// One weight row (its bytes `data` and block scales `ws`) against activation rows
-/// `t0..t0 + NA`.
+/// `t0..t0 + NA`: the sums of the blocks of each chunk in lane `b mod 16`, scaled and added
+/// into that row's lanes in block order.
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI; `t0 + NA <= x.rows`.
@@ -514,14 +555,156 @@ unsafe fn row_tile<const NA: usize>(
     t0: usize,
     shift: u32,
 ) -> [__m512; NA] {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if x.int8 {
+            row_tile_int8::<NA>(data, ws, x, t0, shift)
+        } else {
+            row_tile_int4::<NA>(data, ws, x, t0, shift)
+        }
+    }
+}
+
+/// Qword q of a pair of raw weight vectors (`_mm512_permutex2var_epi64`): from `a` (the 4
+/// blocks 8g + 4P, + 1 of the first, + 2, + 3 of the second; 4 qwords each) to qwords
+/// `2h, 2h + 1` of those 4 blocks, block by block (`INT4_STEP_A[h]`).
+const INT4_STEP_A: [[i64; 8]; 2] = [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]];
+/// Then from two of those (blocks 8g..8g + 4 and 8g + 4..8g + 8) to qword `2h + jj` of each of
+/// the 8 blocks (`INT4_STEP_B[jj]`).
+const INT4_STEP_B: [[i64; 8]; 2] = [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]];
+/// Lane L of a chunk's sums: block L's two partials, from the pairs of lanes 2i, 2i + 1 of
+/// the accumulators of blocks 0–7 (`a`) and 8–15 (`b`): `INT4_PAIRS[e]`, e = 0, 1.
+const INT4_PAIRS: [[i32; 16]; 2] = [
+    [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30],
+    [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31],
+];
+
+/// [`row_tile`] for int4 weights. A chunk's 512 bytes (16 blocks of 32, two per 64-byte
+/// vector) are transposed by qwords (16 two-source permutes, shared by every activation
+/// row) into vectors that each hold one qword (16 elements) of 8 blocks, so that a block's
+/// products gather in 2 lanes of one accumulator: per activation row, the chunk costs its 16
+/// `vpdpbusd`, 2 permutes and an add to bring each block's sum into lane `b mod 16`, where
+/// the reduction tree of the untransposed layout cost 14 shuffles and 7 adds. The activation
+/// lines match (`quantize_row`): line 8g + 2j + e, qword i = block 8g + i's elements
+/// 16j + 2k + e.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `t0 + NA <= x.rows`; `x` is laid out for int4.
+#[inline(always)]
+unsafe fn row_tile_int4<const NA: usize>(
+    data: &[u8],
+    ws: RowScales<'_>,
+    x: &DecodeActs,
+    t0: usize,
+    shift: u32,
+) -> [__m512; NA] {
+    // SAFETY: AVX-512 F, BW and VNNI are enabled by the caller. Lines `base..base + 16` and
+    // block offsets `base + 16 <= blocks` of rows `t0 + a < x.rows` are inside `x`'s vectors,
+    // lines are 64-byte aligned, and the weight loads are masked to `data` (`weight_bytes`).
+    unsafe {
+        let blocks = x.chunks * LANES;
+        let zero = _mm512_setzero_si512();
+        let nibble = _mm512_set1_epi8(0x0F);
+        let shift = _mm512_set1_epi32(shift as i32);
+        let step_a = [
+            _mm512_loadu_si512(INT4_STEP_A[0].as_ptr().cast()),
+            _mm512_loadu_si512(INT4_STEP_A[1].as_ptr().cast()),
+        ];
+        let step_b = [
+            _mm512_loadu_si512(INT4_STEP_B[0].as_ptr().cast()),
+            _mm512_loadu_si512(INT4_STEP_B[1].as_ptr().cast()),
+        ];
+        let pairs = [
+            _mm512_loadu_si512(INT4_PAIRS[0].as_ptr().cast()),
+            _mm512_loadu_si512(INT4_PAIRS[1].as_ptr().cast()),
+        ];
+        let mut lanes = [_mm512_setzero_ps(); NA];
+        let rows = x.lines.as_ptr().add(t0 * blocks);
+        // The blocks that hold columns (past them a chunk's weights and activations are zero:
+        // their work is skipped).
+        let held = x.cols.div_ceil(BLOCK);
+        for c in 0..x.chunks {
+            let base = c * LANES;
+            // acc[a][g]: lanes 2i, 2i + 1 = partial sums of block base + 8g + i.
+            let mut acc = [[zero; 2]; NA];
+            for g in 0..2 {
+                if base + 8 * g >= held {
+                    break;
+                }
+                // w[k]: blocks base + 8g + 2k, + 1 as stored.
+                let mut w = [zero; 4];
+                for (k, w) in w.iter_mut().enumerate() {
+                    let b = base + 8 * g + 2 * k;
+                    if b < held {
+                        *w = weight_bytes(data, b * BLOCK / 2, (b + 2) * BLOCK / 2 <= data.len());
+                    }
+                }
+                // q[p][h]: qwords 2h, 2h + 1 of blocks 8g + 4p .. 8g + 4p + 4.
+                // (Written out, not `array::from_fn`: closures would not inherit the caller's
+                // target features.)
+                let q = [
+                    [
+                        _mm512_permutex2var_epi64(w[0], step_a[0], w[1]),
+                        _mm512_permutex2var_epi64(w[0], step_a[1], w[1]),
+                    ],
+                    [
+                        _mm512_permutex2var_epi64(w[2], step_a[0], w[3]),
+                        _mm512_permutex2var_epi64(w[2], step_a[1], w[3]),
+                    ],
+                ];
+                for j in 0..4 {
+                    // Qword j of blocks 8g .. 8g + 8.
+                    let v = _mm512_permutex2var_epi64(q[0][j / 2], step_b[j % 2], q[1][j / 2]);
+                    let lo = _mm512_and_si512(v, nibble);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
+                    let line = base + 8 * g + 2 * j;
+                    for (a, acc) in acc.iter_mut().enumerate() {
+                        let row = rows.add(a * blocks + line);
+                        let even = _mm512_dpbusd_epi32(acc[g], lo, _mm512_load_si512(row.cast()));
+                        acc[g] =
+                            _mm512_dpbusd_epi32(even, hi, _mm512_load_si512(row.add(1).cast()));
+                    }
+                }
+            }
+            for (a, acc) in acc.iter().enumerate() {
+                let tree = _mm512_add_epi32(
+                    _mm512_permutex2var_epi32(acc[0], pairs[0], acc[1]),
+                    _mm512_permutex2var_epi32(acc[0], pairs[1], acc[1]),
+                );
+                let off = (t0 + a) * blocks + base;
+                let sums = _mm512_loadu_si512(x.sums.as_ptr().add(off).cast());
+                let sx = _mm512_loadu_ps(x.scales.as_ptr().add(off));
+                let sw = ws.chunk(base, held);
+                // Σ u·xq − o·Σ xq = Σ q·xq, block b in lane b mod 16.
+                let d = _mm512_sub_epi32(tree, _mm512_sllv_epi32(sums, shift));
+                lanes[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sw, sx), lanes[a]);
+            }
+        }
+        lanes
+    }
+}
+
+/// [`row_tile`] for int8 weights (activation lines: the blocks in element order): each
+/// `vpdpbusd` leaves 16 partial sums of a block, and a reduction tree (14 shuffles per 16
+/// blocks and activation row) brings each block's sum into lane `b mod 16`.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `t0 + NA <= x.rows`.
+#[inline(always)]
+unsafe fn row_tile_int8<const NA: usize>(
+    data: &[u8],
+    ws: RowScales<'_>,
+    x: &DecodeActs,
+    t0: usize,
+    shift: u32,
+) -> [__m512; NA] {
     // SAFETY: AVX-512 F, BW and VNNI are enabled by the caller. Line `k < blocks` and block
     // offsets `base + 16 <= blocks` of rows `t0 + a < x.rows` are inside `x`'s vectors, lines are 64-byte aligned, and the weight loads are masked to
     // `data` (`load_bytes`, `int8_block`).
     let lanes = unsafe {
         let blocks = x.chunks * LANES;
-        let block_bytes = if x.int8 { BLOCK } else { BLOCK / 2 };
+        let block_bytes = BLOCK;
         let zero = _mm512_setzero_si512();
-        let nibble = _mm512_set1_epi8(0x0F);
         let shift = _mm512_set1_epi32(shift as i32);
         let tree_lane = _mm512_loadu_si512(TREE_LANE.as_ptr().cast());
         let mut lanes = [_mm512_setzero_ps(); NA];
@@ -549,42 +732,24 @@ unsafe fn row_tile<const NA: usize>(
                     }
                     // Whether the row holds every byte of blocks b and b + 1.
                     let full = (b + 2) * block_bytes <= data.len();
-                    if x.int8 {
-                        let flip = _mm512_set1_epi8(-128);
-                        let wa = _mm512_xor_si512(weight_bytes(data, b * BLOCK, full), flip);
-                        let wb = _mm512_xor_si512(weight_bytes(data, (b + 1) * BLOCK, full), flip);
-                        for (a, p) in p.iter_mut().enumerate() {
-                            let da = _mm512_dpbusd_epi32(
-                                zero,
-                                wa,
-                                _mm512_load_si512(rows.add(a * blocks + b).cast()),
-                            );
-                            let db = _mm512_dpbusd_epi32(
-                                zero,
-                                wb,
-                                _mm512_load_si512(rows.add(a * blocks + b + 1).cast()),
-                            );
-                            p[h] = _mm512_add_epi32(
-                                _mm512_shuffle_i32x4::<0x44>(da, db),
-                                _mm512_shuffle_i32x4::<0xEE>(da, db),
-                            );
-                        }
-                    } else {
-                        let v = weight_bytes(data, b * BLOCK / 2, full);
-                        let lo = _mm512_and_si512(v, nibble);
-                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
-                        for (a, p) in p.iter_mut().enumerate() {
-                            let even = _mm512_dpbusd_epi32(
-                                zero,
-                                lo,
-                                _mm512_load_si512(rows.add(a * blocks + b).cast()),
-                            );
-                            p[h] = _mm512_dpbusd_epi32(
-                                even,
-                                hi,
-                                _mm512_load_si512(rows.add(a * blocks + b + 1).cast()),
-                            );
-                        }
+                    let flip = _mm512_set1_epi8(-128);
+                    let wa = _mm512_xor_si512(weight_bytes(data, b * BLOCK, full), flip);
+                    let wb = _mm512_xor_si512(weight_bytes(data, (b + 1) * BLOCK, full), flip);
+                    for (a, p) in p.iter_mut().enumerate() {
+                        let da = _mm512_dpbusd_epi32(
+                            zero,
+                            wa,
+                            _mm512_load_si512(rows.add(a * blocks + b).cast()),
+                        );
+                        let db = _mm512_dpbusd_epi32(
+                            zero,
+                            wb,
+                            _mm512_load_si512(rows.add(a * blocks + b + 1).cast()),
+                        );
+                        p[h] = _mm512_add_epi32(
+                            _mm512_shuffle_i32x4::<0x44>(da, db),
+                            _mm512_shuffle_i32x4::<0xEE>(da, db),
+                        );
                     }
                 }
                 for (t, p) in t.iter_mut().zip(&p) {

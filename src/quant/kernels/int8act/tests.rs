@@ -483,3 +483,52 @@ fn decode_kernel_equals_the_reference_bit_for_bit() {
         }
     }
 }
+
+/// The decode kernel at the extremes: every weight at the format's largest magnitude (int4
+/// nibbles 0 and 15, int8 −128 and 127, where a lane's products sum largest) against
+/// activations at ±127, in rows of 1 to 8 chunks and every row count, equals the reference
+/// bit for bit: the qword-transposed int4 accumulators (2 lanes per block) hold exact sums.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn decode_kernel_is_exact_at_the_extremes() {
+    if !Int8Kernel::Vnni.available() {
+        eprintln!("no AVX-512 VNNI here: the decode kernel does not run");
+        return;
+    }
+    for format in formats() {
+        for &i in &[64usize, 1024, 2048, 8192] {
+            for &(o, s) in &[(3usize, 1usize), (2, 4), (2, 8), (1, 9)] {
+                for sign in [1.0f32, -1.0] {
+                    // Row 0 all at the negative extreme, the others alternating in runs.
+                    let w: Vec<f32> = (0..o * i)
+                        .map(|k| {
+                            let (r, c) = (k / i, k % i);
+                            if r == 0 || (c / 3) % 2 == 0 {
+                                -sign
+                            } else {
+                                0.99 * sign
+                            }
+                        })
+                        .collect();
+                    let p = quantize(format, "w", &w, o, i).unwrap();
+                    let x: Vec<f32> = (0..s * i)
+                        .map(|k| {
+                            if (k / i) % 2 == 0 || (k / 5) % 2 == 0 {
+                                2.0
+                            } else {
+                                -2.0
+                            }
+                        })
+                        .collect();
+                    let q = QuantizedActs::new_on(&x, s, i, None, Int8Kernel::Reference);
+                    let mut want = vec![0.0f32; s * o];
+                    reference_matmul(&p.view(), &q, &mut want).unwrap();
+                    let mut got = vec![0.0f32; s * o];
+                    matmul_decode(&p.view(), &x, s, &mut got, None).unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&want), bits(&got), "{format} I={i} O={o} S={s}");
+                }
+            }
+        }
+    }
+}

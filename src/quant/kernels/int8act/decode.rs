@@ -35,11 +35,14 @@ pub struct DecodeActs {
     pub(super) cols: usize,
     /// Chunks of 16 blocks per row (the prefill layout's count, at least 1).
     pub(super) chunks: usize,
+    /// The decode kernel these rows are for (AVX-512 VNNI or AVX2, `decode_avx2.rs`): both
+    /// read the same layout, and it was available when the rows were quantised.
+    pub(super) kernel: Int8Kernel,
     /// Laid out for int8 weights (blocks in element order) rather than int4 (pairs split
     /// into even and odd elements).
-    int8: bool,
+    pub(super) int8: bool,
     /// [rows][chunks · 16] lines.
-    lines: Vec<Line>,
+    pub(super) lines: Vec<Line>,
     /// [rows][chunks · 16]: `sx_b` (0 past the last block).
     pub(super) scales: Vec<f32>,
     /// [rows][chunks · 16]: `Σ xq` of each block (0 past the last block).
@@ -53,7 +56,8 @@ pub struct DecodeActs {
 
 impl DecodeActs {
     /// Quantise `x` ([rows, cols] row-major) for weights of `format` (one that has an int8
-    /// form). An error on CPUs without AVX-512 VNNI, or if `x` is not [rows, cols].
+    /// form), for the active int8 kernel's decode kernel. An error where that kernel has no
+    /// decode kernel (the scalar reference), or if `x` is not [rows, cols].
     pub fn new(x: &[f32], rows: usize, cols: usize, format: QuantFormat) -> Result<Self> {
         let mut acts = DecodeActs::empty();
         acts.fill(x, rows, cols, format)?;
@@ -66,6 +70,7 @@ impl DecodeActs {
             rows: 0,
             cols: 0,
             chunks: 1,
+            kernel: Int8Kernel::Vnni,
             int8: false,
             lines: Vec::new(),
             scales: Vec::new(),
@@ -78,12 +83,26 @@ impl DecodeActs {
     /// [`DecodeActs::new`] into these buffers: a decode step quantises a few rows per expert
     /// and layer, and allocating them each time cost more than quantising.
     pub fn fill(&mut self, x: &[f32], rows: usize, cols: usize, format: QuantFormat) -> Result<()> {
-        if !Int8Kernel::Vnni.available() {
+        self.fill_on(crate::quant::kernels::int8_kernel()?, x, rows, cols, format)
+    }
+
+    /// [`DecodeActs::fill`] for `kernel`'s decode kernel (AVX-512 VNNI or AVX2): an error if
+    /// it has none or this CPU cannot run it.
+    pub fn fill_on(
+        &mut self,
+        kernel: Int8Kernel,
+        x: &[f32],
+        rows: usize,
+        cols: usize,
+        format: QuantFormat,
+    ) -> Result<()> {
+        if !matches!(kernel, Int8Kernel::Vnni | Int8Kernel::Avx2) || !kernel.available() {
             return Err(Error::invalid(
                 "int8 decode activations",
-                "this CPU cannot run the avx512-vnni int8 kernel".to_string(),
+                format!("this CPU runs no int8 decode kernel for {}", kernel.name()),
             ));
         }
+        self.kernel = kernel;
         if rows.checked_mul(cols) != Some(x.len()) {
             return Err(Error::invalid(
                 "int8 decode activations",
@@ -105,12 +124,14 @@ impl DecodeActs {
                 &mut self.scales[r * blocks..(r + 1) * blocks],
                 &mut self.sums[r * blocks..(r + 1) * blocks],
             );
-            // SAFETY: the CPU runs the VNNI kernel (checked above); each row's slices hold
-            // `blocks` elements.
-            unsafe { quantize_row(src, self.int8, lines, scales, sums) };
+            // SAFETY: the CPU runs the kernel (checked above); each row's slices hold `blocks`
+            // elements.
+            unsafe { quantize_row_on(kernel, src, self.int8, lines, scales, sums) };
         }
         let nb = cols / BLOCK;
-        self.has_packed = cols.is_multiple_of(BLOCK) && matches!(nb, 1 | 2 | 4 | 8);
+        // (The AVX2 kernel packs narrow rows without a tiled copy.)
+        self.has_packed =
+            kernel == Int8Kernel::Vnni && cols.is_multiple_of(BLOCK) && matches!(nb, 1 | 2 | 4 | 8);
         if self.has_packed {
             let mut packed = self
                 .packed
@@ -136,6 +157,7 @@ impl DecodeActs {
         let blocks = self.chunks * LANES;
         (tiled.rows, tiled.cols, tiled.chunks) = (self.rows, LANES * BLOCK, 1);
         tiled.int8 = self.int8;
+        tiled.kernel = self.kernel;
         tiled.has_packed = false;
         tiled.lines.clear();
         tiled.scales.clear();
@@ -156,8 +178,17 @@ impl DecodeActs {
                 // The pair is quantised into one 16-block chunk, of which 2 blocks are used.
                 let (mut lines, mut scales, mut sums) =
                     ([Line([0; 64]); LANES], [0.0; LANES], [0; LANES]);
-                // SAFETY: `fill` checked the CPU runs the VNNI kernel; 16 elements each.
-                unsafe { quantize_row(&pair, false, &mut lines, &mut scales, &mut sums) };
+                // SAFETY: `fill` checked the CPU runs the kernel; 16 elements each.
+                unsafe {
+                    quantize_row_on(
+                        self.kernel,
+                        &pair,
+                        false,
+                        &mut lines,
+                        &mut scales,
+                        &mut sums,
+                    )
+                };
                 for _ in 0..LANES / 2 {
                     tiled.lines.extend_from_slice(&lines[..2]);
                     tiled.scales.extend_from_slice(&scales[..2]);
@@ -170,6 +201,27 @@ impl DecodeActs {
     /// Whether these activations are laid out for weights of `format`.
     pub(super) fn fits(&self, format: QuantFormat) -> bool {
         self.int8 == (format == QuantFormat::Int8PerRow)
+    }
+}
+
+/// [`quantize_row`] by `kernel`'s quantiser (the same bytes, scales and sums).
+///
+/// # Safety
+/// The CPU runs `kernel` (VNNI or AVX2); the slices as [`quantize_row`]'s.
+unsafe fn quantize_row_on(
+    kernel: Int8Kernel,
+    src: &[f32],
+    int8: bool,
+    lines: &mut [Line],
+    scales: &mut [f32],
+    sums: &mut [i32],
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match kernel {
+            Int8Kernel::Vnni => quantize_row(src, int8, lines, scales, sums),
+            _ => super::decode_avx2::quantize_row(src, int8, lines, scales, sums),
+        }
     }
 }
 

@@ -30,6 +30,8 @@ mod decode;
 #[cfg(target_arch = "x86_64")]
 pub use decode::DecodeActs;
 #[cfg(target_arch = "x86_64")]
+mod decode_avx2;
+#[cfg(target_arch = "x86_64")]
 pub(super) mod vnni;
 
 mod matmul;

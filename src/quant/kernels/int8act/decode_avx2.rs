@@ -53,6 +53,14 @@ pub(super) unsafe fn quantize_row(
         7, 9, 11, 13, 15,
     );
     for p in 0..lines.len() / 2 {
+        if 2 * p * BLOCK >= src.len() {
+            // Past the row: zeros (a decode row of 256 columns fills 4 of its 16 blocks).
+            for b in 2 * p..2 * p + 2 {
+                lines[b] = Line([0; 64]);
+                (scales[b], sums[b]) = (0.0, 0);
+            }
+            continue;
+        }
         let mut pair = [[z; 2]; 2];
         for (h, v) in pair.iter_mut().enumerate() {
             let b = 2 * p + h;
@@ -106,23 +114,24 @@ fn act_offsets(b: usize, int8: bool) -> (usize, usize) {
 
 /// The integer sums of up to 8 blocks against activation rows `x_rows` (pointers to their
 /// lines, as bytes): lane j of row a's vector is `Σ u · xq` (int4, before the offset) or
-/// `Σ q · xq` (int8) of weight block `wp[j]` against activation block `xb[j]`, for `j < nv`
-/// (0 past it).
+/// `Σ q · xq` (int8) of weight block j (the `bb` = 32 or 64 bytes from `w + j · bb`) against
+/// activation block `xb[j]`, for `j < nv` (0 past it).
 ///
 /// # Safety
-/// The CPU has AVX2; `wp[j]` has 32 (int4) or 64 (int8) readable bytes and `xb[j]` is a block
-/// of every row of `x_rows` for `j < nv`.
+/// The CPU has AVX2; `w` has `nv · bb` readable bytes and `xb[j]` is a block of every row of
+/// `x_rows` for `j < nv`.
 #[inline(always)]
 unsafe fn group_sums<const NA: usize>(
-    wp: &[*const u8; GROUP],
+    w: *const u8,
     xb: &[usize; GROUP],
     nv: usize,
     x_rows: &[*const u8; NA],
     int8: bool,
 ) -> [__m256i; NA] {
-    // SAFETY: the caller's contract: every pointer read below is to `wp[j]`'s bytes or to a
-    // half of block `xb[j]` of an activation row, for `j < nv`.
+    // SAFETY: the caller's contract: every pointer read below is to weight block j's bytes or
+    // to a half of block `xb[j]` of an activation row, for `j < nv`.
     unsafe {
+        let bb = if int8 { BLOCK } else { BLOCK / 2 };
         let z = _mm256_setzero_si256();
         let ones = _mm256_set1_epi16(1);
         // h[p][a], per 128-bit lane: two partial sums of block 2p, then two of block 2p + 1.
@@ -139,16 +148,16 @@ unsafe fn group_sums<const NA: usize>(
             // (Loops, not closures, here and below: a closure would not inherit the entry
             // point's target features.)
             if int8 {
-                let mut w = [z; 4];
-                w[0] = _mm256_loadu_si256(wp[j].cast());
-                w[1] = _mm256_loadu_si256(wp[j].add(32).cast());
+                let mut wv = [z; 4];
+                wv[0] = _mm256_loadu_si256(w.add(j * bb).cast());
+                wv[1] = _mm256_loadu_si256(w.add(j * bb + 32).cast());
                 if j + 1 < nv {
-                    w[2] = _mm256_loadu_si256(wp[j2].cast());
-                    w[3] = _mm256_loadu_si256(wp[j2].add(32).cast());
+                    wv[2] = _mm256_loadu_si256(w.add(j2 * bb).cast());
+                    wv[3] = _mm256_loadu_si256(w.add(j2 * bb + 32).cast());
                 }
                 let mut wa = [z; 4];
                 for k in 0..4 {
-                    wa[k] = _mm256_abs_epi8(w[k]);
+                    wa[k] = _mm256_abs_epi8(wv[k]);
                 }
                 let offs = [xa.0, xa.1, xb2.0, xb2.1];
                 for (a, h) in h.iter_mut().enumerate() {
@@ -156,7 +165,7 @@ unsafe fn group_sums<const NA: usize>(
                     for k in 0..4 {
                         let xv = _mm256_load_si256(x_rows[a].add(offs[k]).cast());
                         d[k] = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(wa[k], _mm256_sign_epi8(xv, w[k])),
+                            _mm256_maddubs_epi16(wa[k], _mm256_sign_epi8(xv, wv[k])),
                             ones,
                         );
                     }
@@ -167,9 +176,9 @@ unsafe fn group_sums<const NA: usize>(
                 }
             } else {
                 let nibble = _mm256_set1_epi8(0x0F);
-                let v0 = _mm256_loadu_si256(wp[j].cast());
+                let v0 = _mm256_loadu_si256(w.add(j * bb).cast());
                 let v1 = if j + 1 < nv {
-                    _mm256_loadu_si256(wp[j2].cast())
+                    _mm256_loadu_si256(w.add(j2 * bb).cast())
                 } else {
                     z
                 };
@@ -350,7 +359,7 @@ unsafe fn row_tile<const NA: usize>(
             *p = x.lines.as_ptr().add((t0 + a) * blocks).cast::<u8>();
         }
         let mut lanes = [[_mm256_setzero_ps(); 2]; NA];
-        let mut tail = [0u8; BLOCK];
+        let mut tail = [0u8; GROUP * BLOCK];
         let xb: [usize; GROUP] = std::array::from_fn(|j| j);
         for c in 0..x.chunks {
             for h in 0..2 {
@@ -360,24 +369,21 @@ unsafe fn row_tile<const NA: usize>(
                     break;
                 }
                 let nv = (held - base).min(GROUP);
-                let mut wp = [data.as_ptr(); GROUP];
-                for (j, p) in wp.iter_mut().enumerate().take(nv) {
-                    let start = (base + j) * bb;
-                    *p = if start + bb <= data.len() {
-                        data.as_ptr().add(start)
-                    } else {
-                        // Only the row's last block can be partial.
-                        let have = data.len().saturating_sub(start).min(bb);
-                        tail[..have].copy_from_slice(&data[start..start + have]);
-                        tail[have..].fill(0);
-                        tail.as_ptr()
-                    };
-                }
+                let start = base * bb;
+                let wp = if start + nv * bb <= data.len() {
+                    data.as_ptr().add(start)
+                } else {
+                    // The row's last group, with a partial last block: a zero-padded copy.
+                    let have = data.len() - start;
+                    tail[..have].copy_from_slice(&data[start..]);
+                    tail[have..].fill(0);
+                    tail.as_ptr()
+                };
                 let mut xb = xb;
                 for v in xb.iter_mut() {
                     *v += base;
                 }
-                let d = group_sums::<NA>(&wp, &xb, nv, &x_rows, x.int8);
+                let d = group_sums::<NA>(wp, &xb, nv, &x_rows, x.int8);
                 let sw = ws.group(base);
                 for (a, lanes) in lanes.iter_mut().enumerate() {
                     let off = (t0 + a) * blocks + base;
@@ -444,29 +450,38 @@ unsafe fn rows_packed(
     };
     let steps = [step((nb / 2).max(1)), step(1)];
     let steps = &steps[2 - nb.trailing_zeros() as usize..];
-    let scale_of = |o: usize, b: usize| -> f32 {
-        let s = w.row_scales(o);
-        match w.format() {
-            QuantFormat::Int4Grouped { group_size } => s[b * BLOCK / group_size],
-            _ => s[0],
-        }
-    };
+    // Rows of whole blocks lie end to end: a group's weights are `nv · bb` consecutive bytes,
+    // and its scales (one per block, or per row) consecutive values.
+    let (data, stored) = (w.data(), w.scales());
+    let spr = w.format().scales_per_row(w.cols());
+    let row_of: [i32; GROUP] = std::array::from_fn(|j| (j / nb) as i32);
     let mut o = o0;
     while o < o0 + n {
         let count = (o0 + n - o).min(per);
         let nv = count * nb;
-        let mut wp = [w.row_data(o).as_ptr(); GROUP];
+        let group = &data[o * nb * bb..(o * nb + nv) * bb];
         let mut sw = [0.0f32; GROUP];
-        for j in 0..nv {
-            let (r, b) = (o + j / nb, j % nb);
-            // SAFETY: row r < w.rows() holds nb whole blocks of `bb` bytes.
-            wp[j] = unsafe { w.row_data(r).as_ptr().add(b * bb) };
-            sw[j] = scale_of(r, b);
+        match w.format() {
+            QuantFormat::Int4Grouped { group_size: BLOCK } => {
+                sw[..nv].copy_from_slice(&stored[o * nb..o * nb + nv]);
+            }
+            QuantFormat::Int4PerRow | QuantFormat::Int8PerRow => {
+                for (j, s) in sw.iter_mut().enumerate().take(nv) {
+                    *s = stored[o + row_of[j] as usize];
+                }
+            }
+            QuantFormat::Int4Grouped { group_size } => {
+                for (j, s) in sw.iter_mut().enumerate().take(nv) {
+                    *s = stored[(o + j / nb) * spr + (j % nb) * BLOCK / group_size];
+                }
+            }
+            _ => {}
         }
-        // SAFETY: AVX2 and FMA are enabled by the caller; the weight pointers hold a whole
-        // block each, the activation blocks `j mod nb < nb <= blocks` exist in every row, and
-        // the outputs written are rows t < x.rows and columns o..o + count of this task.
+        // SAFETY: AVX2 and FMA are enabled by the caller; `group` holds the nv whole blocks,
+        // the activation blocks `j mod nb < nb <= blocks` exist in every row, and the outputs
+        // written are rows t < x.rows and columns o..o + count of this task.
         unsafe {
+            let wp = group.as_ptr();
             let sw = _mm256_loadu_ps(sw.as_ptr());
             let mut step_v = [_mm256_setzero_si256(); 2];
             for (v, s) in step_v.iter_mut().zip(steps) {
@@ -483,7 +498,7 @@ unsafe fn rows_packed(
                         for (a, p) in p.iter_mut().enumerate() {
                             *p = x.lines.as_ptr().add((t0 + a) * blocks).cast::<u8>();
                         }
-                        d[..$na].copy_from_slice(&group_sums::<$na>(&wp, &xb, nv, &p, x.int8));
+                        d[..$na].copy_from_slice(&group_sums::<$na>(wp, &xb, nv, &p, x.int8));
                     }};
                 }
                 match na {

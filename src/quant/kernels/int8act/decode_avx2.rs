@@ -30,7 +30,7 @@
 use std::arch::x86_64::*;
 
 use super::decode::DecodeActs;
-use super::{block_scales, Line, OutColumns, BLOCK, LANES};
+use super::{Line, OutColumns, BLOCK, LANES};
 use crate::quant::format::{QMatrix, QuantFormat};
 
 /// One activation row into [`DecodeActs`]' lines, scales and sums (`blocks` = chunks · 16 each):
@@ -284,13 +284,24 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, 
         | QuantFormat::Int8PerRow => Vec::new(),
         _ => vec![0.0f32; x.chunks * LANES],
     };
+    // Each block's scale among its row's (computed once: a division per block cost more than
+    // a narrow row's products).
+    let group_of: Vec<usize> = match w.format() {
+        QuantFormat::Int4Grouped { group_size } if group_size != BLOCK => {
+            (0..held).map(|b| b * BLOCK / group_size).collect()
+        }
+        _ => Vec::new(),
+    };
     for o in o0..o0 + n {
         let scales = w.row_scales(o);
         let rs = match w.format() {
             QuantFormat::Int4Grouped { group_size: BLOCK } => RowScales::PerBlock(scales),
             QuantFormat::Int4PerRow | QuantFormat::Int8PerRow => RowScales::PerRow(scales[0], held),
             _ => {
-                block_scales(w, o, &mut ws);
+                // As `block_scales` gives them (zero past the last block, set once).
+                for (s, &g) in ws.iter_mut().zip(&group_of) {
+                    *s = scales[g];
+                }
                 RowScales::PerBlock(&ws)
             }
         };
@@ -454,7 +465,12 @@ unsafe fn rows_packed(
     // and its scales (one per block, or per row) consecutive values.
     let (data, stored) = (w.data(), w.scales());
     let spr = w.format().scales_per_row(w.cols());
-    let row_of: [i32; GROUP] = std::array::from_fn(|j| (j / nb) as i32);
+    // Where block j of a group finds its scale, from the group's first row's first scale
+    // (computed once: the divisions cost more than a group's products).
+    let scale_at: [usize; GROUP] = std::array::from_fn(|j| match w.format() {
+        QuantFormat::Int4Grouped { group_size } => (j / nb) * spr + (j % nb) * BLOCK / group_size,
+        _ => j / nb,
+    });
     let mut o = o0;
     while o < o0 + n {
         let count = (o0 + n - o).min(per);
@@ -465,17 +481,12 @@ unsafe fn rows_packed(
             QuantFormat::Int4Grouped { group_size: BLOCK } => {
                 sw[..nv].copy_from_slice(&stored[o * nb..o * nb + nv]);
             }
-            QuantFormat::Int4PerRow | QuantFormat::Int8PerRow => {
-                for (j, s) in sw.iter_mut().enumerate().take(nv) {
-                    *s = stored[o + row_of[j] as usize];
+            _ => {
+                let first = &stored[o * spr..];
+                for (s, at) in sw.iter_mut().zip(scale_at).take(nv) {
+                    *s = first[at];
                 }
             }
-            QuantFormat::Int4Grouped { group_size } => {
-                for (j, s) in sw.iter_mut().enumerate().take(nv) {
-                    *s = stored[(o + j / nb) * spr + (j % nb) * BLOCK / group_size];
-                }
-            }
-            _ => {}
         }
         // SAFETY: AVX2 and FMA are enabled by the caller; `group` holds the nv whole blocks,
         // the activation blocks `j mod nb < nb <= blocks` exist in every row, and the outputs

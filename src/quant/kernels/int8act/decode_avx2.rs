@@ -100,6 +100,9 @@ pub(super) unsafe fn quantize_row(
 /// Blocks per reduction group: one per 32-bit lane of a 256-bit vector.
 const GROUP: usize = 8;
 
+/// Activation rows per tile against one weight row (1..=4).
+const TILE_ROWS: usize = 2;
+
 /// Byte offsets in an activation row's lines of block `b`'s two 32-byte halves: for int4 its
 /// even and odd elements, for int8 elements 0–31 and 32–63.
 #[inline(always)]
@@ -308,7 +311,7 @@ pub(super) unsafe fn rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, 
         let data = w.row_data(o);
         let mut t0 = 0;
         while t0 < x.rows {
-            let na = (x.rows - t0).min(4);
+            let na = (x.rows - t0).min(TILE_ROWS);
             macro_rules! tile {
                 ($na:literal) => {{
                     // SAFETY: the features are enabled here; `t0 + na <= x.rows`.
@@ -501,7 +504,7 @@ unsafe fn rows_packed(
             let step_v = &step_v[..steps.len()];
             let mut t0 = 0;
             while t0 < x.rows {
-                let na = (x.rows - t0).min(4);
+                let na = (x.rows - t0).min(TILE_ROWS);
                 let mut d = [_mm256_setzero_si256(); 4];
                 macro_rules! sums {
                     ($na:literal) => {{

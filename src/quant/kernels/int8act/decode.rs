@@ -35,8 +35,10 @@ pub struct DecodeActs {
     pub(super) cols: usize,
     /// Chunks of 16 blocks per row (the prefill layout's count, at least 1).
     pub(super) chunks: usize,
-    /// The decode kernel these rows are for (AVX-512 VNNI or AVX2, `decode_avx2.rs`): both
-    /// read the same layout, and it was available when the rows were quantised.
+    /// The decode kernel these rows are for (AVX-512 VNNI or AVX2, `decode_avx2.rs`), which
+    /// was available when they were quantised. The lines are in that kernel's layout (the
+    /// AVX2 kernel's is its own, written by its quantiser; scales and sums are the same);
+    /// only the VNNI kernel has a packed form.
     pub(super) kernel: Int8Kernel,
     /// Laid out for int8 weights (blocks in element order) rather than int4 (pairs split
     /// into even and odd elements).
@@ -148,7 +150,8 @@ impl DecodeActs {
         self.packed.as_deref().filter(|_| self.has_packed)
     }
 
-    /// These rows (of `nb` whole blocks, `x` their values) repeated 16 / nb times into `tiled`,
+    /// (VNNI rows only.) These rows (of `nb` whole blocks, `x` their values) repeated 16 / nb
+    /// times into `tiled`,
     /// as [`DecodeActs::new`] of the repeated values would quantise and lay them out:
     /// quantisation is per block, so the lines, scales and sums are copies of the row's own.
     /// Only an int4 row of one block quantises again, as two copies, because an int4 line
@@ -178,17 +181,8 @@ impl DecodeActs {
                 // The pair is quantised into one 16-block chunk, of which 2 blocks are used.
                 let (mut lines, mut scales, mut sums) =
                     ([Line([0; 64]); LANES], [0.0; LANES], [0; LANES]);
-                // SAFETY: `fill` checked the CPU runs the kernel; 16 elements each.
-                unsafe {
-                    quantize_row_on(
-                        self.kernel,
-                        &pair,
-                        false,
-                        &mut lines,
-                        &mut scales,
-                        &mut sums,
-                    )
-                };
+                // SAFETY: `fill` checked the CPU runs the VNNI kernel; 16 elements each.
+                unsafe { quantize_row(&pair, false, &mut lines, &mut scales, &mut sums) };
                 for _ in 0..LANES / 2 {
                     tiled.lines.extend_from_slice(&lines[..2]);
                     tiled.scales.extend_from_slice(&scales[..2]);

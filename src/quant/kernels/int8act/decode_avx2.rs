@@ -2,9 +2,10 @@
 //! AVX-512 VNNI decode kernel's job (`decode.rs`) with 256-bit `vpmaddubsw`, computing what the
 //! parent module defines bit for bit.
 //!
-//! - The **weights stay as stored** and the **activations are [`DecodeActs`]' layout** (the
-//!   VNNI decode kernel's: for int4, per pair of blocks one line of both blocks' even elements
-//!   and one of their odd ones; for int8, the blocks in element order). A block is one 32-byte
+//! - The **weights stay as stored** and the **activations are laid out to match** by this
+//!   kernel's own quantiser into [`DecodeActs`]' lines ([`quantize_row`]: for int4, per pair
+//!   of blocks one line of both blocks' even elements and one of their odd ones; for int8,
+//!   the blocks in element order). A block is one 32-byte
 //!   load of int4 weights, whose low nibbles meet the block's 32 even activations and whose
 //!   high nibbles its 32 odd ones, or two 32-byte halves of int8 weights.
 //! - **int4** (`u = q + 8`): `vpmaddubsw(u, x)` on the even and on the odd half, added as
@@ -33,8 +34,9 @@ use super::decode::DecodeActs;
 use super::{Line, OutColumns, BLOCK, LANES};
 use crate::quant::format::{QMatrix, QuantFormat};
 
-/// One activation row into [`DecodeActs`]' lines, scales and sums (`blocks` = chunks · 16 each):
-/// the bytes, scales and sums of the VNNI decode kernel's quantiser.
+/// One activation row into [`DecodeActs`]' lines, scales and sums (`blocks` = chunks · 16 each)
+/// in this kernel's layout (module docs; [`act_offsets`] reads it): the scalar quantiser's
+/// bytes, scales and sums, placed as this kernel reads them.
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; the slices hold `16 · chunks_for(src.len())` elements.

@@ -488,7 +488,8 @@ fn decode_kernel_equals_the_reference_bit_for_bit() {
 /// for bit for every row count a decode step, verify or batch makes (S = 1…9 and beyond), every
 /// supported format (groups of 64, 128 and 256, per row, int8) and column counts around the
 /// block, pair, group-of-8 and chunk edges, packed rows (1, 2, 4 and 8 blocks) among them, on
-/// one thread and on a pool, in fresh and in refilled buffers. Both quantise to the same bytes.
+/// one thread and on a pool, in fresh and in refilled buffers. Each quantises to the
+/// reference's scales and sums (the lines are each kernel's own layout).
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn every_decode_kernel_equals_the_reference_bit_for_bit() {
@@ -546,7 +547,6 @@ fn every_decode_kernel_equals_the_reference_bit_for_bit() {
                 let q = QuantizedActs::new_on(&x, s, i, None, Int8Kernel::Reference);
                 let mut want = vec![0.0f32; s * o];
                 reference_matmul(&p.view(), &q, &mut want).unwrap();
-                let mut first_lines: Option<Vec<Line>> = None;
                 for (kernel, reused) in kernels.iter().zip(reused.iter_mut()) {
                     let mut d = decode::DecodeActs::empty();
                     d.fill_on(*kernel, &x, s, i, format).unwrap();
@@ -555,13 +555,6 @@ fn every_decode_kernel_equals_the_reference_bit_for_bit() {
                         (&d.scales, &d.sums),
                         "{kernel:?} {format} I={i}"
                     );
-                    match &first_lines {
-                        None => first_lines = Some(d.lines.clone()),
-                        Some(lines) => assert!(
-                            lines.iter().zip(&d.lines).all(|(a, b)| a.0 == b.0),
-                            "{kernel:?} {format} I={i}: the quantisers' bytes differ"
-                        ),
-                    }
                     reused.fill_on(*kernel, &x, s, i, format).unwrap();
                     for (acts, what, pool) in
                         [(&d, "fresh", None), (&*reused, "refilled", Some(&pool))]

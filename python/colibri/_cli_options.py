@@ -73,7 +73,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         choices=_core.choices()["decode"],
         help="arithmetic of decode steps (and of prompts with --prefill auto): int8 "
         "activations (within a small tolerance of exact) or exact f32; auto = int8 where the "
-        "CPU has AVX-512 VNNI, else exact",
+        "CPU has AVX-512 VNNI or AVX2, else exact",
     )
     g.add_argument(
         "--ram-budget",

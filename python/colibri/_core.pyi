@@ -195,7 +195,7 @@ class Engine:
         writable by no one else); ``decode``: the
         arithmetic of decode steps, verifies and drafts, ``"exact"`` or ``"int8"``
         (activations rounded to int8 per row and 64-element block; "auto": int8 where the
-        CPU has AVX-512 VNNI, else exact);
+        CPU has AVX-512 VNNI or AVX2, which run an int8 decode kernel, else exact);
         ``prefill``: the arithmetic of prompt forwards ("auto": the decode arithmetic when
         ``decode`` is set, else int8 where the CPU has AVX-512 VNNI or AVX2; one other than
         the decode arithmetic applies to prompt forwards of 16 rows or more); ``load_progress(done,

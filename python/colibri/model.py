@@ -161,10 +161,10 @@ class Model(ChatMixin):
             do: decode streams the weights faster, verify rows cost little more than one,
             and prefill runs 1.5-3x faster; logits within a small tolerance of the exact
             ones), ``"exact"`` (f32 dequantisation and accumulation), or ``"auto"`` (int8
-            where the CPU has AVX-512 VNNI, which runs the int8 decode kernel, else exact;
-            ``info()["decode"]`` says which). Drafting never changes the output either way;
-            when prompts run the same arithmetic (``prefill="auto"``: the defaults on
-            AVX-512 VNNI, or any ``decode`` given) each row's logits depend on its own
+            where the CPU has AVX-512 VNNI or AVX2, which run an int8 decode kernel, else
+            exact; ``info()["decode"]`` says which). Drafting never changes the output either
+            way; when prompts run the same arithmetic (``prefill="auto"``: the defaults on
+            AVX-512 VNNI and AVX2, or any ``decode`` given) each row's logits depend on its own
             tokens alone, so the same seed gives the same text whether the prompt was
             prefilled, reused from the cache, restored or batched; see
             docs/architecture.md, "Decode arithmetic".

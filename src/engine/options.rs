@@ -191,15 +191,21 @@ impl EngineOptions {
         })
     }
 
-    /// What "auto" means for `decode`: int8 activations where the int8 decode kernel runs
-    /// (AVX-512 VNNI), exact elsewhere. Measured end to end on the shipped models (hidden size
-    /// 256), greedy, `draft="off"`, on an Intel Xeon with AMX (2026-12-07): int8 1.07–1.13×
-    /// exact on the GLM-like one and 1.14–1.20× on the tiny one at 2 threads, 1.35× and 1.39×
-    /// at one (docs/benchmarks.md, "Int8 decode on the shipped models"). AVX2 hosts have no
-    /// int8 decode kernel yet: their int8 rows would run the prefill tiles, slower than exact.
+    /// What "auto" means for `decode`: int8 activations where an int8 decode kernel runs
+    /// (AVX-512 VNNI, or AVX2 with FMA), exact elsewhere (NEON, scalar). Measured end to end
+    /// on the shipped models (hidden size 256), greedy, `draft="off"`, on an Intel Xeon with
+    /// AMX (2026-12-07): on AVX-512 VNNI int8 1.07–1.13× exact on the GLM-like one and
+    /// 1.14–1.20× on the tiny one at 2 threads, 1.35× and 1.39× at one; on the AVX2 kernels
+    /// (`COLIBRI_KERNEL=avx2`, both arithmetics) int8 1.21–1.35× exact on the GLM-like one
+    /// and 1.21–1.27× on the tiny one at 2 threads, 1.21–1.26× and 1.23× in CPU time at one
+    /// (medians of alternating pairs in two runs; docs/benchmarks.md, "Int8 decode on the
+    /// shipped models" and "Int8 decode on AVX2").
     pub fn default_decode() -> Arithmetic {
         #[cfg(target_arch = "x86_64")]
-        if matches!(kernels::int8_kernel(), Ok(int8act::Int8Kernel::Vnni)) {
+        if matches!(
+            kernels::int8_kernel(),
+            Ok(int8act::Int8Kernel::Vnni | int8act::Int8Kernel::Avx2)
+        ) {
             return Arithmetic::Int8;
         }
         Arithmetic::Exact

@@ -188,7 +188,7 @@ fn decode_sized(c: &ExpertCall<'_>) -> bool {
             == (c.up.format() == QuantFormat::Int8PerRow)
 }
 
-/// A batch of decode-sized experts in int8 activations on the VNNI decode kernel, in two
+/// A batch of decode-sized experts in int8 activations on a decode kernel (VNNI or AVX2), in two
 /// parallel passes as the exact batch runs (every gate and up, then every down): the same
 /// values as [`expert_ffn_int8`] per expert, bit for bit.
 #[cfg(target_arch = "x86_64")]

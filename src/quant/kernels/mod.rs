@@ -137,10 +137,14 @@ pub fn matmul_in(
     int8act::matmul_quantized(w, &q, y, kernel, pool)
 }
 
-/// Whether an int8 call of `s` rows on `kernel` runs the decode kernel (same values either way).
+/// Whether an int8 call of `s` rows on `kernel` runs a decode kernel (AVX-512 VNNI or AVX2; the
+/// same values either way).
 #[cfg(target_arch = "x86_64")]
 fn uses_decode_kernel(kernel: int8act::Int8Kernel, s: usize) -> bool {
-    kernel == int8act::Int8Kernel::Vnni && s <= int8act::DECODE_MAX_ROWS
+    matches!(
+        kernel,
+        int8act::Int8Kernel::Vnni | int8act::Int8Kernel::Avx2
+    ) && s <= int8act::DECODE_MAX_ROWS
 }
 
 /// Columns a matrix may have (the SIMD paths index scale groups with a 64-bit multiply-shift,

@@ -573,8 +573,8 @@ fn dequantize_row_refuses_a_bad_row_or_length() {
     }
 }
 
-/// A batch of decode-sized experts in int8 (the one-pass decode batch where the VNNI kernel
-/// runs) equals the int8 arithmetic's scalar reference per expert, bit for bit: S = 1…9, int4
+/// A batch of decode-sized experts in int8 (the one-pass decode batch where a decode kernel,
+/// VNNI or AVX2, runs) equals the int8 arithmetic's scalar reference per expert, bit for bit: S = 1…9, int4
 /// and int8 weights, an expert with no rows, with and without a pool.
 #[test]
 fn int8_decode_batch_equals_the_reference_per_expert() {

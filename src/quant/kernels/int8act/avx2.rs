@@ -150,73 +150,87 @@ pub(super) unsafe fn quantize_row(
     scales: &mut [f32],
     sums: &mut [i32],
 ) {
+    let z = _mm256_setzero_si256();
+    for (c, chunk) in lines.chunks_exact_mut(LANES).enumerate() {
+        let mut r = [[z; 2]; 16];
+        for (j, row) in r.iter_mut().enumerate() {
+            let b = c * LANES + j;
+            // SAFETY: AVX2 and FMA are enabled here.
+            (*row, scales[b], sums[b]) = match unsafe { quantize_block(src, b * BLOCK) } {
+                Some(block) => block,
+                None => ([z; 2], 0.0, 0),
+            };
+        }
+        // SAFETY: AVX2 is enabled here; `chunk` is 16 aligned lines.
+        unsafe { store_chunk(&r, chunk) };
+    }
+}
+
+/// The block of `src` from element `start` (zero-padded past its end) by the scalar
+/// `quantize_block`'s arithmetic: its 64 bytes in element order (elements 0–31, 32–63), scale
+/// and integer sum; `None` for a block of zeros (or past the end, or not finite).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[inline(always)]
+pub(super) unsafe fn quantize_block(src: &[f32], start: usize) -> Option<([__m256i; 2], f32, i32)> {
     let rounder = _mm256_set1_ps(super::ROUNDER);
     let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
     let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
     // Words in `packs`' order (0, 2, 4, 6 | 1, 3, 5, 7) back into element order.
     let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     let z = _mm256_setzero_si256();
-    for (c, chunk) in lines.chunks_exact_mut(LANES).enumerate() {
-        let mut r = [[z; 2]; 16];
-        for (j, row) in r.iter_mut().enumerate() {
-            let b = c * LANES + j;
-            let start = b * BLOCK;
-            let n = src.len().saturating_sub(start).min(BLOCK);
-            let mut buf = [0.0f32; BLOCK];
-            let ptr = if n == BLOCK {
-                // SAFETY: `start + 64 <= src.len()`.
-                unsafe { src.as_ptr().add(start) }
-            } else {
-                if n > 0 {
-                    buf[..n].copy_from_slice(&src[start..start + n]);
-                }
-                buf.as_ptr()
-            };
-            let mut v = [_mm256_setzero_ps(); 8];
-            for (q, vq) in v.iter_mut().enumerate() {
-                // SAFETY: `ptr` has 64 readable floats.
-                *vq = unsafe { _mm256_loadu_ps(ptr.add(8 * q)) };
-            }
-            let mut amax = _mm256_and_ps(v[0], abs_mask);
-            for vq in &v[1..] {
-                amax = _mm256_max_ps(amax, _mm256_and_ps(*vq, abs_mask));
-            }
-            let m4 = _mm_max_ps(
-                _mm256_castps256_ps128(amax),
-                _mm256_extractf128_ps::<1>(amax),
-            );
-            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            let m = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
-            if n == 0 || m == 0.0 || !m.is_finite() {
-                scales[b] = 0.0;
-                sums[b] = 0;
-                continue;
-            }
-            let inv = _mm256_set1_ps(127.0 / m);
-            let mut ints = [z; 8];
-            let mut sum = z;
-            for (i, vq) in ints.iter_mut().zip(&v) {
-                let t = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(*vq, inv), rounder), rounder);
-                *i = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(t, lo), hi));
-                sum = _mm256_add_epi32(sum, *i);
-            }
-            // |values| ≤ 127: the saturating packs are exact.
-            for (h, half) in row.iter_mut().enumerate() {
-                let a = _mm256_packs_epi32(ints[4 * h], ints[4 * h + 1]);
-                let b = _mm256_packs_epi32(ints[4 * h + 2], ints[4 * h + 3]);
-                *half = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), order);
-            }
-            let s4 = _mm_add_epi32(
-                _mm256_castsi256_si128(sum),
-                _mm256_extracti128_si256::<1>(sum),
-            );
-            let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-            sums[b] = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32::<1>(s2)));
-            scales[b] = m / 127.0;
+    let n = src.len().saturating_sub(start).min(BLOCK);
+    let mut buf = [0.0f32; BLOCK];
+    let ptr = if n == BLOCK {
+        // SAFETY: `start + 64 <= src.len()`.
+        unsafe { src.as_ptr().add(start) }
+    } else {
+        if n > 0 {
+            buf[..n].copy_from_slice(&src[start..start + n]);
         }
-        // SAFETY: AVX2 is enabled here; `chunk` is 16 aligned lines.
-        unsafe { store_chunk(&r, chunk) };
+        buf.as_ptr()
+    };
+    let mut v = [_mm256_setzero_ps(); 8];
+    for (q, vq) in v.iter_mut().enumerate() {
+        // SAFETY: `ptr` has 64 readable floats.
+        *vq = unsafe { _mm256_loadu_ps(ptr.add(8 * q)) };
     }
+    let mut amax = _mm256_and_ps(v[0], abs_mask);
+    for vq in &v[1..] {
+        amax = _mm256_max_ps(amax, _mm256_and_ps(*vq, abs_mask));
+    }
+    let m4 = _mm_max_ps(
+        _mm256_castps256_ps128(amax),
+        _mm256_extractf128_ps::<1>(amax),
+    );
+    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    let m = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
+    if n == 0 || m == 0.0 || !m.is_finite() {
+        return None;
+    }
+    let inv = _mm256_set1_ps(127.0 / m);
+    let mut ints = [z; 8];
+    let mut sum = z;
+    for (i, vq) in ints.iter_mut().zip(&v) {
+        let t = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(*vq, inv), rounder), rounder);
+        *i = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(t, lo), hi));
+        sum = _mm256_add_epi32(sum, *i);
+    }
+    // |values| ≤ 127: the saturating packs are exact.
+    let mut row = [z; 2];
+    for (h, half) in row.iter_mut().enumerate() {
+        let a = _mm256_packs_epi32(ints[4 * h], ints[4 * h + 1]);
+        let b = _mm256_packs_epi32(ints[4 * h + 2], ints[4 * h + 3]);
+        *half = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), order);
+    }
+    let s4 = _mm_add_epi32(
+        _mm256_castsi256_si128(sum),
+        _mm256_extracti128_si256::<1>(sum),
+    );
+    let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+    let sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32::<1>(s2)));
+    Some((row, m / 127.0, sum))
 }
 
 /// This kernel's pieces for the shared pass loop (`super::tile_rows`).

@@ -38,11 +38,16 @@ pub struct DecodeActs {
     pub(super) cols: usize,
     /// Chunks of 16 blocks per row (the prefill layout's count, at least 1).
     pub(super) chunks: usize,
-    /// Laid out for int8 weights (blocks in element order) rather than int4 (qwords of 8
-    /// blocks' even and odd elements, see the module docs).
-    int8: bool,
+    /// The decode kernel these rows are for (AVX-512 VNNI or AVX2, `decode_avx2.rs`), which
+    /// was available when they were quantised. The lines are in that kernel's layout (the
+    /// AVX2 kernel's is its own, written by its quantiser; scales and sums are the same);
+    /// only the VNNI kernel has a packed form.
+    pub(super) kernel: Int8Kernel,
+    /// Laid out for int8 weights (blocks in element order) rather than int4 (for the VNNI
+    /// kernel, qwords of 8 blocks' even and odd elements, see the module docs).
+    pub(super) int8: bool,
     /// [rows][chunks · 16] lines.
-    lines: Vec<Line>,
+    pub(super) lines: Vec<Line>,
     /// [rows][chunks · 16]: `sx_b` (0 past the last block).
     pub(super) scales: Vec<f32>,
     /// [rows][chunks · 16]: `Σ xq` of each block (0 past the last block).
@@ -56,7 +61,8 @@ pub struct DecodeActs {
 
 impl DecodeActs {
     /// Quantise `x` ([rows, cols] row-major) for weights of `format` (one that has an int8
-    /// form). An error on CPUs without AVX-512 VNNI, or if `x` is not [rows, cols].
+    /// form), for the active int8 kernel's decode kernel. An error where that kernel has no
+    /// decode kernel (the scalar reference), or if `x` is not [rows, cols].
     pub fn new(x: &[f32], rows: usize, cols: usize, format: QuantFormat) -> Result<Self> {
         let mut acts = DecodeActs::empty();
         acts.fill(x, rows, cols, format)?;
@@ -69,6 +75,7 @@ impl DecodeActs {
             rows: 0,
             cols: 0,
             chunks: 1,
+            kernel: Int8Kernel::Vnni,
             int8: false,
             lines: Vec::new(),
             scales: Vec::new(),
@@ -81,12 +88,26 @@ impl DecodeActs {
     /// [`DecodeActs::new`] into these buffers: a decode step quantises a few rows per expert
     /// and layer, and allocating them each time cost more than quantising.
     pub fn fill(&mut self, x: &[f32], rows: usize, cols: usize, format: QuantFormat) -> Result<()> {
-        if !Int8Kernel::Vnni.available() {
+        self.fill_on(crate::quant::kernels::int8_kernel()?, x, rows, cols, format)
+    }
+
+    /// [`DecodeActs::fill`] for `kernel`'s decode kernel (AVX-512 VNNI or AVX2): an error if
+    /// it has none or this CPU cannot run it.
+    pub fn fill_on(
+        &mut self,
+        kernel: Int8Kernel,
+        x: &[f32],
+        rows: usize,
+        cols: usize,
+        format: QuantFormat,
+    ) -> Result<()> {
+        if !matches!(kernel, Int8Kernel::Vnni | Int8Kernel::Avx2) || !kernel.available() {
             return Err(Error::invalid(
                 "int8 decode activations",
-                "this CPU cannot run the avx512-vnni int8 kernel".to_string(),
+                format!("this CPU runs no int8 decode kernel for {}", kernel.name()),
             ));
         }
+        self.kernel = kernel;
         if rows.checked_mul(cols) != Some(x.len()) {
             return Err(Error::invalid(
                 "int8 decode activations",
@@ -108,12 +129,14 @@ impl DecodeActs {
                 &mut self.scales[r * blocks..(r + 1) * blocks],
                 &mut self.sums[r * blocks..(r + 1) * blocks],
             );
-            // SAFETY: the CPU runs the VNNI kernel (checked above); each row's slices hold
-            // `blocks` elements.
-            unsafe { quantize_row(src, self.int8, lines, scales, sums) };
+            // SAFETY: the CPU runs the kernel (checked above); each row's slices hold `blocks`
+            // elements.
+            unsafe { quantize_row_on(kernel, src, self.int8, lines, scales, sums) };
         }
         let nb = cols / BLOCK;
-        self.has_packed = cols.is_multiple_of(BLOCK) && matches!(nb, 1 | 2 | 4 | 8);
+        // (The AVX2 kernel packs narrow rows without a tiled copy.)
+        self.has_packed =
+            kernel == Int8Kernel::Vnni && cols.is_multiple_of(BLOCK) && matches!(nb, 1 | 2 | 4 | 8);
         if self.has_packed {
             let mut packed = self
                 .packed
@@ -130,7 +153,8 @@ impl DecodeActs {
         self.packed.as_deref().filter(|_| self.has_packed)
     }
 
-    /// These rows (of `nb` whole blocks, `x` their values) repeated 16 / nb times into `tiled`,
+    /// (VNNI rows only.) These rows (of `nb` whole blocks, `x` their values) repeated 16 / nb
+    /// times into `tiled`,
     /// as [`DecodeActs::new`] of the repeated values would quantise and lay them out:
     /// quantisation is per block, so the scales and sums are copies of the row's own, and so
     /// are an int8 row's lines (one per block). An int4 line holds parts of 8 blocks, so int4
@@ -139,6 +163,7 @@ impl DecodeActs {
         let blocks = self.chunks * LANES;
         (tiled.rows, tiled.cols, tiled.chunks) = (self.rows, LANES * BLOCK, 1);
         tiled.int8 = self.int8;
+        tiled.kernel = self.kernel;
         tiled.has_packed = false;
         tiled.lines.clear();
         tiled.scales.clear();
@@ -171,6 +196,28 @@ impl DecodeActs {
     /// Whether these activations are laid out for weights of `format`.
     pub(super) fn fits(&self, format: QuantFormat) -> bool {
         self.int8 == (format == QuantFormat::Int8PerRow)
+    }
+}
+
+/// [`quantize_row`] by `kernel`'s quantiser (each kernel's own line layout; the same scales and
+/// sums).
+///
+/// # Safety
+/// The CPU runs `kernel` (VNNI or AVX2); the slices as [`quantize_row`]'s.
+unsafe fn quantize_row_on(
+    kernel: Int8Kernel,
+    src: &[f32],
+    int8: bool,
+    lines: &mut [Line],
+    scales: &mut [f32],
+    sums: &mut [i32],
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match kernel {
+            Int8Kernel::Vnni => quantize_row(src, int8, lines, scales, sums),
+            _ => super::decode_avx2::quantize_row(src, int8, lines, scales, sums),
+        }
     }
 }
 

@@ -4,7 +4,7 @@ use rayon::prelude::*;
 
 use super::reference::reference_rows;
 #[cfg(target_arch = "x86_64")]
-use super::{avx2, decode, vnni};
+use super::{avx2, decode, decode_avx2, vnni};
 use super::{chunks_for, supports, Int8Kernel, OutColumns, QuantizedActs, LANES};
 use crate::error::{Error, Result};
 use crate::quant::format::QMatrix;
@@ -119,9 +119,10 @@ fn split_rows(
 }
 
 /// `y ≈ x · Wᵀ` by the int8 arithmetic for a decode-sized call (`s` rows of `x`, [s, cols]
-/// row-major) on the VNNI decode kernel (`decode.rs`): the same values as
-/// [`matmul_quantized`] gives for the same rows, bit for bit. An error if this CPU has no
-/// AVX-512 VNNI or the format has no int8 form.
+/// row-major) on the active int8 kernel's decode kernel (AVX-512 VNNI, `decode.rs`, or AVX2,
+/// `decode_avx2.rs`): the same values as [`matmul_quantized`] gives for the same rows, bit for
+/// bit. An error where that kernel has none (the scalar reference) or the format has no int8
+/// form.
 #[cfg(target_arch = "x86_64")]
 pub fn matmul_decode(
     w: &QMatrix<'_>,
@@ -130,12 +131,6 @@ pub fn matmul_decode(
     y: &mut [f32],
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
-    if !Int8Kernel::Vnni.available() {
-        return Err(Error::invalid(
-            "int8 matmul",
-            "this CPU cannot run the avx512-vnni int8 kernel".to_string(),
-        ));
-    }
     if !supports(w.format()) {
         return Err(Error::invalid(
             "int8 matmul",
@@ -165,10 +160,31 @@ pub(super) fn matmul_decode_quantized(
         s,
         o,
     };
-    // SAFETY: the caller checked the VNNI kernel runs here and the shapes agree; rows
-    // `o0..o0 + n` are in `w`, and no other task writes their columns.
-    let work = |o0: usize, n: usize| unsafe { decode::rows(w, o0, n, x, out) };
+    // SAFETY: `x`'s kernel runs here (checked when it was quantised) and the caller checked
+    // the shapes agree; rows `o0..o0 + n` are in `w`, and no other task writes their columns.
+    let work = |o0: usize, n: usize| unsafe { decode_rows(w, o0, n, x, out) };
     split_rows(o, w.format().row_bytes(w.cols()), pool, work);
+}
+
+/// The decode kernel `x` was quantised for, on weight rows `o0..o0 + n`.
+///
+/// # Safety
+/// As `decode::rows` (the kernel runs here: `DecodeActs::fill_on` checked it).
+#[cfg(target_arch = "x86_64")]
+unsafe fn decode_rows(
+    w: &QMatrix<'_>,
+    o0: usize,
+    n: usize,
+    x: &decode::DecodeActs,
+    out: OutColumns,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match x.kernel {
+            Int8Kernel::Vnni => decode::rows(w, o0, n, x, out),
+            _ => decode_avx2::rows(w, o0, n, x, out),
+        }
+    }
 }
 
 /// One matrix of a [`matmuls_decode`] pass: `y ≈ x · Wᵀ` ([x.rows, W.rows] row-major).
@@ -180,7 +196,7 @@ pub struct DecodeJob<'a> {
 }
 
 /// Every job's product in one parallel pass (one fork-join for all of a MoE layer's experts,
-/// as the exact kernels batch them), each by the VNNI decode kernel: the same values as one
+/// as the exact kernels batch them), each by its activations' decode kernel: the same values as one
 /// [`matmul_decode`] per job. Errors if a job's shapes or layout do not fit.
 #[cfg(target_arch = "x86_64")]
 pub fn matmuls_decode(jobs: &mut [DecodeJob<'_>], pool: Option<&rayon::ThreadPool>) -> Result<()> {
@@ -229,10 +245,11 @@ pub fn matmuls_decode(jobs: &mut [DecodeJob<'_>], pool: Option<&rayon::ThreadPoo
         tasks.extend((0..o.div_ceil(per)).map(|i| (k, i * per, per.min(o - i * per))));
     }
     let jobs = &*jobs;
-    // SAFETY: the VNNI kernel runs here (every `DecodeActs` was built after checking it), the
-    // shapes were checked above, and the tasks write disjoint columns of their job's output.
+    // SAFETY: each job's decode kernel runs here (every `DecodeActs` was built after checking
+    // it), the shapes were checked above, and the tasks write disjoint columns of their job's
+    // output.
     let run = |&(k, o0, n): &(usize, usize, usize)| unsafe {
-        decode::rows(&jobs[k].w, o0, n, jobs[k].x, outs[k])
+        decode_rows(&jobs[k].w, o0, n, jobs[k].x, outs[k])
     };
     match pool {
         Some(pool) if tasks.len() > 1 => pool.install(|| tasks.par_iter().for_each(run)),

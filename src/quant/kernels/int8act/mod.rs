@@ -30,6 +30,8 @@ mod decode;
 #[cfg(target_arch = "x86_64")]
 pub use decode::DecodeActs;
 #[cfg(target_arch = "x86_64")]
+mod decode_avx2;
+#[cfg(target_arch = "x86_64")]
 pub(super) mod vnni;
 
 mod matmul;
@@ -52,8 +54,9 @@ use tiles::{tile_rows, TileRows, Tiles};
 /// decode steps and verify forwards (at most 1 + the deepest draft, 9 rows) stay below it.
 pub const PREFILL_MIN_ROWS: usize = 16;
 
-/// Int8 calls of at most this many activation rows run the decode kernel (`decode.rs`) where
-/// the VNNI kernel is the active one; longer calls run the prefill tiles. Either gives the
+/// Int8 calls of at most this many activation rows run a decode kernel (`decode.rs` where the
+/// VNNI kernel is the active one, `decode_avx2.rs` where AVX2 is); longer calls run the
+/// prefill tiles. Either gives the
 /// same values, so this only decides speed (`cargo bench --bench main -- 'kernels/.*int8'`).
 pub const DECODE_MAX_ROWS: usize = 9;
 
@@ -89,7 +92,8 @@ pub enum Int8Kernel {
     /// [`reference_matmul`]'s scalar loops: correct everywhere, far slower than the exact
     /// kernels.
     Reference,
-    /// AVX2 `vpmaddubsw` (`avx2.rs`): x86-64 CPUs without AVX-512 VNNI.
+    /// AVX2 `vpmaddubsw` (`avx2.rs`, and `decode_avx2.rs` for decode-sized calls): x86-64
+    /// CPUs without AVX-512 VNNI.
     Avx2,
     /// AVX-512 VNNI `vpdpbusd` (`vnni.rs`).
     Vnni,

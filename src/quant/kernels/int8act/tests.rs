@@ -532,3 +532,198 @@ fn decode_kernel_is_exact_at_the_extremes() {
         }
     }
 }
+
+/// Every decode kernel (AVX-512 VNNI and AVX2, each where it runs) equals the reference bit
+/// for bit for every row count a decode step, verify or batch makes (S = 1…9 and beyond), every
+/// supported format (groups of 64, 128 and 256, per row, int8) and column counts around the
+/// block, pair, group-of-8 and chunk edges, packed rows (1, 2, 4 and 8 blocks) among them, on
+/// one thread and on a pool, in fresh and in refilled buffers. Each quantises to the
+/// reference's scales and sums (the lines are each kernel's own layout).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn every_decode_kernel_equals_the_reference_bit_for_bit() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut formats = formats();
+    formats.push(QuantFormat::Int4Grouped { group_size: 256 });
+    let kernels = simd_kernels();
+    assert!(
+        !kernels.is_empty() || !Int8Kernel::Avx2.available(),
+        "AVX2 runs here"
+    );
+    for format in formats {
+        let mut reused: Vec<_> = kernels
+            .iter()
+            .map(|_| decode::DecodeActs::empty())
+            .collect();
+        for &i in &[
+            1usize,
+            63,
+            64,
+            65,
+            127,
+            128,
+            129,
+            192,
+            256,
+            320,
+            448,
+            512,
+            576,
+            1000,
+            1024,
+            1025,
+            2048 + 64,
+        ] {
+            for &(o, s) in &[
+                (1usize, 1usize),
+                (3, 2),
+                (5, 3),
+                (4, 4),
+                (9, 5),
+                (17, 8),
+                (6, 9),
+                (33, 1),
+                (40, 3),
+                (7, 7),
+                (11, 6),
+            ] {
+                let p = quantize(format, "w", &values(o * i, (o * i) as u64), o, i).unwrap();
+                let x = values(s * i, (s + 3 * i) as u64);
+                let q = QuantizedActs::new_on(&x, s, i, None, Int8Kernel::Reference);
+                let mut want = vec![0.0f32; s * o];
+                reference_matmul(&p.view(), &q, &mut want).unwrap();
+                for (kernel, reused) in kernels.iter().zip(reused.iter_mut()) {
+                    let mut d = decode::DecodeActs::empty();
+                    d.fill_on(*kernel, &x, s, i, format).unwrap();
+                    assert_eq!(
+                        (&q.scales, &q.sums),
+                        (&d.scales, &d.sums),
+                        "{kernel:?} {format} I={i}"
+                    );
+                    reused.fill_on(*kernel, &x, s, i, format).unwrap();
+                    for (acts, what, pool) in
+                        [(&d, "fresh", None), (&*reused, "refilled", Some(&pool))]
+                    {
+                        let mut got = vec![0.0f32; s * o];
+                        let mut jobs = [DecodeJob {
+                            w: p.view(),
+                            x: acts,
+                            y: &mut got,
+                        }];
+                        matmuls_decode(&mut jobs, pool).unwrap();
+                        assert_eq!(
+                            bits(&want),
+                            bits(&got),
+                            "{kernel:?} {what}: {format} I={i} O={o} S={s}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The decode kernels at the int8 extremes (weights at −128 and 127, activations at ±127,
+/// neighbours of equal sign: where the 16-bit pair sums and AVX2's sign trick come closest to
+/// overflowing) give the reference's bits.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn decode_kernels_are_exact_at_the_extremes() {
+    let (o, i, s) = (9, 1024 + 64, 3);
+    for kernel in simd_kernels() {
+        for format in formats() {
+            let mut w = vec![0.0f32; o * i];
+            for (k, v) in w.iter_mut().enumerate() {
+                *v = if (k / 2) % 3 == 0 { -1.0 } else { 0.99 };
+            }
+            let p = quantize(format, "w", &w, o, i).unwrap();
+            for sign in [1.0f32, -1.0] {
+                let x: Vec<f32> = (0..s * i)
+                    .map(|k| sign * if (k / 2) % 3 == 0 { -2.0 } else { 2.0 })
+                    .collect();
+                let q = QuantizedActs::new_on(&x, s, i, None, Int8Kernel::Reference);
+                let mut want = vec![0.0f32; s * o];
+                reference_matmul(&p.view(), &q, &mut want).unwrap();
+                let mut d = decode::DecodeActs::empty();
+                d.fill_on(kernel, &x, s, i, format).unwrap();
+                let mut got = vec![0.0f32; s * o];
+                matmuls_decode(
+                    &mut [DecodeJob {
+                        w: p.view(),
+                        x: &d,
+                        y: &mut got,
+                    }],
+                    None,
+                )
+                .unwrap();
+                assert_eq!(want, got, "{kernel:?} {format}");
+            }
+        }
+    }
+}
+
+/// Row invariance on every decode kernel: row t of an S-row call (S = 1…9, rows of different
+/// magnitudes) equals the 1-row call on row t alone, bit for bit, with and without a pool.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn decode_kernels_are_row_invariant() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    for kernel in simd_kernels() {
+        for format in formats() {
+            for &i in &[64usize, 256, 700, 2048] {
+                let o = 37;
+                let p = quantize(format, "w", &values(o * i, i as u64), o, i).unwrap();
+                let mut x = values(9 * i, 7 + i as u64);
+                for (k, v) in x.iter_mut().enumerate() {
+                    *v *= 1.0 + (k / i) as f32;
+                }
+                let one = |t: usize| {
+                    let mut d = decode::DecodeActs::empty();
+                    d.fill_on(kernel, &x[t * i..(t + 1) * i], 1, i, format)
+                        .unwrap();
+                    let mut y = vec![0.0f32; o];
+                    matmuls_decode(
+                        &mut [DecodeJob {
+                            w: p.view(),
+                            x: &d,
+                            y: &mut y,
+                        }],
+                        None,
+                    )
+                    .unwrap();
+                    y
+                };
+                let alone: Vec<Vec<f32>> = (0..9).map(one).collect();
+                for s in 1..=9 {
+                    let mut d = decode::DecodeActs::empty();
+                    d.fill_on(kernel, &x[..s * i], s, i, format).unwrap();
+                    let mut y = vec![0.0f32; s * o];
+                    matmuls_decode(
+                        &mut [DecodeJob {
+                            w: p.view(),
+                            x: &d,
+                            y: &mut y,
+                        }],
+                        Some(&pool),
+                    )
+                    .unwrap();
+                    for (t, row) in y.chunks_exact(o).enumerate() {
+                        let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            b(row),
+                            b(&alone[t]),
+                            "{kernel:?} {format} I={i} S={s} t={t}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

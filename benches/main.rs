@@ -9,6 +9,7 @@ mod experts;
 mod kernels;
 mod prefill;
 mod probes;
+mod random_matrix;
 
 criterion_main!(
     bandwidth::benches,

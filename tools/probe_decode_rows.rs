@@ -13,74 +13,28 @@
 
 use std::time::Instant;
 
-use colibri::quant::format::{QMatrix, QuantFormat};
+use colibri::quant::format::QuantFormat;
 use colibri::quant::kernels::{self, Arithmetic, ExpertCall};
 use rayon::prelude::*;
 
-fn bytes(seed: u64, n: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (x >> 56) as u8
-        })
-        .collect()
-}
+// The kernel benches' matrices and plain read (`cargo bench`), so both measure the same way.
+#[allow(dead_code)]
+#[path = "../benches/probes.rs"]
+mod probes;
+#[allow(dead_code)]
+#[path = "../benches/random_matrix.rs"]
+mod random_matrix;
 
-struct Owned {
-    format: QuantFormat,
-    rows: usize,
-    cols: usize,
-    data: Vec<u8>,
-    scales: Vec<f32>,
-}
-
-impl Owned {
-    fn new(format: QuantFormat, rows: usize, cols: usize, seed: u64) -> Self {
-        let n = format.data_bytes(rows, cols).expect("size");
-        let scales = bytes(seed + 1, format.scale_count(rows, cols).expect("size"))
-            .into_iter()
-            .map(|b| 0.005 + b as f32 / 51200.0)
-            .collect();
-        Owned {
-            format,
-            rows,
-            cols,
-            data: bytes(seed, n),
-            scales,
-        }
-    }
-    fn view(&self) -> QMatrix<'_> {
-        QMatrix::new(self.format, self.rows, self.cols, &self.data, &self.scales).expect("view")
-    }
-}
+use random_matrix::{bytes, Owned};
 
 /// XOR of `b`'s words on the pool, prefetching 8 KiB ahead (the benches' plain read).
 fn xor_words(b: &[u8]) -> u64 {
     let (_, mid, _) = bytemuck::pod_align_to::<u8, u64>(b);
     mid.par_chunks(1 << 14)
-        .map(|words| {
-            let mut acc = [0u64; 8];
-            for (i, line) in words.chunks_exact(8).enumerate() {
-                // SAFETY: a prefetch never faults, whatever the address; SSE is x86-64's.
-                #[cfg(target_arch = "x86_64")]
-                unsafe {
-                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                        words.as_ptr().wrapping_add(i * 8 + 1024) as *const i8,
-                    )
-                };
-                for (a, &v) in acc.iter_mut().zip(line) {
-                    *a ^= v;
-                }
-            }
-            acc.iter().fold(0, |a, &b| a ^ b)
-        })
+        .map(probes::xor_prefetching)
         .reduce(|| 0, |a, b| a ^ b)
 }
 
-/// The median, or with `--best` the fastest (on a busy host the least disturbed).
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     if BEST.load(std::sync::atomic::Ordering::Relaxed) {

@@ -162,15 +162,20 @@ impl DraftPricing {
         self.state
     }
 
-    /// This price check for the next generation on the same caches: the probes measured so
-    /// far are kept (what a verify row costs is the model's and the host's, not the prompt's),
-    /// so once they are complete it decides at its first step, on the new backlog, without
-    /// probing again. A verdict of priced out is carried by the caches themselves
-    /// (`CacheState::mtp_priced_out`).
-    pub fn resumed(&self, draft_share: f64) -> DraftPricing {
+    /// A price check that starts from `probes` (the (plain, probe) pairs of an earlier
+    /// generation on the same caches, [`probes`](Self::probes)): what a verify row costs is the
+    /// model's and the host's, not the prompt's, so once they are complete it decides at its
+    /// first step, on the new backlog, without probing again. A verdict of priced out is
+    /// carried by the caches themselves (`CacheState::mtp_priced_out`).
+    pub fn with_probes(draft_share: f64, probes: Vec<(f64, f64)>) -> DraftPricing {
         let mut next = DraftPricing::new(draft_share);
-        next.pairs = self.pairs.clone();
+        next.pairs = probes;
         next
+    }
+
+    /// The (plain step, probe) pairs measured so far.
+    pub fn probes(&self) -> &[(f64, f64)] {
+        &self.pairs
     }
 
     /// Stop drafting for the rest of the generation (the depth controller gave up).

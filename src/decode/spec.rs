@@ -488,10 +488,11 @@ impl<'c> Decoding<'static, 'c> {
             decoding.mtp_priced_out = true;
         } else if priced {
             let share = target.mtp_draft_share();
-            decoding.pricing = Some(match memory.as_ref().and_then(|m| m.pricing.as_ref()) {
-                Some(p) => p.resumed(share),
-                None => DraftPricing::new(share),
-            });
+            let probes = memory
+                .as_ref()
+                .map(|m| m.probes.clone())
+                .unwrap_or_default();
+            decoding.pricing = Some(DraftPricing::with_probes(share, probes));
         }
         if let Some(m) = memory {
             decoding.depth = m.depth;

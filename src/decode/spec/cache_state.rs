@@ -3,7 +3,6 @@
 use super::DraftSource;
 use crate::carried::Carried;
 use crate::decode::depth::DepthController;
-use crate::decode::pricing::DraftPricing;
 use crate::decode::Target;
 
 /// What the automatic depth and the default drafter's price check learned in the
@@ -14,8 +13,8 @@ pub(crate) struct DraftMemory {
     /// The drafter it was learned with uses the MTP layer (else it is the n-gram drafter's).
     pub mtp: bool,
     pub depth: DepthController,
-    /// The price check (default drafting only).
-    pub pricing: Option<DraftPricing>,
+    /// The price check's (plain step, probe) pairs (default drafting only; else empty).
+    pub probes: Vec<(f64, f64)>,
 }
 
 /// What a target's caches hold between generations, for

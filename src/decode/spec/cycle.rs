@@ -82,7 +82,11 @@ impl<'d, 'c> Decoding<'d, 'c> {
             (Some(d), DraftDepth::Auto) => Some(DraftMemory {
                 mtp: d.uses_mtp_layer(),
                 depth: self.depth,
-                pricing: self.pricing,
+                probes: self
+                    .pricing
+                    .as_ref()
+                    .map(|p| p.probes().to_vec())
+                    .unwrap_or_default(),
             }),
             _ => self.passed_on_memory.take(),
         };

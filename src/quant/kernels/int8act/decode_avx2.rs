@@ -30,7 +30,7 @@
 
 use std::arch::x86_64::*;
 
-use super::decode::DecodeActs;
+use super::decode_acts::DecodeActs;
 use super::{Line, OutColumns, BLOCK, LANES};
 use crate::quant::format::{QMatrix, QuantFormat};
 

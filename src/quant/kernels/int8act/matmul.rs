@@ -4,7 +4,7 @@ use rayon::prelude::*;
 
 use super::reference::reference_rows;
 #[cfg(target_arch = "x86_64")]
-use super::{avx2, decode, decode_avx2, vnni};
+use super::{avx2, decode, decode_avx2, vnni, DecodeActs};
 use super::{chunks_for, supports, Int8Kernel, OutColumns, QuantizedActs, LANES};
 use crate::error::{Error, Result};
 use crate::quant::format::QMatrix;
@@ -138,7 +138,7 @@ pub fn matmul_decode(
         ));
     }
     crate::quant::kernels::check_shapes(w, x.len(), s, y.len())?;
-    let acts = decode::DecodeActs::new(x, s, w.cols(), w.format())?;
+    let acts = DecodeActs::new(x, s, w.cols(), w.format())?;
     matmul_decode_quantized(w, &acts, y, pool);
     Ok(())
 }
@@ -147,7 +147,7 @@ pub fn matmul_decode(
 #[cfg(target_arch = "x86_64")]
 pub(super) fn matmul_decode_quantized(
     w: &QMatrix<'_>,
-    x: &decode::DecodeActs,
+    x: &DecodeActs,
     y: &mut [f32],
     pool: Option<&rayon::ThreadPool>,
 ) {
@@ -171,13 +171,7 @@ pub(super) fn matmul_decode_quantized(
 /// # Safety
 /// As `decode::rows` (the kernel runs here: `DecodeActs::fill_on` checked it).
 #[cfg(target_arch = "x86_64")]
-unsafe fn decode_rows(
-    w: &QMatrix<'_>,
-    o0: usize,
-    n: usize,
-    x: &decode::DecodeActs,
-    out: OutColumns,
-) {
+unsafe fn decode_rows(w: &QMatrix<'_>, o0: usize, n: usize, x: &DecodeActs, out: OutColumns) {
     // SAFETY: the caller's contract.
     unsafe {
         match x.kernel {
@@ -191,7 +185,7 @@ unsafe fn decode_rows(
 #[cfg(target_arch = "x86_64")]
 pub struct DecodeJob<'a> {
     pub w: QMatrix<'a>,
-    pub x: &'a decode::DecodeActs,
+    pub x: &'a DecodeActs,
     pub y: &'a mut [f32],
 }
 

@@ -28,7 +28,9 @@ pub(super) mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod decode;
 #[cfg(target_arch = "x86_64")]
-pub use decode::DecodeActs;
+mod decode_acts;
+#[cfg(target_arch = "x86_64")]
+pub use decode_acts::DecodeActs;
 #[cfg(target_arch = "x86_64")]
 mod decode_avx2;
 #[cfg(target_arch = "x86_64")]

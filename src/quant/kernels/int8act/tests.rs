@@ -509,10 +509,7 @@ fn every_decode_kernel_equals_the_reference_bit_for_bit() {
         "AVX2 runs here"
     );
     for format in formats {
-        let mut reused: Vec<_> = kernels
-            .iter()
-            .map(|_| decode::DecodeActs::empty())
-            .collect();
+        let mut reused: Vec<_> = kernels.iter().map(|_| DecodeActs::empty()).collect();
         for &i in &[
             1usize,
             63,
@@ -551,7 +548,7 @@ fn every_decode_kernel_equals_the_reference_bit_for_bit() {
                 let mut want = vec![0.0f32; s * o];
                 reference_matmul(&p.view(), &q, &mut want).unwrap();
                 for (kernel, reused) in kernels.iter().zip(reused.iter_mut()) {
-                    let mut d = decode::DecodeActs::empty();
+                    let mut d = DecodeActs::empty();
                     d.fill_on(*kernel, &x, s, i, format).unwrap();
                     assert_eq!(
                         (&q.scales, &q.sums),
@@ -602,7 +599,7 @@ fn decode_kernels_are_exact_at_the_extremes() {
                 let q = QuantizedActs::new_on(&x, s, i, None, Int8Kernel::Reference);
                 let mut want = vec![0.0f32; s * o];
                 reference_matmul(&p.view(), &q, &mut want).unwrap();
-                let mut d = decode::DecodeActs::empty();
+                let mut d = DecodeActs::empty();
                 d.fill_on(kernel, &x, s, i, format).unwrap();
                 let mut got = vec![0.0f32; s * o];
                 matmuls_decode(
@@ -639,7 +636,7 @@ fn decode_kernels_are_row_invariant() {
                     *v *= 1.0 + (k / i) as f32;
                 }
                 let one = |t: usize| {
-                    let mut d = decode::DecodeActs::empty();
+                    let mut d = DecodeActs::empty();
                     d.fill_on(kernel, &x[t * i..(t + 1) * i], 1, i, format)
                         .unwrap();
                     let mut y = vec![0.0f32; o];
@@ -656,7 +653,7 @@ fn decode_kernels_are_row_invariant() {
                 };
                 let alone: Vec<Vec<f32>> = (0..9).map(one).collect();
                 for s in 1..=9 {
-                    let mut d = decode::DecodeActs::empty();
+                    let mut d = DecodeActs::empty();
                     d.fill_on(kernel, &x[..s * i], s, i, format).unwrap();
                     let mut y = vec![0.0f32; s * o];
                     matmuls_decode(
